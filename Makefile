@@ -1,0 +1,30 @@
+# Two commands: `make demo` and `make test`. Each creates .venv on first use.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.popmesh-installed
+
+.PHONY: demo test test-fast bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	# The CPU build of torch 2.13.0 lies on disk here; any other version downloads gigabytes.
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e ".[mpi,jax,demo,dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/popmesh launch -n 4 examples/collectives_tour.py
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/unit
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/collectives.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info src/*.egg-info

@@ -1,0 +1,54 @@
+"""Shared benchmark plumbing: run a worker under `popmesh launch`, collect rank 0's JSON, time things."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+HERE = Path(__file__).resolve().parent
+
+
+def launch_json(script: str, n: int, engine: str, *args: str, timeout: float = 600) -> dict:
+    """Run ``script`` on ``n`` ranks of ``engine``; rank 0 writes JSON to $BENCH_OUT, returned here."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        env = dict(os.environ, BENCH_OUT=str(out))
+        cmd = [sys.executable, "-m", "popmesh", "launch", "-n", str(n), "--engine", engine,
+               "--quiet-others", str(HERE / script), *args]
+        subprocess.run(cmd, env=env, check=True, timeout=timeout)
+        return json.loads(out.read_text())
+
+
+def write_result(result: dict) -> None:
+    """Called by rank 0 of a worker."""
+    path = os.environ.get("BENCH_OUT")
+    if path:
+        Path(path).write_text(json.dumps(result))
+
+
+def median_time(fn: Callable[[], object], reps: int, warmup: int = 3) -> float:
+    """Median seconds of ``fn`` over ``reps`` calls."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def interleaved(fns: dict[str, Callable[[], object]], reps: int, rounds: int = 5) -> dict[str, float]:
+    """Median over ``rounds`` of per-round medians, alternating the contenders to cancel drift."""
+    per: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            per[name].append(median_time(fn, reps))
+    return {name: statistics.median(values) for name, values in per.items()}

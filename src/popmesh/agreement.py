@@ -1,0 +1,86 @@
+"""Cross-rank agreement: do all ranks call the same collective with the same shapes and dtypes?
+
+Two cheap rounds: every rank shares a 64-bit digest of its description; only if digests differ do
+ranks exchange the full descriptions, so that *every* rank raises :class:`CollectiveMismatch` listing
+each rank's values (Accelerate's debug mode, torch's DETAIL checks).
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any, Sequence
+
+import numpy as np
+
+from .arrays import dtype_name, leaf_shape
+from .errors import CollectiveMismatch
+
+__all__ = ["describe_leaves", "agree", "exchange_shapes"]
+
+
+def describe_leaves(leaves: Sequence[Any]) -> str:
+    """``float32[3,4] int64[]`` — a readable signature of the leaves."""
+    return " ".join(f"{dtype_name(x)}[{','.join(map(str, leaf_shape(x)))}]" for x in leaves)
+
+
+def _digest(text: str) -> int:
+    raw = text.encode()
+    return (zlib.crc32(raw) << 32) | zlib.adler32(raw)
+
+
+def agree(comm: Any, description: str, what: str, timeout: float) -> None:
+    """Raise CollectiveMismatch on every rank of ``comm`` unless all ranks passed the same text."""
+    engine = comm.world.engine
+    mine = np.array([_digest(description) & 0x7FFF_FFFF_FFFF_FFFF, len(description.encode())], dtype=np.int64)
+    table = engine.all_gather(mine, comm.handle, timeout)
+    if (table[:, 0] == table[0, 0]).all():
+        return
+    texts = _exchange_texts(comm, description, int(table[:, 1].max()), timeout)
+    listing = "; ".join(f"rank {r}: {t}" for r, t in zip(comm.ranks, texts))
+    raise CollectiveMismatch(
+        f"{what}: ranks disagree on the call ({listing}). Every rank of the group must call the same "
+        "collective with the same structure, shapes and dtypes.",
+        dict(zip(comm.ranks, texts)),
+    )
+
+
+def _exchange_texts(comm: Any, text: str, width: int, timeout: float) -> list[str]:
+    raw = text.encode()
+    padded = np.zeros(width, dtype=np.uint8)
+    padded[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+    rows = comm.world.engine.all_gather(padded, comm.handle, timeout)
+    return [bytes(row).rstrip(b"\0").decode(errors="replace") for row in rows]
+
+
+_DTYPES = (
+    "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+    "float16", "bfloat16", "float32", "float64", "complex64", "complex128",
+)
+_BY_CODE = {zlib.crc32(name.encode()): name for name in _DTYPES}
+
+
+def exchange_shapes(
+    comm: Any, leaf: Any, what: str, timeout: float, *, same_leading: bool
+) -> list[tuple[int, ...]]:
+    """Every rank's shape of ``leaf``. Raise CollectiveMismatch on every rank if dtypes, numbers of
+    dimensions or trailing dimensions differ (or leading ones, when ``same_leading``)."""
+    shape = leaf_shape(leaf)
+    if len(shape) > 8:
+        raise ValueError(f"{what}: arrays of more than 8 dimensions are not supported (got {len(shape)})")
+    row = np.full(10, -1, dtype=np.int64)
+    row[0] = zlib.crc32(dtype_name(leaf).encode())
+    row[1] = len(shape)
+    row[2 : 2 + len(shape)] = shape
+    table = comm.world.engine.all_gather(row, comm.handle, timeout)
+    first = 2 if same_leading else 3
+    if not ((table[:, :2] == table[0, :2]).all() and (table[:, first:] == table[0, first:]).all()):
+        per_rank = {r: _row_text(t) for r, t in zip(comm.ranks, table)}
+        listing = "; ".join(f"rank {r}: {t}" for r, t in per_rank.items())
+        need = "the same shape" if same_leading else "the same dtype and trailing dimensions"
+        raise CollectiveMismatch(f"{what}: every rank must pass {need} ({listing})", per_rank)
+    return [tuple(int(d) for d in r[2 : 2 + int(r[1])]) for r in table]
+
+
+def _row_text(row: np.ndarray) -> str:
+    dims = ",".join(str(int(d)) for d in row[2 : 2 + int(row[1])])
+    return f"{_BY_CODE.get(int(row[0]), 'unknown dtype')}[{dims}]"

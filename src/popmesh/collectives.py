@@ -1,0 +1,332 @@
+"""Collectives with one meaning on every engine, over nested structures of arrays and tensors.
+
+Every function takes ``group=`` (a World or Group; default: the current world) and ``timeout=``
+(seconds; default: the world's). Every rank of the group must call the same collective with the same
+structure, shapes and dtypes; check mode (``POPMESH_CHECK=1`` / ``init(check=True)``) verifies that
+first and raises :class:`CollectiveMismatch` on every rank, listing each rank's values. Returning
+versions leave the input untouched; ``_`` versions write into it. dtype and device are kept. In a
+group of one every collective returns its input.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .agreement import agree, describe_leaves, exchange_shapes
+from .arrays import dtype_name, flatten, is_torch, restore_scalar, to_array, unflatten
+from .errors import ConfigError
+from .fusion import apply_fused, fresh_copy, is_contiguous, write_back
+from .objects import decode_object, encode_object
+from .ops import ReduceOp
+from .world import Comm, resolve_group
+
+__all__ = [
+    "ReduceOp",
+    "all_reduce",
+    "all_reduce_",
+    "all_gather",
+    "all_gather_ragged",
+    "broadcast",
+    "broadcast_",
+    "gather",
+    "reduce_scatter",
+    "barrier",
+    "all_gather_object",
+    "broadcast_object",
+    "gather_object",
+]
+
+
+def _setup(group: Comm | None, timeout: float | None, what: str) -> tuple[Comm, float]:
+    comm = resolve_group(group)
+    comm.require_member(what)
+    seconds = comm.timeout if timeout is None else float(timeout)
+    if seconds <= 0:
+        raise ConfigError(f"{what}: timeout={timeout} must be positive")
+    return comm, seconds
+
+
+def _leaves(x: Any, what: str, *, mutable: bool = False) -> tuple[list[Any], list[Any], Any]:
+    leaves, tree = flatten(x)
+    if mutable and any(not (isinstance(v, np.ndarray) or is_torch(v)) for v in leaves):
+        raise TypeError(f"{what} writes into its input: pass arrays or tensors, not scalars (or use the returning form)")
+    return leaves, [to_array(v) for v in leaves], tree
+
+
+def _check(comm: Comm, what: str, tree: Any, arrays: list[Any], timeout: float, extra: str = "") -> None:
+    if comm.check:
+        agree(comm, f"{what}({extra}) {tree.describe()} {describe_leaves(arrays)}", what, timeout)
+
+
+def _rebuild(tree: Any, leaves: list[Any], results: list[Any]) -> Any:
+    return unflatten(tree, [restore_scalar(v, r) for v, r in zip(leaves, results)])
+
+
+# ---- reductions -------------------------------------------------------------------------------
+def all_reduce(x: Any, op: Any = "sum", *, group: Comm | None = None, timeout: float | None = None) -> Any:
+    """Element-wise reduction across the group (SUM, AVG, MAX, MIN, PROD); a new value, same structure.
+
+    Leaves of one dtype and device are fused into one engine call. AVG divides by the group's size
+    (integers: floor division). Booleans: SUM/MAX = any, MIN/PROD = all.
+    """
+    return _all_reduce(x, op, group, timeout, in_place=False)
+
+
+def all_reduce_(x: Any, op: Any = "sum", *, group: Comm | None = None, timeout: float | None = None) -> Any:
+    """In-place :func:`all_reduce`; returns ``x``."""
+    return _all_reduce(x, op, group, timeout, in_place=True)
+
+
+def _all_reduce(x: Any, op: Any, group: Comm | None, timeout: float | None, *, in_place: bool) -> Any:
+    reduce_op = op if type(op) is ReduceOp else ReduceOp.parse(op)
+    comm, seconds = _setup(group, timeout, "all_reduce")
+    if isinstance(x, np.ndarray) or is_torch(x):
+        return _all_reduce_array(x, reduce_op, comm, seconds, in_place)
+    leaves, arrays, tree = _leaves(x, "all_reduce_", mutable=in_place)
+    for a in arrays:
+        _require_reducible(a, reduce_op)
+    if comm.size == 1:
+        return x
+    _check(comm, "all_reduce", tree, arrays, seconds, reduce_op.value)
+    results = apply_fused(arrays, lambda buf: _reduce_(buf, reduce_op, comm, seconds), in_place=in_place)
+    return x if in_place else _rebuild(tree, leaves, results)
+
+
+def _all_reduce_array(x: Any, op: ReduceOp, comm: Comm, seconds: float, in_place: bool) -> Any:
+    """The common case, one array or tensor, without the tree machinery (latency matters here)."""
+    _require_reducible(x, op)
+    if comm.size == 1:
+        return x
+    if comm.check:
+        agree(comm, f"all_reduce({op.value}) * {describe_leaves([x])}", "all_reduce", seconds)
+    buf = x if in_place and is_contiguous(x) else fresh_copy(x)
+    _reduce_(buf, op, comm, seconds)
+    if in_place and buf is not x:
+        write_back(x, buf)
+    return x if in_place else buf
+
+
+def _require_reducible(a: Any, op: ReduceOp) -> None:
+    name = dtype_name(a)
+    if name == "bool" and op is ReduceOp.AVG:
+        raise ConfigError("AVG of booleans is undefined: cast to a float dtype first")
+    if name.startswith("complex") and op in (ReduceOp.MAX, ReduceOp.MIN):
+        raise ConfigError(f"{op.value.upper()} of complex numbers is undefined: reduce real and imaginary parts")
+
+
+def _reduce_(buf: Any, op: ReduceOp, comm: Comm, timeout: float) -> None:
+    engine = comm.world.engine
+    if dtype_name(buf) == "bool":
+        as_bytes = buf.view(_uint8_of(buf))
+        engine.all_reduce_(as_bytes, ReduceOp.MAX if op in (ReduceOp.SUM, ReduceOp.MAX) else ReduceOp.MIN,
+                           comm.handle, timeout)
+        return
+    engine.all_reduce_(buf, ReduceOp.SUM if op is ReduceOp.AVG else op, comm.handle, timeout)
+    if op is ReduceOp.AVG:
+        _divide_(buf, comm.size)
+
+
+def _uint8_of(buf: Any) -> Any:
+    if is_torch(buf):
+        import torch
+
+        return torch.uint8
+    return np.uint8
+
+
+def _divide_(buf: Any, n: int) -> None:
+    if is_torch(buf):
+        if buf.is_floating_point() or buf.is_complex():
+            buf.div_(n)
+        else:
+            buf.floor_divide_(n)
+    elif buf.dtype.kind in "iu":
+        np.floor_divide(buf, n, out=buf)
+    else:
+        np.divide(buf, n, out=buf)
+
+
+def reduce_scatter(x: Any, op: Any = "sum", *, group: Comm | None = None, timeout: float | None = None) -> Any:
+    """Reduce across the group, then give group rank i the i-th equal slice along dim 0.
+
+    Every leaf's leading dimension must be divisible by the group size.
+    """
+    reduce_op = ReduceOp.parse(op)
+    comm, seconds = _setup(group, timeout, "reduce_scatter")
+    leaves, arrays, tree = _leaves(x, "reduce_scatter")
+    for a in arrays:
+        _require_reducible(a, reduce_op)
+        if a.ndim == 0 or a.shape[0] % comm.size:
+            raise ConfigError(
+                f"reduce_scatter: leading dimension {tuple(a.shape)[:1]} is not divisible by the group size {comm.size}"
+            )
+    if comm.size == 1:
+        return x
+    _check(comm, "reduce_scatter", tree, arrays, seconds, reduce_op.value)
+    return _rebuild(tree, leaves, [_reduce_scatter_leaf(a, reduce_op, comm, seconds) for a in arrays])
+
+
+def _reduce_scatter_leaf(a: Any, op: ReduceOp, comm: Comm, timeout: float) -> Any:
+    engine = comm.world.engine
+    buf = a if is_contiguous(a) else fresh_copy(a)
+    if dtype_name(buf) == "bool":
+        raw = engine.reduce_scatter(buf.view(_uint8_of(buf)),
+                                    ReduceOp.MAX if op in (ReduceOp.SUM, ReduceOp.MAX) else ReduceOp.MIN,
+                                    comm.handle, timeout)
+        return raw.view(buf.dtype) if not is_torch(raw) else raw.view(buf.dtype)
+    out = engine.reduce_scatter(buf, ReduceOp.SUM if op is ReduceOp.AVG else op, comm.handle, timeout)
+    if op is ReduceOp.AVG:
+        _divide_(out, comm.size)
+    return out
+
+
+# ---- data movement ----------------------------------------------------------------------------
+def all_gather(x: Any, *, concat: bool = False, group: Comm | None = None, timeout: float | None = None) -> Any:
+    """Every rank's value, stacked along a new leading axis (``concat=True``: joined along dim 0).
+
+    All ranks must pass the same shapes; a mismatch raises CollectiveMismatch on every rank (shapes
+    are compared first, so nothing is ever silently truncated). For different leading sizes use
+    :func:`all_gather_ragged`.
+    """
+    comm, seconds = _setup(group, timeout, "all_gather")
+    leaves, arrays, tree = _leaves(x, "all_gather")
+    _check(comm, "all_gather", tree, arrays, seconds)
+    results = [_gather_leaf(a, comm, seconds, concat, root=None) for a in arrays]
+    return _rebuild_gathered(tree, leaves, results)
+
+
+def gather(x: Any, dst: int = 0, *, concat: bool = False, group: Comm | None = None,
+           timeout: float | None = None) -> Any:
+    """Like :func:`all_gather`, but only global rank ``dst`` receives the result; others get None."""
+    comm, seconds = _setup(group, timeout, "gather")
+    root = comm.to_group_rank(dst)
+    leaves, arrays, tree = _leaves(x, "gather")
+    _check(comm, "gather", tree, arrays, seconds, f"dst={dst}")
+    results = [_gather_leaf(a, comm, seconds, concat, root=root) for a in arrays]
+    return _rebuild_gathered(tree, leaves, results) if comm.rank == dst else None
+
+
+def _gather_leaf(a: Any, comm: Comm, timeout: float, concat: bool, root: int | None) -> Any:
+    if concat and a.ndim == 0:
+        raise ConfigError("concat=True needs arrays with a leading dimension; use the stacked form for scalars")
+    if comm.size > 1:
+        exchange_shapes(comm, a, "all_gather" if root is None else "gather", timeout, same_leading=True)
+    buf = a if is_contiguous(a) else fresh_copy(a)
+    engine = comm.world.engine
+    if comm.size == 1:
+        out = buf.unsqueeze(0).clone() if is_torch(buf) else buf[None].copy()
+    elif root is None:
+        out = engine.all_gather(buf, comm.handle, timeout)
+    else:
+        out = engine.gather(buf, root, comm.handle, timeout)
+    if out is None or not concat:
+        return out
+    return out.reshape((out.shape[0] * out.shape[1],) + tuple(out.shape[2:]))
+
+
+def _rebuild_gathered(tree: Any, leaves: list[Any], results: list[Any]) -> Any:
+    fixed = [r.tolist() if isinstance(v, (bool, int, float, complex)) else r for v, r in zip(leaves, results)]
+    return unflatten(tree, fixed)
+
+
+def all_gather_ragged(x: Any, *, group: Comm | None = None, timeout: float | None = None) -> list[Any]:
+    """Every rank's value where leading sizes may differ (0 included): a list with one entry per
+    group rank, each with that rank's structure. dtypes and trailing dimensions must match."""
+    comm, seconds = _setup(group, timeout, "all_gather_ragged")
+    leaves, arrays, tree = _leaves(x, "all_gather_ragged")
+    for a in arrays:
+        if a.ndim == 0:
+            raise ConfigError("all_gather_ragged needs arrays with a leading dimension; use all_gather for scalars")
+    if comm.size == 1:
+        return [x]
+    _check(comm, "all_gather_ragged", tree, [_trailing(a) for a in arrays], seconds)
+    per_leaf = [_ragged_leaf(a, comm, seconds) for a in arrays]
+    return [unflatten(tree, [pieces[i] for pieces in per_leaf]) for i in range(comm.size)]
+
+
+def _trailing(a: Any) -> Any:
+    return a[:0]
+
+
+def _ragged_leaf(a: Any, comm: Comm, timeout: float) -> list[Any]:
+    shapes = exchange_shapes(comm, a, "all_gather_ragged", timeout, same_leading=False)
+    longest = max(s[0] for s in shapes)
+    padded = _zeros_like_rows(a, longest)
+    padded[: a.shape[0]] = a
+    stacked = comm.world.engine.all_gather(padded, comm.handle, timeout)
+    return [stacked[i, : shapes[i][0]] for i in range(comm.size)]
+
+
+def _zeros_like_rows(a: Any, rows: int) -> Any:
+    shape = (rows,) + tuple(a.shape[1:])
+    if is_torch(a):
+        import torch
+
+        return torch.zeros(shape, dtype=a.dtype, device=a.device)
+    return np.zeros(shape, dtype=a.dtype)
+
+
+def broadcast(x: Any, src: int = 0, *, group: Comm | None = None, timeout: float | None = None) -> Any:
+    """Global rank ``src``'s value on every rank (a new value). Every rank passes the same shapes."""
+    return _broadcast(x, src, group, timeout, in_place=False)
+
+
+def broadcast_(x: Any, src: int = 0, *, group: Comm | None = None, timeout: float | None = None) -> Any:
+    """In-place :func:`broadcast`: non-source ranks' arrays are overwritten; returns ``x``."""
+    return _broadcast(x, src, group, timeout, in_place=True)
+
+
+def _broadcast(x: Any, src: int, group: Comm | None, timeout: float | None, *, in_place: bool) -> Any:
+    comm, seconds = _setup(group, timeout, "broadcast")
+    root = comm.to_group_rank(src)
+    leaves, arrays, tree = _leaves(x, "broadcast_", mutable=in_place)
+    if comm.size == 1:
+        return x
+    _check(comm, "broadcast", tree, arrays, seconds, f"src={src}")
+    engine = comm.world.engine
+    results = apply_fused(arrays, lambda buf: engine.broadcast_(buf, root, comm.handle, seconds), in_place=in_place)
+    return x if in_place else _rebuild(tree, leaves, results)
+
+
+def barrier(*, group: Comm | None = None, timeout: float | None = None) -> None:
+    """Wait until every rank of the group arrives (CommTimeout names the ranks that did not)."""
+    comm, seconds = _setup(group, timeout, "barrier")
+    if comm.size > 1:
+        comm.world.engine.barrier(comm.handle, seconds)
+
+
+# ---- objects ----------------------------------------------------------------------------------
+def all_gather_object(obj: Any, *, group: Comm | None = None, timeout: float | None = None,
+                      allow_pickle: bool = False) -> list[Any]:
+    """Every rank's object, through popmesh's safe codec (JSON and arrays; pickle only if allowed)."""
+    comm, seconds = _setup(group, timeout, "all_gather_object")
+    raw = encode_object(obj, allow_pickle=allow_pickle)  # also in a world of one: same errors everywhere
+    if comm.size == 1:
+        return [decode_object(raw, allow_pickle=allow_pickle)]
+    pieces = _ragged_leaf(raw, comm, seconds)
+    return [decode_object(p, allow_pickle=allow_pickle) for p in pieces]
+
+
+def gather_object(obj: Any, dst: int = 0, *, group: Comm | None = None, timeout: float | None = None,
+                  allow_pickle: bool = False) -> list[Any] | None:
+    """Every rank's object on global rank ``dst``; None elsewhere."""
+    everything = all_gather_object(obj, group=group, timeout=timeout, allow_pickle=allow_pickle)
+    return everything if resolve_group(group).rank == dst else None
+
+
+def broadcast_object(obj: Any, src: int = 0, *, group: Comm | None = None, timeout: float | None = None,
+                     allow_pickle: bool = False) -> Any:
+    """Global rank ``src``'s object on every rank (other ranks may pass None)."""
+    comm, seconds = _setup(group, timeout, "broadcast_object")
+    root = comm.to_group_rank(src)
+    raw = encode_object(obj, allow_pickle=allow_pickle) if comm.rank == src else None
+    if comm.size == 1:
+        return obj
+    engine = comm.world.engine
+    length = np.array([0 if raw is None else raw.size], dtype=np.int64)
+    engine.broadcast_(length, root, comm.handle, seconds)
+    payload = raw if raw is not None else np.empty(int(length[0]), dtype=np.uint8)
+    engine.broadcast_(payload, root, comm.handle, seconds)
+    return obj if comm.rank == src else decode_object(payload, allow_pickle=allow_pickle)

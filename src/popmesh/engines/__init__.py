@@ -1,0 +1,36 @@
+"""Engine adapters behind one Protocol. Each adapter imports its own engine, and only when created."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+from ..env import read_torch_env
+from ..errors import ConfigError
+from .base import Engine, GroupSpec
+
+__all__ = ["Engine", "GroupSpec", "create_engine", "available_engines"]
+
+_PACKAGES = {"local": None, "torch": "torch", "mpi": "mpi4py"}
+
+
+def available_engines() -> list[str]:
+    """Engines whose packages are importable here (checked without importing them)."""
+    return [name for name, pkg in _PACKAGES.items() if pkg is None or importlib.util.find_spec(pkg) is not None]
+
+
+def create_engine(name: str, timeout: float, **options: Any) -> Engine:
+    """Start the named engine (``local``, ``torch`` or ``mpi``) from the environment."""
+    if name == "local":
+        from .local import LocalEngine
+
+        return LocalEngine()
+    if name == "torch":
+        from .torch_dist import TorchEngine
+
+        return TorchEngine(read_torch_env(), timeout, backend=options.get("backend"))
+    if name == "mpi":
+        from .mpi import MpiEngine
+
+        return MpiEngine()
+    raise ConfigError(f"unknown engine {name!r}: use 'auto', 'local', 'torch' or 'mpi'")

@@ -1,0 +1,49 @@
+"""A world of one: every collective is the identity. Starts nothing and needs no package."""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+from ..ops import ReduceOp
+from .base import GroupSpec
+
+__all__ = ["LocalEngine"]
+
+
+class LocalEngine:
+    """The engine of a single process; collectives return (copies of) their inputs."""
+
+    name = "local"
+    rank = 0
+    size = 1
+
+    def hostname(self) -> str:
+        return socket.gethostname()
+
+    def local_topology(self) -> tuple[int, int]:
+        return 0, 1
+
+    def make_group(self, spec: GroupSpec, timeout: float) -> Any:
+        return spec
+
+    def all_reduce_(self, buf: Any, op: ReduceOp, group: Any, timeout: float) -> None:
+        return None
+
+    def all_gather(self, buf: Any, group: Any, timeout: float) -> Any:
+        return buf.reshape((1,) + tuple(buf.shape)).clone() if hasattr(buf, "clone") else buf[None].copy()
+
+    def broadcast_(self, buf: Any, root: int, group: Any, timeout: float) -> None:
+        return None
+
+    def gather(self, buf: Any, root: int, group: Any, timeout: float) -> Any:
+        return self.all_gather(buf, group, timeout)
+
+    def reduce_scatter(self, buf: Any, op: ReduceOp, group: Any, timeout: float) -> Any:
+        return buf.clone() if hasattr(buf, "clone") else buf.copy()
+
+    def barrier(self, group: Any, timeout: float) -> None:
+        return None
+
+    def finalize(self) -> None:
+        return None

@@ -1,0 +1,217 @@
+"""MPI adapter over mpi4py: COMM_WORLD and sub-communicators, non-blocking calls with timeouts.
+
+Every collective is issued non-blocking (``Iallreduce``…) and polled, so a rank that never arrives
+becomes a :class:`~popmesh.errors.CommTimeout` instead of a hang. Data-movement collectives move raw
+bytes, so every dtype works (bfloat16 included); reductions of float16/bfloat16 run in float32 and
+are cast back, since MPI has no half-precision reduction.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from ..arrays import is_torch
+from ..errors import CommTimeout, EngineUnavailable, PeerFailure, PopmeshError
+from ..ops import ReduceOp
+from .base import GroupSpec, poll_until, timeout_message
+from .interop import numpy_bytes, torch_bytes
+
+__all__ = ["MpiEngine"]
+
+_DIAG_TAG = 31_999
+
+
+def _import_mpi() -> Any:
+    try:
+        from mpi4py import MPI
+    except ImportError as e:
+        raise EngineUnavailable("the mpi engine needs mpi4py and an MPI library: pip install 'popmesh[mpi]'") from e
+    return MPI
+
+
+@dataclass
+class _Handle:
+    spec: GroupSpec
+    comm: Any
+    seq: int = 0
+
+
+class MpiEngine:
+    """Engine over mpi4py's COMM_WORLD."""
+
+    name = "mpi"
+
+    def __init__(self) -> None:
+        self._mpi = MPI = _import_mpi()
+        self._world = MPI.COMM_WORLD
+        self._diag = self._world.Dup()
+        self.rank = self._world.Get_rank()
+        self.size = self._world.Get_size()
+        self._node = self._world.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        self._comms: list[Any] = [self._diag, self._node]
+
+    def hostname(self) -> str:
+        return socket.gethostname()
+
+    def local_topology(self) -> tuple[int, int]:
+        return self._node.Get_rank(), self._node.Get_size()
+
+    def make_group(self, spec: GroupSpec, timeout: float) -> Any:
+        if spec.gid == 0:
+            return _Handle(spec, self._world)
+        mpi_group = self._world.Get_group().Incl(list(spec.ranks))
+        comm = self._world.Create(mpi_group)
+        mpi_group.Free()
+        if comm == self._mpi.COMM_NULL:
+            return None
+        self._comms.append(comm)
+        return _Handle(spec, comm)
+
+    # ---- collectives -------------------------------------------------------------------------
+    def all_reduce_(self, buf: Any, op: ReduceOp, group: _Handle, timeout: float) -> None:
+        arr, finish = self._reducible(buf)
+        req = group.comm.Iallreduce(self._mpi.IN_PLACE, arr, op=self._op(op))
+        self._wait(req, group, timeout, "all_reduce")
+        finish(arr)
+
+    def all_gather(self, buf: Any, group: _Handle, timeout: float) -> Any:
+        staged, _ = _stage(buf)
+        out = _empty_like_stacked(staged, group.comm.Get_size())
+        req = group.comm.Iallgather(_raw(staged), _raw(out))
+        self._wait(req, group, timeout, "all_gather")
+        return _to_device(out, buf)
+
+    def broadcast_(self, buf: Any, root: int, group: _Handle, timeout: float) -> None:
+        staged, finish = _stage(buf)
+        req = group.comm.Ibcast(_raw(staged), root=root)
+        self._wait(req, group, timeout, "broadcast")
+        finish(staged)
+
+    def gather(self, buf: Any, root: int, group: _Handle, timeout: float) -> Any:
+        staged, _ = _stage(buf)
+        is_root = group.comm.Get_rank() == root
+        out = _empty_like_stacked(staged, group.comm.Get_size()) if is_root else None
+        req = group.comm.Igather(_raw(staged), _raw(out) if out is not None else None, root=root)
+        self._wait(req, group, timeout, "gather")
+        return _to_device(out, buf) if out is not None else None
+
+    def reduce_scatter(self, buf: Any, op: ReduceOp, group: _Handle, timeout: float) -> Any:
+        arr, _ = self._reducible(buf)
+        n = group.comm.Get_size()
+        out = np.empty((arr.shape[0] // n,) + arr.shape[1:], dtype=arr.dtype)
+        req = group.comm.Ireduce_scatter_block(arr, out, op=self._op(op))
+        self._wait(req, group, timeout, "reduce_scatter")
+        return _back_to_kind(out, buf)
+
+    def barrier(self, group: _Handle, timeout: float) -> None:
+        self._wait(group.comm.Ibarrier(), group, timeout, "barrier")
+
+    def finalize(self) -> None:
+        for comm in reversed(self._comms):
+            if comm != self._mpi.COMM_NULL:
+                comm.Free()
+        self._comms = []
+
+    # ---- helpers -----------------------------------------------------------------------------
+    def _op(self, op: ReduceOp) -> Any:
+        MPI = self._mpi
+        return {ReduceOp.SUM: MPI.SUM, ReduceOp.MAX: MPI.MAX, ReduceOp.MIN: MPI.MIN, ReduceOp.PROD: MPI.PROD}[op]
+
+    def _reducible(self, buf: Any) -> tuple[np.ndarray, Callable[[np.ndarray], None]]:
+        """A numpy array MPI can reduce, and how to write the result back into ``buf``."""
+        if is_torch(buf):
+            if buf.dtype.is_floating_point and buf.element_size() == 2:
+                return buf.detach().float().cpu().numpy(), lambda a: buf.copy_(_torch_from(a, buf))
+            if buf.is_cuda:
+                host = buf.cpu()
+                return host.numpy(), lambda a: buf.copy_(host)
+            return buf.numpy(), _noop
+        if buf.dtype == np.float16 or buf.dtype.name == "bfloat16":
+            wide = buf.astype(np.float32)
+            return wide, lambda a: np.copyto(buf, a.astype(buf.dtype))
+        return buf, _noop
+
+    def _wait(self, req: Any, group: _Handle, timeout: float, what: str) -> None:
+        group.seq += 1
+        try:
+            finished = poll_until(req.Test, timeout)
+        except self._mpi.Exception as e:
+            raise PeerFailure(f"{what} failed in MPI: {e}") from e
+        if not finished:
+            missing = self._missing_ranks(group, timeout)
+            raise CommTimeout(timeout_message(what, timeout, group.spec, missing), missing)
+
+    def _missing_ranks(self, group: _Handle, timeout: float) -> tuple[int, ...] | None:
+        """Tell every member 'I reached collective #seq' and listen briefly for the same from others."""
+        try:
+            me = np.array([group.spec.gid, group.seq], dtype=np.int64)
+            others = [r for r in group.spec.ranks if r != self.rank]
+            sends = [self._diag.Isend(me, dest=r, tag=_DIAG_TAG) for r in others]
+            heard = self._listen(group, set(others), min(2.0, max(0.5, timeout)))
+            for req in sends:
+                if not req.Test():
+                    req.Cancel()
+            return tuple(r for r in others if r not in heard)
+        except Exception:
+            return None
+
+    def _listen(self, group: _Handle, expected: set[int], grace: float) -> set[int]:
+        heard: set[int] = set()
+        status = self._mpi.Status()
+        deadline = time.monotonic() + grace
+        note = np.empty(2, dtype=np.int64)
+        while heard != expected and time.monotonic() < deadline:
+            if self._diag.Iprobe(source=self._mpi.ANY_SOURCE, tag=_DIAG_TAG, status=status):
+                self._diag.Recv(note, source=status.Get_source(), tag=_DIAG_TAG)
+                if int(note[0]) == group.spec.gid and int(note[1]) == group.seq:
+                    heard.add(status.Get_source())
+            else:
+                time.sleep(0.01)
+        return heard
+
+
+def _noop(_: Any) -> None:
+    return None
+
+
+def _raw(buf: Any) -> np.ndarray:
+    """The bytes of a numpy array or CPU tensor (mpi4py splits a receive buffer evenly per rank)."""
+    return torch_bytes(buf) if is_torch(buf) else numpy_bytes(buf)
+
+
+def _stage(buf: Any) -> tuple[Any, Callable[[Any], None]]:
+    if is_torch(buf) and buf.is_cuda:
+        host = buf.cpu()
+        return host, lambda h: buf.copy_(h)
+    return buf, _noop
+
+
+def _empty_like_stacked(buf: Any, n: int) -> Any:
+    if is_torch(buf):
+        import torch
+
+        return torch.empty((n,) + tuple(buf.shape), dtype=buf.dtype)
+    return np.empty((n,) + buf.shape, dtype=buf.dtype)
+
+
+def _to_device(out: Any, like: Any) -> Any:
+    return out.to(like.device) if is_torch(like) and like.is_cuda else out
+
+
+def _torch_from(a: np.ndarray, like: Any) -> Any:
+    import torch
+
+    return torch.from_numpy(a).to(dtype=like.dtype, device=like.device)
+
+
+def _back_to_kind(out: np.ndarray, like: Any) -> Any:
+    if is_torch(like):
+        return _torch_from(out, like)
+    if out.dtype != like.dtype:
+        return out.astype(like.dtype)
+    return out

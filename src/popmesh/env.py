@@ -1,0 +1,122 @@
+"""Reading the distributed environment: which engine, which rank, which rendezvous. Pure functions."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+from .errors import ConfigError
+
+__all__ = [
+    "ENGINES",
+    "DEFAULT_TIMEOUT_S",
+    "TorchEnv",
+    "detect_engine",
+    "read_torch_env",
+    "read_timeout",
+    "read_check",
+    "first_env",
+]
+
+ENGINES = ("local", "torch", "mpi")
+DEFAULT_TIMEOUT_S = 300.0
+_MPI_MARKERS = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZE")
+
+
+def first_env(environ: Mapping[str, str], *names: str, default: str | None = None) -> str | None:
+    """The first non-empty variable among ``names``."""
+    for name in names:
+        value = environ.get(name)
+        if value:
+            return value
+    return default
+
+
+def detect_engine(environ: Mapping[str, str] | None = None) -> str:
+    """``POPMESH_ENGINE`` if set; under mpiexec → mpi; under torchrun/`popmesh launch` → torch; else local."""
+    environ = os.environ if environ is None else environ
+    explicit = environ.get("POPMESH_ENGINE")
+    if explicit:
+        if explicit not in ENGINES + ("jax",):
+            raise ConfigError(f"POPMESH_ENGINE={explicit!r} is not an engine: use one of {', '.join(ENGINES)}")
+        return "local" if explicit == "jax" else explicit
+    if any(environ.get(name) for name in _MPI_MARKERS):
+        return "mpi"
+    if environ.get("RANK") is not None and environ.get("WORLD_SIZE") is not None:
+        return "torch"
+    return "local"
+
+
+@dataclass(frozen=True)
+class TorchEnv:
+    """Rendezvous facts for a torch.distributed world, validated."""
+
+    rank: int
+    world_size: int
+    local_rank: int | None
+    local_world_size: int | None
+    master_addr: str
+    master_port: int
+    store_fd: int | None
+
+
+def _int_var(environ: Mapping[str, str], name: str, *, required: bool) -> int | None:
+    raw = environ.get(name)
+    if raw is None or raw == "":
+        if required:
+            raise ConfigError(f"{name} is not set: launch with `popmesh launch -n N script.py` or torchrun")
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not an integer") from None
+
+
+def read_torch_env(environ: Mapping[str, str] | None = None) -> TorchEnv:
+    """Validate RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT (and popmesh's POPMESH_STORE_FD)."""
+    environ = os.environ if environ is None else environ
+    rank = _int_var(environ, "RANK", required=True)
+    size = _int_var(environ, "WORLD_SIZE", required=True)
+    assert rank is not None and size is not None
+    if size < 1:
+        raise ConfigError(f"WORLD_SIZE={size} must be at least 1")
+    if not 0 <= rank < size:
+        raise ConfigError(f"RANK={rank} must be in [0, WORLD_SIZE={size})")
+    port = _int_var(environ, "MASTER_PORT", required=size > 1) or 0
+    if size > 1 and not 0 < port < 65536:
+        raise ConfigError(f"MASTER_PORT={port} is not a valid TCP port")
+    local_rank = _int_var(environ, "LOCAL_RANK", required=False)
+    local_size = _int_var(environ, "LOCAL_WORLD_SIZE", required=False)
+    if local_rank is not None and local_size is not None and not 0 <= local_rank < local_size:
+        raise ConfigError(f"LOCAL_RANK={local_rank} must be in [0, LOCAL_WORLD_SIZE={local_size})")
+    return TorchEnv(
+        rank=rank,
+        world_size=size,
+        local_rank=local_rank,
+        local_world_size=local_size,
+        master_addr=environ.get("MASTER_ADDR") or "127.0.0.1",
+        master_port=port,
+        store_fd=_int_var(environ, "POPMESH_STORE_FD", required=False),
+    )
+
+
+def read_timeout(environ: Mapping[str, str] | None = None) -> float:
+    """Default timeout of blocking calls in seconds: ``POPMESH_TIMEOUT`` or 300."""
+    environ = os.environ if environ is None else environ
+    raw = environ.get("POPMESH_TIMEOUT")
+    if not raw:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"POPMESH_TIMEOUT={raw!r} is not a number of seconds") from None
+    if value <= 0:
+        raise ConfigError(f"POPMESH_TIMEOUT={raw!r} must be positive")
+    return value
+
+
+def read_check(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether check mode is on: ``POPMESH_CHECK=1``."""
+    environ = os.environ if environ is None else environ
+    return environ.get("POPMESH_CHECK", "").strip().lower() in {"1", "true", "yes", "on"}

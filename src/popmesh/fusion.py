@@ -1,0 +1,96 @@
+"""Preparing leaves for an engine: contiguous copies, fusing many small leaves into one buffer per
+(kind, dtype, device), splitting results back, and writing results into the caller's leaves.
+
+Fusion is what makes a nested structure of many small tensors cost one collective instead of one per
+tensor (gloo: 10-20x on small RL models).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from .arrays import device_name, dtype_name, is_torch
+
+__all__ = ["fresh_copy", "is_contiguous", "fuse_groups", "write_back", "apply_fused"]
+
+
+def is_contiguous(x: Any) -> bool:
+    """Contiguous and writeable, so an engine may work on it in place."""
+    if is_torch(x):
+        return bool(x.is_contiguous())
+    return bool(x.flags.c_contiguous and x.flags.writeable)
+
+
+def fresh_copy(x: Any) -> Any:
+    """A contiguous copy the engine may overwrite."""
+    if is_torch(x):
+        return x.detach().clone(memory_format=_contiguous_format(x))
+    return np.array(x, copy=True, order="C")
+
+
+def _contiguous_format(x: Any) -> Any:
+    import torch
+
+    return torch.contiguous_format
+
+
+def fuse_groups(leaves: Sequence[Any]) -> list[list[int]]:
+    """Indices of leaves that can share one buffer: same kind (numpy/torch), dtype and device."""
+    groups: dict[tuple[bool, str, str], list[int]] = defaultdict(list)
+    for i, leaf in enumerate(leaves):
+        groups[(is_torch(leaf), dtype_name(leaf), device_name(leaf))].append(i)
+    return list(groups.values())
+
+
+def _concat(parts: Sequence[Any]) -> Any:
+    if is_torch(parts[0]):
+        import torch
+
+        return torch.cat([p.reshape(-1) for p in parts])
+    return np.concatenate([np.ravel(p) for p in parts])
+
+
+def _split(flat: Any, like: Sequence[Any]) -> list[Any]:
+    out, offset = [], 0
+    for leaf in like:
+        n = int(np.prod(leaf.shape, dtype=np.int64))
+        out.append(flat[offset : offset + n].reshape(tuple(leaf.shape)))
+        offset += n
+    return out
+
+
+def apply_fused(leaves: Sequence[Any], run: Callable[[Any], None], *, in_place: bool) -> list[Any]:
+    """Run the in-place engine op ``run`` once per fusable group; return one result per leaf.
+
+    With ``in_place`` a lone contiguous leaf is handed to the engine directly (no copy) and fused
+    results are copied back into the caller's leaves.
+    """
+    results: list[Any] = [None] * len(leaves)
+    for idx in fuse_groups(leaves):
+        parts = [leaves[i] for i in idx]
+        if len(idx) == 1:
+            buf = parts[0] if in_place and is_contiguous(parts[0]) else fresh_copy(parts[0])
+            run(buf)
+            results[idx[0]] = buf
+            continue
+        flat = _concat(parts)
+        run(flat)
+        for i, piece in zip(idx, _split(flat, parts)):
+            results[i] = piece
+    if in_place:
+        for leaf, result in zip(leaves, results):
+            write_back(leaf, result)
+    return results
+
+
+def write_back(target: Any, value: Any) -> None:
+    """Copy ``value`` into ``target`` unless they are the same buffer."""
+    if value is target:
+        return
+    if is_torch(target):
+        target.copy_(value)
+    else:
+        np.copyto(target, value, casting="unsafe")

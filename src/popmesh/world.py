@@ -1,0 +1,206 @@
+"""World and Group: who am I, how many are we, and the communicator every feature runs over.
+
+``popmesh.init()`` creates the World once per process. A :class:`Group` (``world.new_group(ranks)``)
+is usable everywhere a World is: collectives reduce over the group and divide by its own size.
+Ranks are global unless a name says otherwise (``group_rank``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+from typing import Any, Sequence
+
+from .engines import Engine, GroupSpec, create_engine
+from .env import detect_engine, read_check, read_timeout
+from .errors import ConfigError, NotInGroup
+
+__all__ = ["Comm", "World", "Group", "init", "current_world", "resolve_group", "finalize"]
+
+
+class Comm:
+    """What World and Group share: the member ranks and the engine handle used by collectives."""
+
+    def __init__(self, world: "World | None", spec: GroupSpec, handle: Any) -> None:
+        self._world = world if world is not None else self  # type: ignore[assignment]
+        self.spec = spec
+        self.handle = handle
+
+    @property
+    def world(self) -> "World":
+        return self._world  # type: ignore[return-value]
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """Global ranks of the members, in group-rank order."""
+        return self.spec.ranks
+
+    @property
+    def size(self) -> int:
+        return len(self.spec.ranks)
+
+    @property
+    def rank(self) -> int:
+        """This process's global rank."""
+        return self.world.engine.rank
+
+    @property
+    def is_member(self) -> bool:
+        return self.handle is not None
+
+    @property
+    def group_rank(self) -> int:
+        """This process's position in the group; NotInGroup if it is not a member."""
+        self.require_member("group_rank")
+        return self.spec.group_rank(self.rank)
+
+    def to_group_rank(self, global_rank: int) -> int:
+        """Translate a global rank of a member into its group rank."""
+        if global_rank not in self.spec.ranks:
+            raise ConfigError(f"rank {global_rank} is not in {self._describe()}: pass a member's global rank")
+        return self.spec.group_rank(global_rank)
+
+    def require_member(self, what: str) -> None:
+        if self.handle is None:
+            raise NotInGroup(
+                f"rank {self.rank} called {what} on {self._describe()}, which it is not a member of: "
+                "call it only on members (check group.is_member)"
+            )
+
+    @property
+    def timeout(self) -> float:
+        return self.world.default_timeout
+
+    @property
+    def check(self) -> bool:
+        return self.world.check_mode
+
+    def _describe(self) -> str:
+        return f"group {list(self.spec.ranks)}" if self.spec.gid else "the world"
+
+
+class World(Comm):
+    """All ranks of one job on one engine. Use as a context manager or call :meth:`finalize`."""
+
+    def __init__(self, engine: Engine, timeout: float, check: bool) -> None:
+        self.engine = engine
+        self.default_timeout = float(timeout)
+        self.check_mode = bool(check)
+        self._next_gid = 1
+        self._finalized = False
+        spec = GroupSpec(0, tuple(range(engine.size)))
+        super().__init__(None, spec, engine.make_group(spec, timeout))
+        self.hostname = engine.hostname()
+        self.hostnames: list[str] = self._gather_hostnames()
+        self.local_rank, self.local_size = engine.local_topology() or self._local_from_hostnames()
+
+    @property
+    def engine_name(self) -> str:
+        return self.engine.name
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def num_nodes(self) -> int:
+        return len(set(self.hostnames))
+
+    def new_group(self, ranks: Sequence[int]) -> "Group":
+        """A sub-communicator over ``ranks`` (global). Every rank of the world must call this, in the
+        same order, with the same list; non-members get a Group whose ``is_member`` is False."""
+        members = tuple(int(r) for r in ranks)
+        if not members or len(set(members)) != len(members) or not all(0 <= r < self.size for r in members):
+            raise ConfigError(f"new_group({list(ranks)}): ranks must be distinct and in [0, {self.size})")
+        spec = GroupSpec(self._next_gid, members)
+        self._next_gid += 1
+        return Group(self, spec, self.engine.make_group(spec, self.default_timeout))
+
+    def finalize(self) -> None:
+        """Shut the engine down. Idempotent; also runs at interpreter exit."""
+        global _CURRENT
+        if self._finalized:
+            return
+        self._finalized = True
+        self.engine.finalize()
+        if _CURRENT is self:
+            _CURRENT = None
+
+    @property
+    def finalized(self) -> bool:
+        return self._finalized
+
+    def __enter__(self) -> "World":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.finalize()
+
+    def __repr__(self) -> str:
+        return f"World(engine={self.engine.name!r}, rank={self.rank}, size={self.size}, host={self.hostname!r})"
+
+    def _gather_hostnames(self) -> list[str]:
+        if self.size == 1:
+            return [self.hostname]
+        from .collectives import all_gather_object
+
+        return [str(h) for h in all_gather_object(self.hostname, group=self)]
+
+    def _local_from_hostnames(self) -> tuple[int, int]:
+        same = [r for r, h in enumerate(self.hostnames) if h == self.hostname]
+        return same.index(self.rank), len(same)
+
+
+class Group(Comm):
+    """A subset of a World's ranks. Usable everywhere a World is."""
+
+    def __repr__(self) -> str:
+        return f"Group(ranks={list(self.ranks)}, member={self.is_member})"
+
+
+_CURRENT: World | None = None
+
+
+def init(engine: str = "auto", timeout: float | None = None, check: bool | None = None, **options: Any) -> World:
+    """Create (or return) this process's World.
+
+    ``engine``: ``auto`` (mpiexec → mpi; torchrun / popmesh launch → torch; else local), ``local``,
+    ``torch`` or ``mpi``. ``timeout``: default seconds for every blocking call (``POPMESH_TIMEOUT``,
+    else 300). ``check``: verify op, shape and dtype across ranks before each collective
+    (``POPMESH_CHECK=1``).
+    """
+    global _CURRENT
+    name = detect_engine() if engine == "auto" else engine
+    if _CURRENT is not None and not _CURRENT.finalized:
+        if _CURRENT.engine.name != name:
+            raise ConfigError(f"a {_CURRENT.engine.name} world already exists: finalize it before init({name!r})")
+        return _CURRENT
+    seconds = read_timeout() if timeout is None else float(timeout)
+    if seconds <= 0:
+        raise ConfigError(f"timeout={timeout} must be positive")
+    world = World(create_engine(name, seconds, **options), seconds, read_check() if check is None else check)
+    _CURRENT = world
+    return world
+
+
+def current_world() -> World:
+    """The World from :func:`init`; outside a distributed launch, a world of one is created on demand."""
+    if _CURRENT is not None and not _CURRENT.finalized:
+        return _CURRENT
+    if detect_engine() != "local":
+        raise ConfigError("this process was launched as part of a distributed job: call popmesh.init() first")
+    return init("local")
+
+
+def resolve_group(group: Comm | None) -> Comm:
+    """``group`` itself, or the current world when None."""
+    return current_world() if group is None else group
+
+
+def finalize() -> None:
+    """Finalize the current world if there is one."""
+    if _CURRENT is not None:
+        _CURRENT.finalize()
+
+
+atexit.register(finalize)

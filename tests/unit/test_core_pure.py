@@ -1,0 +1,106 @@
+"""Pure building blocks of the collectives: ops, trees, fusion plans, the object codec."""
+
+from collections import namedtuple
+
+import numpy as np
+import pytest
+
+import popmesh
+from popmesh.arrays import dtype_name, flatten, restore_scalar, unflatten
+from popmesh.errors import ConfigError, MessageError
+from popmesh.fusion import apply_fused, fuse_groups
+from popmesh.objects import decode_object, encode_object
+from popmesh.ops import ReduceOp
+
+Pair = namedtuple("Pair", "a b")
+
+
+@pytest.mark.parametrize("name, op", [("sum", ReduceOp.SUM), ("MEAN", ReduceOp.AVG), ("avg", ReduceOp.AVG),
+                                      ("Max", ReduceOp.MAX), ("product", ReduceOp.PROD)])
+def test_reduce_op_parse(name, op):
+    assert ReduceOp.parse(name) is op
+
+
+def test_reduce_op_foreign_enum_and_error():
+    class Foreign:
+        name = "MIN"
+
+    assert ReduceOp.parse(Foreign()) is ReduceOp.MIN
+    with pytest.raises(ConfigError, match="use one of"):
+        ReduceOp.parse("median")
+
+
+def test_flatten_round_trip_keeps_containers():
+    tree = {"b": [np.ones(2), (3, Pair(np.zeros(1), 2.5))], "a": np.int64(4)}
+    leaves, treedef = flatten(tree)
+    assert len(leaves) == 5
+    rebuilt = unflatten(treedef, leaves)
+    assert list(rebuilt) == ["b", "a"] and isinstance(rebuilt["b"][1][1], Pair)
+    assert treedef.describe() == flatten(rebuilt)[1].describe()
+
+
+def test_flatten_rejects_unknown_leaf():
+    with pytest.raises(TypeError, match="_object variants"):
+        flatten({"x": object()})
+
+
+def test_restore_scalar_types():
+    assert type(restore_scalar(1, np.asarray(3))) is int
+    assert type(restore_scalar(1.0, np.asarray(3))) is float
+    assert type(restore_scalar(True, np.asarray(1))) is bool
+    assert restore_scalar(np.float32(1), np.asarray(2.0)).dtype == np.float32
+
+
+def test_fuse_groups_by_dtype():
+    leaves = [np.zeros(2, np.float32), np.zeros(3, np.float64), np.zeros(1, np.float32)]
+    assert sorted(fuse_groups(leaves)) == [[0, 2], [1]]
+    assert dtype_name(leaves[1]) == "float64"
+
+
+def test_apply_fused_in_place_and_returning():
+    leaves = [np.ones(2), np.full((2, 2), 2.0), np.ones(3, np.int32)]
+    calls = []
+
+    def double(buf):
+        calls.append(buf.shape)
+        buf *= 2
+
+    out = apply_fused(leaves, double, in_place=False)
+    assert calls == [(6,), (3,)], "same-dtype leaves fuse into one buffer"
+    assert out[1].tolist() == [[4.0, 4.0], [4.0, 4.0]] and leaves[1][0, 0] == 2.0
+    apply_fused(leaves, double, in_place=True)
+    assert leaves[0].tolist() == [2.0, 2.0] and leaves[2].tolist() == [2, 2, 2]
+
+
+def test_object_codec():
+    assert decode_object(encode_object({"a": [1, 2.5, None]})) == {"a": [1, 2.5, None]}
+    with pytest.raises(TypeError, match="allow_pickle"):
+        encode_object({1, 2})
+    frame = encode_object({1, 2}, allow_pickle=True)
+    with pytest.raises(MessageError, match="allow_pickle"):
+        decode_object(frame)
+    assert decode_object(frame, allow_pickle=True) == {1, 2}
+    with pytest.raises(MessageError):
+        decode_object(np.frombuffer(b"Zjunk", np.uint8))
+    with pytest.raises(MessageError):
+        decode_object(np.frombuffer(b"J{not json", np.uint8))
+
+
+def test_world_of_one_is_identity():
+    x = {"a": np.arange(3.0), "b": 2}
+    assert popmesh.all_reduce(x, "avg") is x
+    assert popmesh.all_gather(np.arange(3)).shape == (1, 3)
+    assert popmesh.all_gather(np.arange(3), concat=True).shape == (3,)
+    assert [p.tolist() for p in popmesh.all_gather_ragged(np.arange(2))] == [[0, 1]]
+    assert popmesh.broadcast(5) == 5 and popmesh.reduce_scatter(np.ones(4)).shape == (4,)
+    assert popmesh.gather(np.ones(2)).shape == (1, 2)
+    popmesh.barrier()
+
+
+def test_import_starts_no_engine():
+    import subprocess
+    import sys
+
+    code = "import sys, popmesh; print(sorted(m for m in ('torch', 'mpi4py', 'jax') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
