@@ -17,6 +17,7 @@ from .collectives import (
     gather_object,
     reduce_scatter,
 )
+from .asynchronous import AsyncHandle, all_reduce_async, all_reduce_async_
 from .errors import (
     CollectiveMismatch,
     CommTimeout,
@@ -41,6 +42,9 @@ __all__ = [
     "ReduceOp",
     "all_reduce",
     "all_reduce_",
+    "all_reduce_async",
+    "all_reduce_async_",
+    "AsyncHandle",
     "all_gather",
     "all_gather_ragged",
     "broadcast",

@@ -15,7 +15,7 @@ from typing import Any, Callable, Protocol, runtime_checkable
 
 from ..ops import ReduceOp
 
-__all__ = ["GroupSpec", "Engine", "poll_until", "timeout_message"]
+__all__ = ["GroupSpec", "Engine", "Pending", "Completed", "poll_until", "timeout_message"]
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,23 @@ class GroupSpec:
         return self.ranks.index(global_rank)
 
 
+class Pending(Protocol):
+    """An operation in flight: ``done()`` polls, ``wait(timeout)`` blocks and raises like a blocking call."""
+
+    def done(self) -> bool: ...
+    def wait(self, timeout: float) -> None: ...
+
+
+class Completed:
+    """A Pending that finished before it was returned (worlds of one)."""
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self, timeout: float) -> None:
+        return None
+
+
 @runtime_checkable
 class Engine(Protocol):
     """What popmesh needs from torch.distributed, MPI or a world of one."""
@@ -42,6 +59,7 @@ class Engine(Protocol):
     def local_topology(self) -> tuple[int, int]: ...
     def make_group(self, spec: GroupSpec, timeout: float) -> Any: ...
     def all_reduce_(self, buf: Any, op: ReduceOp, group: Any, timeout: float) -> None: ...
+    def all_reduce_start(self, buf: Any, op: ReduceOp, group: Any) -> Pending: ...
     def all_gather(self, buf: Any, group: Any, timeout: float) -> Any: ...
     def broadcast_(self, buf: Any, root: int, group: Any, timeout: float) -> None: ...
     def gather(self, buf: Any, root: int, group: Any, timeout: float) -> Any: ...

@@ -6,7 +6,7 @@ import socket
 from typing import Any
 
 from ..ops import ReduceOp
-from .base import GroupSpec
+from .base import Completed, GroupSpec
 
 __all__ = ["LocalEngine"]
 
@@ -29,6 +29,9 @@ class LocalEngine:
 
     def all_reduce_(self, buf: Any, op: ReduceOp, group: Any, timeout: float) -> None:
         return None
+
+    def all_reduce_start(self, buf: Any, op: ReduceOp, group: Any) -> Completed:
+        return Completed()
 
     def all_gather(self, buf: Any, group: Any, timeout: float) -> Any:
         return buf.reshape((1,) + tuple(buf.shape)).clone() if hasattr(buf, "clone") else buf[None].copy()

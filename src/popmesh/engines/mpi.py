@@ -74,10 +74,12 @@ class MpiEngine:
 
     # ---- collectives -------------------------------------------------------------------------
     def all_reduce_(self, buf: Any, op: ReduceOp, group: _Handle, timeout: float) -> None:
+        self.all_reduce_start(buf, op, group).wait(timeout)
+
+    def all_reduce_start(self, buf: Any, op: ReduceOp, group: _Handle) -> "_MpiPending":
         arr, finish = self._reducible(buf)
         req = group.comm.Iallreduce(self._mpi.IN_PLACE, arr, op=self._op(op))
-        self._wait(req, group, timeout, "all_reduce")
-        finish(arr)
+        return _MpiPending(self, req, group, lambda: finish(arr))
 
     def all_gather(self, buf: Any, group: _Handle, timeout: float) -> Any:
         staged, _ = _stage(buf)
@@ -173,6 +175,24 @@ class MpiEngine:
             else:
                 time.sleep(0.01)
         return heard
+
+
+class _MpiPending:
+    """An Iallreduce in flight; Test() both polls and drives MPI's progress."""
+
+    def __init__(self, engine: MpiEngine, req: Any, group: _Handle, complete: Callable[[], None]) -> None:
+        self._engine, self._req, self._group, self._complete = engine, req, group, complete
+        self._finished = False
+
+    def done(self) -> bool:
+        return self._finished or bool(self._req.Test())
+
+    def wait(self, timeout: float) -> None:
+        if self._finished:
+            return
+        self._engine._wait(self._req, self._group, timeout, "all_reduce")
+        self._complete()
+        self._finished = True
 
 
 def _noop(_: Any) -> None:

@@ -93,13 +93,19 @@ class TorchEngine:
 
     # ---- collectives -------------------------------------------------------------------------
     def all_reduce_(self, buf: Any, op: ReduceOp, group: _Handle, timeout: float) -> None:
+        self.all_reduce_start(buf, op, group).wait(timeout)
+
+    def all_reduce_start(self, buf: Any, op: ReduceOp, group: _Handle) -> "_TorchPending":
         t, finish = self._prepare(buf)
         wide = self._widen(t, op)
         work = self._dist.all_reduce(wide, op=self._op(op), group=group.pg, async_op=True)
-        self._wait(work, group, timeout, "all_reduce")
-        if wide is not t:
-            t.copy_(wide)
-        finish(t)
+
+        def complete() -> None:
+            if wide is not t:
+                t.copy_(wide)
+            finish(t)
+
+        return _TorchPending(self, work, group, complete)
 
     def all_gather(self, buf: Any, group: _Handle, timeout: float) -> Any:
         t, _ = self._prepare(buf)
@@ -203,6 +209,24 @@ class TorchEngine:
                 time.sleep(0.05)
         except Exception:  # the store host may be the rank that died
             return None
+
+
+class _TorchPending:
+    """An all_reduce in flight on torch.distributed."""
+
+    def __init__(self, engine: TorchEngine, work: Any, group: _Handle, complete: Callable[[], None]) -> None:
+        self._engine, self._work, self._group, self._complete = engine, work, group, complete
+        self._finished = False
+
+    def done(self) -> bool:
+        return self._finished or bool(self._work.is_completed())
+
+    def wait(self, timeout: float) -> None:
+        if self._finished:
+            return
+        self._engine._wait(self._work, self._group, timeout, "all_reduce")
+        self._complete()
+        self._finished = True
 
 
 def _noop(_: Any) -> None:

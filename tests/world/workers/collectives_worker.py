@@ -263,5 +263,19 @@ def check_mode_mismatch(w):
     w.check_mode = False
 
 
+@check
+def all_reduce_async_overlap(w):
+    n, r = w.size, w.rank
+    bufs = [torch.full((1000,), r + 1.0), np.full(7, r + 1, dtype=np.int64), torch.tensor([r == 0, True])]
+    handles = [popmesh.all_reduce_async_(bufs[0], "avg"), popmesh.all_reduce_async_(bufs[1]),
+               popmesh.all_reduce_async_(bufs[2], "min")]
+    copy = popmesh.all_reduce_async(np.full(3, r + 1.0), "max")
+    assert all(isinstance(h.done(), bool) for h in handles)
+    assert handles[0].wait() is bufs[0] and torch.allclose(bufs[0], torch.full((1000,), (n + 1) / 2))
+    assert handles[1].wait() is bufs[1] and np.all(bufs[1] == total(n))
+    assert handles[2].wait().tolist() == [n == 1, True]
+    assert copy.wait().tolist() == [float(n)] * 3 and copy.done()
+
+
 if __name__ == "__main__":
     main()

@@ -1,0 +1,459 @@
+"""The one framed wire format of popmesh point-to-point messages.
+
+Every engine carries the same bytes: :func:`encode` is a pure function of the payload, so a message
+sent over torch.distributed and over MPI is byte-for-byte identical, and either side can decode it.
+A frame is a fixed 32-byte header, ``ndim`` shape entries, then the payload (all little-endian):
+
+======  ======  ==============================================================================
+offset  size    field
+======  ======  ==============================================================================
+0       4       magic ``b"PMSH"``
+4       1       format version (1)
+5       1       kind: 1 BYTES, 2 NDARRAY, 3 TORCH, 4 JSON, 5 PICKLE, 6 DICT (batch of arrays)
+6       1       flags: bit 0 set = the payload is covered by the payload CRC
+7       1       dtype code (:data:`DTYPE_CODES`; 0 for JSON, PICKLE and DICT)
+8       1       device type the sender's tensor lived on (TORCH: 0 cpu, 1 cuda, 2 mps, 3 xpu,
+                4 hpu, 255 other; 0 for other kinds)
+9       1       ndim (0..64)
+10      2       reserved, zero
+12      4       payload CRC32 (zlib), zero when flag bit 0 is clear
+16      8       payload length in bytes (uint64)
+24      4       reserved, zero
+28      4       header CRC32 of bytes [0, 28) followed by the shape entries: always checked
+32      8*ndim  shape, int64 each (BYTES: ``(n,)``; DICT: ``(length of the JSON index,)``)
+32+8n   ...     payload
+======  ======  ==============================================================================
+
+Payloads: BYTES raw bytes; NDARRAY/TORCH the C-order element bytes, reinterpreted, never
+value-cast (bfloat16 included); JSON compact UTF-8 JSON (``ensure_ascii``); PICKLE protocol 5;
+DICT a JSON index ``{"keys": [...]}`` padded with spaces to 8 bytes, then one NDARRAY or TORCH
+frame per key (header CRC only), each zero-padded to 8 bytes. Offsets of array data are 8-aligned.
+
+Checksum cost: CRC32 runs at about 6 GB/s here (zlib 1.2.13, 64 MiB: 10.6 ms) against 4.4 ms
+for a 64 MiB memcpy (2.4x), and older zlib builds manage about 1 GB/s. So the payload CRC is
+optional: ``checksum=None`` covers payloads up to :data:`CHECKSUM_AUTO_LIMIT` bytes (where it
+costs microseconds) and leaves larger ones to the transport's own integrity checks; pass
+``checksum=True`` to always cover it. The header is always checksummed.
+
+No pickle by default: anything that is not bytes, an array, a tensor, a JSON-able value or a dict
+of str to arrays needs ``allow_pickle=True`` on both the sender and the receiver. Decoding a
+truncated, corrupt or foreign frame raises :class:`~popmesh.errors.MessageError`.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+import pickle
+import struct
+import types
+import zlib
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from popmesh.errors import MessageError
+
+__all__ = [
+    "CHECKSUM_AUTO_LIMIT", "DTYPE_CODES", "FORMAT_VERSION", "HEADER_NBYTES", "MAGIC",
+    "FrameHeader", "Kind", "decode", "encode", "frame_nbytes", "join_frame", "read_header",
+]
+
+MAGIC = b"PMSH"
+FORMAT_VERSION = 1
+HEADER_NBYTES = 32
+CHECKSUM_AUTO_LIMIT = 1 << 20
+_MAX_NDIM = 64
+_FLAG_PAYLOAD_CRC = 1
+_FIXED = struct.Struct("<4sBBBBBBHIQI")  # bytes [0, 28): everything before the header CRC
+_CRC = struct.Struct("<I")
+
+
+class Kind(enum.IntEnum):
+    """What a frame carries."""
+
+    BYTES = 1
+    NDARRAY = 2
+    TORCH = 3
+    JSON = 4
+    PICKLE = 5
+    DICT = 6
+
+
+_DTYPES = (  # (name, stable wire code, itemsize); codes never change meaning
+    ("bool", 1, 1), ("int8", 2, 1), ("int16", 3, 2), ("int32", 4, 4), ("int64", 5, 8), ("uint8", 6, 1),
+    ("uint16", 7, 2), ("uint32", 8, 4), ("uint64", 9, 8), ("float16", 10, 2), ("float32", 11, 4),
+    ("float64", 12, 8), ("bfloat16", 13, 2), ("complex64", 14, 8), ("complex128", 15, 16),
+)
+DTYPE_CODES = types.MappingProxyType({name: code for name, code, _ in _DTYPES})
+_DTYPE_NAMES = {code: name for name, code, _ in _DTYPES}
+_ITEMSIZE = {name: size for name, _, size in _DTYPES}
+_DEVICE_CODES = {"cpu": 0, "cuda": 1, "mps": 2, "xpu": 3, "hpu": 4}
+_DEVICE_NAMES = {**{code: name for name, code in _DEVICE_CODES.items()}, 255: "other"}
+_ARRAY_KINDS = (Kind.BYTES, Kind.NDARRAY, Kind.TORCH)
+_KIND_VALUES = frozenset(k.value for k in Kind)
+
+
+class FrameHeader(NamedTuple):
+    """A validated frame header; ``dtype``/``device`` are names, None where the kind has none."""
+
+    kind: Kind
+    dtype: str | None
+    device: str | None
+    shape: tuple[int, ...]
+    payload_nbytes: int
+    header_nbytes: int
+    payload_checksummed: bool
+    payload_crc: int
+
+    @property
+    def frame_nbytes(self) -> int:
+        """Header plus payload length: the size of the whole frame."""
+        return self.header_nbytes + self.payload_nbytes
+
+
+def _is_torch(x: object) -> bool:
+    return type(x).__module__.startswith("torch")
+
+
+def _is_jax(x: object) -> bool:
+    return type(x).__module__.startswith(("jax.", "jaxlib.")) and hasattr(x, "__array__")
+
+
+def _torch() -> Any:
+    try:
+        import torch
+    except ImportError as e:
+        raise MessageError("received a torch tensor frame but torch is not installed; install "
+                           "popmesh[torch] on this rank or send numpy arrays") from e
+    return torch
+
+
+def _numpy_dtype(name: str) -> np.dtype:
+    if name != "bfloat16":
+        return np.dtype(name).newbyteorder("<")
+    try:
+        import ml_dtypes
+    except ImportError as e:
+        raise MessageError("received a bfloat16 numpy array but ml_dtypes is not installed; "
+                           "pip install ml_dtypes (it comes with jax) or send a torch tensor") from e
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+# --- encoding -------------------------------------------------------------------------------
+
+def _as_bytes_view(obj: Any) -> memoryview:
+    """A flat, C-contiguous byte memoryview over ``obj`` (copying only when it is not contiguous)."""
+    mv = memoryview(obj)
+    if not mv.c_contiguous:
+        return memoryview(mv.tobytes())
+    try:
+        return mv if (mv.format == "B" and mv.ndim == 1) else mv.cast("B")
+    except (TypeError, ValueError):
+        return memoryview(mv.tobytes())
+
+
+_Body = tuple[Kind, int, int, tuple[int, ...], memoryview]  # kind, dtype code, device code, shape, data
+
+
+def _numpy_body(arr: np.ndarray) -> _Body | None:
+    """A numpy array's frame fields and data view, or None if its dtype has no code."""
+    code = DTYPE_CODES.get(arr.dtype.name)
+    if code is None:
+        return None
+    if arr.dtype != arr.dtype.newbyteorder("<"):
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    arr = arr if arr.flags.c_contiguous else arr.copy(order="C")  # ascontiguousarray turns 0-d into 1-d
+    return Kind.NDARRAY, code, 0, arr.shape, memoryview(arr.reshape(-1).view(np.uint8))
+
+
+def _torch_body(t: Any) -> _Body | None:
+    """A torch tensor's frame fields and (CPU) data view, or None if it cannot be framed."""
+    torch = _torch()
+    if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
+        return None
+    name = str(t.dtype).removeprefix("torch.")
+    if name not in DTYPE_CODES:
+        return None
+    device = _DEVICE_CODES.get(t.device.type, 255)
+    t = t.detach().cpu().resolve_conj().resolve_neg().contiguous()
+    arr = (t.view(torch.int16) if name == "bfloat16" else t).numpy()
+    return Kind.TORCH, DTYPE_CODES[name], device, tuple(t.shape), memoryview(arr.reshape(-1).view(np.uint8))
+
+
+def _array_body(x: Any) -> _Body | None:
+    """Frame fields and data of an array-like payload (numpy, torch, jax), else None."""
+    if _is_torch(x):
+        return _torch_body(x)
+    if type(x) is np.ndarray or _is_jax(x):
+        return _numpy_body(np.asarray(x))
+    return None
+
+
+def _is_json(x: Any, depth: int = 0) -> bool:
+    """True for values JSON carries back unchanged: exact dict[str, ...], list, str, int, float, bool, None."""
+    t = type(x)
+    if x is None or t in (str, int, float, bool):
+        return True
+    if depth > 200:
+        return False
+    if t is list:
+        return all(_is_json(v, depth + 1) for v in x)
+    if t is dict:
+        return all(type(k) is str and _is_json(v, depth + 1) for k, v in x.items())
+    return False
+
+
+def _frame(kind: Kind, dtype: int, device: int, shape: Sequence[int], body: list[Any],
+           checksum: bool | None) -> list[bytes | memoryview]:
+    """Prepend the header to ``body`` (flat byte buffers)."""
+    nbytes = sum(len(b) for b in body)
+    covered = nbytes <= CHECKSUM_AUTO_LIMIT if checksum is None else bool(checksum)
+    payload_crc = 0
+    if covered:
+        for part in body:
+            payload_crc = zlib.crc32(part, payload_crc)
+    fixed = _FIXED.pack(MAGIC, FORMAT_VERSION, kind, _FLAG_PAYLOAD_CRC if covered else 0, dtype, device,
+                        len(shape), 0, payload_crc, nbytes, 0)
+    shape_bytes = struct.pack(f"<{len(shape)}q", *shape)
+    header = fixed + _CRC.pack(zlib.crc32(shape_bytes, zlib.crc32(fixed))) + shape_bytes
+    return [header, *body]
+
+
+def _batch_bodies(x: Any) -> list[_Body] | None:
+    """Bodies of a dict of str -> arrays/tensors (a replay batch), or None if ``x`` is not one."""
+    if type(x) is not dict or not all(type(k) is str for k in x):
+        return None
+    bodies = []
+    for value in x.values():
+        body = _array_body(value)
+        if body is None:
+            return None
+        bodies.append(body)
+    return bodies
+
+
+def _encode_batch(keys: list[str], bodies: list[_Body], checksum: bool | None) -> list[bytes | memoryview]:
+    index = json.dumps({"keys": keys}, separators=(",", ":")).encode("ascii")
+    index += b" " * (-len(index) % 8)
+    parts: list[Any] = [index]
+    for kind, dtype, device, shape, data in bodies:
+        sub = _frame(kind, dtype, device, shape, [data], checksum=False)
+        pad = -frame_nbytes(sub) % 8
+        parts += [*sub, bytes(pad)] if pad else sub
+    return _frame(Kind.DICT, 0, 0, (len(index),), parts, checksum)
+
+
+def encode(payload: Any, *, allow_pickle: bool = False, checksum: bool | None = None) -> list[bytes | memoryview]:
+    """Frame ``payload`` as a list of buffers: the header, then views of the payload's data.
+
+    Arrays and tensors are not copied (except non-contiguous ones, big-endian ones and tensors
+    off the CPU), so the list is valid while ``payload`` is unchanged; engines send the buffers
+    as they are or :func:`join_frame` them. ``checksum``: True/False covers the payload with the
+    CRC or not; None covers payloads up to :data:`CHECKSUM_AUTO_LIMIT` bytes. Raises MessageError
+    for a payload that needs pickle when ``allow_pickle`` is False.
+    """
+    if isinstance(payload, (bytes, bytearray, memoryview)):
+        data = _as_bytes_view(payload)
+        return _frame(Kind.BYTES, DTYPE_CODES["uint8"], 0, (len(data),), [data], checksum)
+    array = _array_body(payload)
+    if array is not None:
+        kind, dtype, device, shape, data = array
+        return _frame(kind, dtype, device, shape, [data], checksum)
+    bodies = _batch_bodies(payload)
+    if bodies is not None:
+        return _encode_batch(list(payload), bodies, checksum)
+    if _is_json(payload):
+        text = json.dumps(payload, separators=(",", ":"), allow_nan=True).encode("ascii")
+        return _frame(Kind.JSON, 0, 0, (), [text], checksum)
+    if not allow_pickle:
+        raise MessageError(
+            f"cannot send a {type(payload).__qualname__} without pickle: popmesh sends bytes, numpy arrays, torch "
+            "tensors, JSON values (dict with str keys, list, str, int, float, bool, None; no tuples) and dicts of "
+            "str to arrays. Convert it (numpy scalars: np.asarray(x)), or pass allow_pickle=True to both encode "
+            "and decode (trusted peers only).")
+    try:
+        data = pickle.dumps(payload, protocol=5)
+    except Exception as e:
+        raise MessageError(f"cannot pickle a {type(payload).__qualname__}: {e}") from e
+    return _frame(Kind.PICKLE, 0, 0, (), [data], checksum)
+
+
+def frame_nbytes(parts: Sequence[bytes | memoryview]) -> int:
+    """Total length in bytes of the buffers :func:`encode` returned."""
+    return sum(len(_as_bytes_view(p)) for p in parts)
+
+
+def join_frame(parts: Sequence[bytes | memoryview]) -> np.ndarray:
+    """Copy the buffers of :func:`encode` into one contiguous uint8 numpy array (one copy)."""
+    views = [_as_bytes_view(p) for p in parts]
+    out = np.empty(sum(len(v) for v in views), dtype=np.uint8)
+    pos = 0
+    for view in views:
+        out[pos:pos + len(view)] = np.frombuffer(view, dtype=np.uint8)
+        pos += len(view)
+    return out
+
+
+# --- decoding -------------------------------------------------------------------------------
+
+def _input_view(buf: Any) -> memoryview:
+    """Accept bytes-likes, uint8 numpy arrays, CPU uint8 torch tensors or :func:`encode` output."""
+    try:
+        if isinstance(buf, (list, tuple)):
+            return memoryview(join_frame(buf))
+        if _is_torch(buf):
+            t = buf.detach().cpu().contiguous().reshape(-1)
+            buf = (t if t.dtype == _torch().uint8 else t.view(_torch().uint8)).numpy()
+        return _as_bytes_view(buf)
+    except (TypeError, AttributeError, RuntimeError) as e:
+        raise MessageError(f"cannot decode a {type(buf).__qualname__}: pass bytes, a uint8 array or tensor, "
+                           "or the list returned by encode()") from e
+
+
+def _check_meta(kind: Kind, dtype: str | None, shape: tuple[int, ...], nbytes: int, device: int) -> None:
+    """Kind-specific consistency of dtype, shape, device and length."""
+    if kind in _ARRAY_KINDS:
+        if dtype is None or (kind is Kind.BYTES and (dtype != "uint8" or len(shape) != 1)):
+            raise MessageError(f"foreign frame: a {kind.name} frame with dtype {dtype} and shape {shape}")
+        if math.prod(shape) * _ITEMSIZE[dtype] != nbytes:
+            raise MessageError(f"corrupt frame: shape {shape} of {dtype} needs "
+                               f"{math.prod(shape) * _ITEMSIZE[dtype]} bytes but the header says {nbytes}")
+    elif dtype is not None or len(shape) != int(kind is Kind.DICT):
+        raise MessageError(f"foreign frame: a {kind.name} frame with dtype {dtype} and shape {shape}")
+    elif kind is Kind.DICT and (shape[0] > nbytes or shape[0] % 8):
+        raise MessageError(f"corrupt frame: DICT index of {shape[0]} bytes in a payload of {nbytes}")
+    if device not in _DEVICE_NAMES or (device and kind is not Kind.TORCH):
+        raise MessageError(f"foreign frame: unknown device code {device} for a {kind.name} frame")
+
+
+def read_header(buf: Any) -> FrameHeader:
+    """Parse and validate the header at the start of ``buf`` (the payload may be absent).
+
+    Raises MessageError for a short, foreign, corrupt or newer-version header.
+    """
+    mv = _input_view(buf)
+    if len(mv) < HEADER_NBYTES:
+        raise MessageError(f"truncated frame: {len(mv)} bytes, a frame header needs at least {HEADER_NBYTES}")
+    magic, version, kind, flags, dtype, device, ndim, res1, pcrc, nbytes, res2 = _FIXED.unpack_from(mv)
+    if magic != MAGIC:
+        raise MessageError(f"not a popmesh frame (magic {bytes(magic)!r}, expected {MAGIC!r}): the sender did not "
+                           "use popmesh.wire or the stream is misaligned")
+    if version != FORMAT_VERSION:
+        raise MessageError(f"frame format version {version} is not supported (this popmesh reads version "
+                           f"{FORMAT_VERSION}); run the same popmesh version on every rank")
+    if ndim > _MAX_NDIM or len(mv) < HEADER_NBYTES + 8 * ndim:
+        raise MessageError(f"truncated or corrupt frame: ndim {ndim} needs a {HEADER_NBYTES + 8 * ndim}-byte "
+                           f"header, got {len(mv)} bytes")
+    shape_bytes = mv[HEADER_NBYTES:HEADER_NBYTES + 8 * ndim]
+    (stored,) = _CRC.unpack_from(mv, _FIXED.size)
+    if zlib.crc32(shape_bytes, zlib.crc32(mv[:_FIXED.size])) != stored:
+        raise MessageError("corrupt frame: header checksum mismatch (the bytes were damaged or misaligned in transit)")
+    if res1 or res2 or flags & ~_FLAG_PAYLOAD_CRC or kind not in _KIND_VALUES:
+        raise MessageError(f"foreign frame: kind {kind}, flags {flags:#x} or reserved fields not understood")
+    if (dtype and dtype not in _DTYPE_NAMES) or (pcrc and not flags & _FLAG_PAYLOAD_CRC):
+        raise MessageError(f"foreign frame: unknown dtype code {dtype} or stray payload checksum")
+    shape = struct.unpack(f"<{ndim}q", shape_bytes)
+    if any(s < 0 for s in shape):
+        raise MessageError(f"corrupt frame: negative shape {shape}")
+    name = _DTYPE_NAMES.get(dtype)
+    _check_meta(Kind(kind), name, shape, nbytes, device)
+    return FrameHeader(Kind(kind), name, _DEVICE_NAMES[device] if kind == Kind.TORCH else None, shape, nbytes,
+                       HEADER_NBYTES + 8 * ndim, bool(flags & _FLAG_PAYLOAD_CRC), pcrc)
+
+
+def _payload(mv: memoryview, head: FrameHeader, exact: bool) -> memoryview:
+    """The payload bytes of the frame at the start of ``mv``; checks length and payload CRC."""
+    have = len(mv) - head.header_nbytes
+    if have < head.payload_nbytes or (exact and have != head.payload_nbytes):
+        raise MessageError(f"truncated or overlong frame: the header announces a {head.payload_nbytes}-byte payload, "
+                           f"{have} bytes follow it")
+    data = mv[head.header_nbytes:head.frame_nbytes]
+    if head.payload_checksummed and zlib.crc32(data) != head.payload_crc:
+        raise MessageError("corrupt frame: payload checksum mismatch (the bytes were damaged in transit)")
+    return data
+
+
+def _place(t: Any, device: Any, head: FrameHeader) -> Any:
+    if device is None:
+        return t
+    same = isinstance(device, str) and device == "same"
+    target = ("cpu" if head.device in (None, "other") else head.device) if same else device
+    try:
+        return t.to(target)
+    except Exception as e:
+        raise MessageError(f"cannot place the received tensor on device {target!r}: {e}; pass device=None "
+                           "for CPU or a device this rank has") from e
+
+
+def _decode_array(head: FrameHeader, data: memoryview, device: Any) -> Any:
+    """NDARRAY/TORCH payload to an array or tensor; shares ``data`` when writable and aligned."""
+    is_bf16_tensor = head.kind is Kind.TORCH and head.dtype == "bfloat16"
+    arr = np.frombuffer(data, dtype=np.dtype("<i2") if is_bf16_tensor else _numpy_dtype(str(head.dtype)))
+    arr = arr.reshape(head.shape)
+    if data.readonly or not arr.flags.aligned or not arr.dtype.isnative:
+        arr = arr.astype(arr.dtype.newbyteorder("="))
+    if head.kind is Kind.NDARRAY:
+        return arr
+    torch = _torch()
+    t = torch.from_numpy(arr)
+    return _place(t.view(torch.bfloat16) if is_bf16_tensor else t, device, head)
+
+
+def _decode_batch(head: FrameHeader, data: memoryview, device: Any) -> dict[str, Any]:
+    try:
+        index = json.loads(bytes(data[:head.shape[0]]))
+    except (ValueError, RecursionError) as e:
+        raise MessageError(f"corrupt frame: unreadable DICT index ({e})") from e
+    keys = index.get("keys") if type(index) is dict else None
+    if type(keys) is not list or not all(type(k) is str for k in keys) or len(set(keys)) != len(keys):
+        raise MessageError("corrupt frame: the DICT index must list distinct string keys")
+    out, pos = {}, head.shape[0]
+    for key in keys:
+        sub = read_header(data[pos:])
+        if sub.kind not in (Kind.NDARRAY, Kind.TORCH):
+            raise MessageError(f"foreign frame: DICT entry {key!r} is a {sub.kind.name} frame, not an array")
+        out[key] = _decode_array(sub, _payload(data[pos:], sub, exact=False), device)
+        pad = -sub.frame_nbytes % 8
+        pos += sub.frame_nbytes
+        if bytes(data[pos:pos + pad]) != bytes(pad):
+            raise MessageError(f"corrupt frame: bad padding after DICT entry {key!r}")
+        pos += pad
+    if pos != len(data):
+        raise MessageError(f"corrupt frame: {len(data) - pos} stray bytes after the DICT entries")
+    return out
+
+
+def decode(buf: Any, *, allow_pickle: bool = False, device: Any = None) -> Any:
+    """Payload of one whole frame: bytes-like, uint8 array/tensor, or the list from :func:`encode`.
+
+    BYTES come back as ``bytes``; arrays as numpy arrays of the sent dtype and shape; tensors as
+    torch tensors on ``device`` (None: CPU; ``"same"``: the sender's device type, CPU if unknown);
+    JSON as the sent value; DICT as a dict of arrays/tensors. Arrays and CPU tensors share
+    ``buf``'s memory when it is writable and aligned (no copy), else they are copies. PICKLE
+    frames need ``allow_pickle=True``. Raises MessageError for anything truncated, corrupt,
+    foreign or not allowed.
+    """
+    mv = _input_view(buf)
+    head = read_header(mv)
+    data = _payload(mv, head, exact=True)
+    if head.kind is Kind.BYTES:
+        return bytes(data)
+    if head.kind in (Kind.NDARRAY, Kind.TORCH):
+        return _decode_array(head, data, device)
+    if head.kind is Kind.DICT:
+        return _decode_batch(head, data, device)
+    if head.kind is Kind.JSON:
+        try:
+            return json.loads(bytes(data))
+        except (ValueError, RecursionError) as e:
+            raise MessageError(f"corrupt frame: unreadable JSON payload ({e})") from e
+    if not allow_pickle:
+        raise MessageError("received a pickled frame but allow_pickle is False; pass allow_pickle=True to decode "
+                           "only if you trust the sender (unpickling runs arbitrary code)")
+    try:
+        return pickle.loads(data)
+    except Exception as e:
+        raise MessageError(f"cannot unpickle the received frame: {e}; check that both ranks run the same code") from e
