@@ -201,7 +201,7 @@ def objects(w):
     assert got == [{"rank": i, "name": f"agent-{i}", "ret": [i * 1.5]} for i in range(n)]
     try:
         popmesh.all_gather_object({1, 2})
-    except TypeError as e:
+    except popmesh.MessageError as e:
         assert "allow_pickle" in str(e)
     else:
         raise AssertionError("a set is not JSON-able and must need allow_pickle")
