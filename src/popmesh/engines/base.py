@@ -9,6 +9,7 @@ SUM/MAX/MIN/PROD before they get here. Every blocking method takes ``timeout`` i
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, runtime_checkable
@@ -58,6 +59,7 @@ class Engine(Protocol):
     def hostname(self) -> str: ...
     def local_topology(self) -> tuple[int, int]: ...
     def make_group(self, spec: GroupSpec, timeout: float) -> Any: ...
+    def p2p(self) -> Any: ...
     def all_reduce_(self, buf: Any, op: ReduceOp, group: Any, timeout: float) -> None: ...
     def all_reduce_start(self, buf: Any, op: ReduceOp, group: Any) -> Pending: ...
     def all_gather(self, buf: Any, group: Any, timeout: float) -> Any: ...
@@ -77,11 +79,15 @@ def poll_until(done: Callable[[], bool], timeout: float, spin_s: float = 0.05) -
     """
     start = time.perf_counter()
     spin_until = start + min(spin_s, timeout)
+    polls = 0
     while True:
         if done():
             return True
-        if time.perf_counter() >= spin_until:
-            break
+        polls += 1
+        if polls % 32 == 0:
+            if time.perf_counter() >= spin_until:
+                break
+            os.sched_yield()  # with more ranks than cores, let a descheduled peer run
     pause = 1e-4
     deadline = start + timeout
     while True:
