@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from typing import Any
 
 from ..env import read_torch_env
 from ..errors import ConfigError
 from .base import Engine, GroupSpec
 
-__all__ = ["Engine", "GroupSpec", "create_engine", "available_engines"]
+__all__ = ["Engine", "GroupSpec", "create_engine", "available_engines", "mpi_library_version"]
 
 _PACKAGES = {"local": None, "torch": "torch", "mpi": "mpi4py"}
 
@@ -34,3 +35,21 @@ def create_engine(name: str, timeout: float, **options: Any) -> Engine:
 
         return MpiEngine()
     raise ConfigError(f"unknown engine {name!r}: use 'auto', 'local', 'torch' or 'mpi'")
+
+
+def mpi_library_version() -> str | None:
+    """First line of ``MPI.Get_library_version()`` (None without mpi4py). Loads MPI without
+    initialising it when nothing has yet (MPI-3 allows the query before MPI_Init)."""
+    if importlib.util.find_spec("mpi4py") is None:
+        return None
+    try:
+        import mpi4py
+
+        if "mpi4py.MPI" not in sys.modules:
+            mpi4py.rc.initialize = False
+            mpi4py.rc.finalize = False
+        from mpi4py import MPI
+
+        return str(MPI.Get_library_version()).strip().splitlines()[0]
+    except Exception as e:  # noqa: BLE001 - a broken install is worth reporting, not crashing on
+        return f"unavailable ({type(e).__name__}: {e})"

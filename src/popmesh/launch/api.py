@@ -1,0 +1,203 @@
+"""``launch()``: start a world of ranks running one script, watch it, and report how it ended.
+
+The CLI (``popmesh launch``) and :func:`popmesh.launch.fork` are thin layers over this function.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import signal
+import socket
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from typing import TextIO
+
+from popmesh.errors import ConfigError
+from popmesh.launch import mpirun
+from popmesh.launch.output import OutputPump
+from popmesh.launch.plan import LaunchSpec, base_env, cpu_count, plan_mpi_env, plan_ranks, validate
+from popmesh.launch.result import LaunchResult, format_summary
+from popmesh.launch.runner import Supervisor
+from popmesh.launch.verdict import judge_local, judge_mpi
+
+__all__ = ["launch", "DEFAULT_GRACE_S", "BOOTSTRAP"]
+
+DEFAULT_GRACE_S = 3.0
+# Run by path (``python -P``) so a rank starts without importing the popmesh package.
+BOOTSTRAP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bootstrap.py")
+_MODULE_NAME = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+_PORT_CLASH = ("EADDRINUSE", "address already in use")
+
+
+def launch(
+    target: str,
+    args: Sequence[str] = (),
+    *,
+    nproc: int = 1,
+    module: bool = False,
+    engine: str = "torch",
+    nnodes: int = 1,
+    node_rank: int = 0,
+    master_addr: str = "127.0.0.1",
+    master_port: int = 0,
+    quiet_others: bool = False,
+    grace: float = DEFAULT_GRACE_S,
+    store_fd: bool = True,
+    rank0_terminal: bool = False,
+    env: Mapping[str, str] | None = None,
+    python: Sequence[str] | None = None,
+    stdout: TextIO | None = None,
+    stderr: TextIO | None = None,
+) -> LaunchResult:
+    """Run ``target`` (a script path, or with ``module=True`` a module name) on ``nproc`` local ranks.
+
+    Blocks until every rank has exited. If one fails, the others are sent SIGTERM and, after
+    ``grace`` seconds, SIGKILL; a root-cause summary is written to ``stderr`` and the result's
+    ``returncode`` is the first failed rank's exit code (128+N for signal N). Call
+    ``result.check()`` to turn a failure into :class:`LaunchFailed`. SIGINT/SIGTERM to this
+    process are forwarded to the ranks when ``launch`` runs in the main thread.
+
+    ``env`` adds variables to the ranks' environment; ``python`` is the interpreter command line
+    (default ``[sys.executable]``); ``store_fd=False`` stops handing rank 0 a pre-bound socket
+    for torch's TCPStore (for scripts that bind ``MASTER_PORT`` themselves). ``rank0_terminal=True``
+    hands rank 0 this process's stdout/stderr directly, unprefixed, so it can draw a live terminal
+    view (torch and jax engines; under mpiexec output is always relayed).
+    """
+    spec = LaunchSpec(
+        nproc=nproc, engine=engine, nnodes=nnodes, node_rank=node_rank, master_addr=master_addr, master_port=master_port
+    )
+    validate(spec)
+    _check_target(target, module)
+    if grace < 0:
+        raise ConfigError(f"grace must be >= 0 seconds, got {grace}")
+    python = list(python or [sys.executable])
+    worker = [*python, "-P", BOOTSTRAP, *(["-m", target] if module else ["--", target]), *args]
+    parent_env = {**os.environ, **(env or {})}
+    err = stderr or sys.stderr
+    pump = OutputPump(stdout or sys.stdout, err, quiet_others=quiet_others)
+    result = _supervise(spec, worker, parent_env, pump, grace=grace, store_fd=store_fd, python=python[0],
+                        rank0_terminal=rank0_terminal)
+    if not result.ok:
+        err.write(format_summary(result) + "\n")
+        err.flush()
+    return result
+
+
+def _supervise(
+    spec: LaunchSpec, worker: list[str], parent_env: dict[str, str], pump: OutputPump, *, grace: float,
+    store_fd: bool, python: str, rank0_terminal: bool = False,
+) -> LaunchResult:
+    """Start the children, watch them to the end (killing them if we are interrupted), judge."""
+    with tempfile.TemporaryDirectory(prefix="popmesh-launch-") as error_dir:
+        supervisor = Supervisor(pump, grace)
+        try:
+            if spec.engine == "mpi":
+                _start_mpi(supervisor, spec, worker, parent_env, error_dir, python)
+            else:
+                _start_local(supervisor, spec, worker, parent_env, error_dir, store_fd, rank0_terminal)
+            supervisor.watch()
+        except BaseException:
+            supervisor.kill_all()
+            raise
+        finally:
+            supervisor.close()
+        return _judge(supervisor, spec, error_dir, pump, store_fd)
+
+
+def _check_target(target: str, module: bool) -> None:
+    if module:
+        if not _MODULE_NAME.match(target):
+            raise ConfigError(f"-m expects a module name like pkg.train, got {target!r}")
+    elif not os.path.exists(target):
+        raise ConfigError(
+            f"script {target!r} not found (cwd {os.getcwd()}); give a path to a .py file or use -m module"
+        )
+
+
+def _start_local(
+    sup: Supervisor, spec: LaunchSpec, worker: list[str], parent_env: dict[str, str], error_dir: str, store_fd: bool,
+    rank0_terminal: bool = False,
+) -> None:
+    """Spawn the ranks of this node; rank 0 of node 0 gets the pre-bound store socket (torch)."""
+    sock = None
+    port = spec.master_port
+    if spec.engine == "torch" and store_fd and spec.hosts_store:
+        sock = _listen(spec.master_addr, port, backlog=max(1024, spec.world_size), anywhere=spec.nnodes > 1)
+        port = sock.getsockname()[1]
+    elif port == 0:
+        port = _free_port(spec.master_addr)
+    try:
+        fd = None if sock is None else sock.fileno()
+        common = base_env(parent_env, spec, cpu_count())
+        common["POPMESH_PARENT_PID"] = str(os.getpid())
+        for plan in plan_ranks(spec, port, error_dir, store_fd=fd):
+            gets_fd = "POPMESH_STORE_FD" in plan.env
+            sup.spawn(worker, {**common, **plan.env}, plan.rank, pass_fds=(fd,) if gets_fd and fd is not None else (),
+                      inherit_output=rank0_terminal and plan.rank == 0)
+            if gets_fd and sock is not None:
+                sock.close()  # rank 0 owns it now; our copy would only keep the port busy
+                sock = None
+    finally:
+        if sock is not None:
+            sock.close()
+
+
+def _start_mpi(
+    sup: Supervisor, spec: LaunchSpec, worker: list[str], parent_env: dict[str, str], error_dir: str, python: str
+) -> None:
+    """One mpiexec for all ranks, on a parent-death leash so it cannot outlive the launcher."""
+    mpiexec = mpirun.find_mpiexec(python)
+    env = {**base_env(parent_env, spec, cpu_count()), **plan_mpi_env(spec, error_dir)}
+    leash = [python, "-P", BOOTSTRAP, "--leash", str(int(signal.SIGTERM)), str(os.getpid())]
+    sup.spawn([*leash, *mpirun.mpi_command(mpiexec, spec.nproc, worker, hydra=mpirun.is_hydra(mpiexec))], env, None)
+
+
+def _family(addr: str) -> socket.AddressFamily:
+    try:
+        return socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)[0][0]
+    except socket.gaierror as e:
+        raise ConfigError(f"cannot resolve --master-addr {addr!r} ({e}); give a host name or IP that resolves") from e
+
+
+def _listen(addr: str, port: int, *, backlog: int, anywhere: bool) -> socket.socket:
+    """A listening socket for the store; on several nodes it listens on every interface."""
+    family = _family(addr)
+    host = ("::" if family == socket.AF_INET6 else "0.0.0.0") if anywhere else addr
+    try:
+        return socket.create_server((host, port), family=family, backlog=backlog)
+    except OSError as e:
+        raise ConfigError(
+            f"cannot listen on {host}:{port} for the rendezvous store ({e.strerror}); "
+            "choose a free --master-port, or 0 to let the launcher pick one"
+        ) from e
+
+
+def _free_port(addr: str) -> int:
+    """A port that was free a moment ago (for engines whose coordinator binds it itself)."""
+    with socket.socket(_family(addr), socket.SOCK_STREAM) as probe:
+        probe.bind((addr, 0))
+        return probe.getsockname()[1]
+
+
+def _judge(sup: Supervisor, spec: LaunchSpec, error_dir: str, pump: OutputPump, store_fd: bool) -> LaunchResult:
+    common = dict(error_dir=error_dir, pump=pump, teardown_at=sup.teardown_at, received=sup.received)
+    if spec.engine == "mpi":
+        return judge_mpi(sup.children[0], world_size=spec.world_size, **common)
+    result = judge_local(sup.children, world_size=spec.world_size, engine=spec.engine, **common)
+    if store_fd and spec.engine == "torch" and _mentions_port_clash(result):
+        hint = (
+            "rank 0 already holds the rendezvous socket (POPMESH_STORE_FD); create torch's TCPStore "
+            "with master_listen_fd=int(os.environ['POPMESH_STORE_FD']) (popmesh.init() does) or launch "
+            "with --no-store-fd"
+        )
+        result = dataclasses.replace(result, hints=(hint,))
+    return result
+
+
+def _mentions_port_clash(result: LaunchResult) -> bool:
+    failures = [f for f in (result.failure, *result.other_failures) if f is not None]
+    texts = [(f.error.traceback if f.error else "") + "\n".join(f.stderr_tail) for f in failures]
+    return any(clash in text for text in texts for clash in _PORT_CLASH)

@@ -1,0 +1,164 @@
+"""Per-rank entry point: run the user's script or module the way ``python`` would, and report failure.
+
+``python -P .../popmesh/launch/bootstrap.py [-m] TARGET [ARGS...]`` is what the launcher starts on
+every rank (directly, or under mpiexec); ``python -m popmesh.launch.bootstrap ...`` works too, e.g.
+in a hand-written mpiexec line. The launcher runs it by path because this file needs only the
+standard library until something fails: a rank does not pay for importing the popmesh package
+(numpy and friends) before the user's own code decides what it needs. It
+
+* ties the rank's life to the launcher (``POPMESH_PARENT_PID`` → ``PR_SET_PDEATHSIG``; Linux),
+* makes stdout line-buffered so every line reaches the launcher whole and promptly, and lets a
+  forwarded SIGINT raise KeyboardInterrupt,
+* runs TARGET as ``__main__`` (a path like ``python script.py``; with ``-m`` a module like
+  ``python -m``), with ``sys.argv = [TARGET, *ARGS]``,
+* on an uncaught exception prints the traceback, writes the error record to
+  ``POPMESH_ERROR_FILE`` (torchrun's ``@record`` idea) and, if MPI is up, aborts the whole MPI job
+  so that peers blocked in a collective do not hang; the rank then exits with status 1.
+
+``bootstrap.py --leash SIGNUM PARENT_PID CMD ARGS...`` sets the parent-death signal and execs CMD
+(the setting survives exec): the launcher puts mpiexec on this leash.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import signal
+import sys
+import threading
+
+__all__ = ["main", "run", "set_parent_death_signal", "die_with_parent"]
+
+_USAGE = "usage: bootstrap.py [-m] TARGET [ARGS...]  |  bootstrap.py --leash SIGNUM PARENT_PID CMD [ARGS...]"
+_SKIP_FILES = (os.path.abspath(__file__), runpy.__file__, "<frozen runpy>")
+_EXIT_WATCHDOG_S = 5.0  # after a failure, exit even if a non-daemon thread or atexit hook hangs
+_PR_SET_PDEATHSIG = 1
+
+
+def set_parent_death_signal(sig: int) -> bool:
+    """Ask the kernel to send ``sig`` to this process when its parent exits; False where unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes  # only here: it costs import time and only Linux needs it
+
+    return ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+
+
+def die_with_parent(expected_parent: int, sig: int = signal.SIGKILL) -> None:
+    """Set the parent-death signal; exit at once if the parent died before it was set."""
+    set_parent_death_signal(sig)
+    if os.getppid() != expected_parent:
+        os._exit(128 + int(sig))
+
+
+def _line_buffered() -> None:
+    """One write per line: the launcher (or mpiexec) then prefixes whole lines."""
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            reconfigure(line_buffering=True, write_through=False)
+
+
+def _interruptible() -> None:
+    """Let a forwarded SIGINT raise KeyboardInterrupt even if a shell started us with it ignored.
+
+    A rank lives in its own session, so only the launcher can send it SIGINT, and that should stop it.
+    """
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _mpi_abort(code: int) -> None:
+    """Abort the MPI job if this rank has initialised MPI (and not yet finalised it)."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
+        return
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    mpi.COMM_WORLD.Abort(code)
+
+
+def _report(exc: BaseException) -> None:
+    """Print the traceback like Python does and write the error record, if the launcher asked for one."""
+    try:
+        from popmesh.launch import errorfile
+    except Exception:  # noqa: BLE001 - a broken popmesh install must not hide the user's error
+        import traceback
+
+        traceback.print_exception(exc)
+        return
+    record = errorfile.make_record(exc, _SKIP_FILES)
+    sys.stderr.write(record.traceback)
+    sys.stderr.flush()
+    path = errorfile.error_file_path()
+    if path:
+        try:
+            errorfile.write_error_file(record, path)
+        except OSError as err:
+            sys.stderr.write(f"popmesh bootstrap: could not write error file {path}: {err}\n")
+
+
+def _exit_soon(code: int) -> None:
+    """Start a daemon watchdog that hard-exits with ``code`` if normal shutdown stalls."""
+    timer = threading.Timer(_EXIT_WATCHDOG_S, os._exit, args=(code,))
+    timer.daemon = True
+    timer.start()
+
+
+def _set_path(entry: str) -> None:
+    """Put ``entry`` first on sys.path as python would (under ``-P`` nothing is there to replace)."""
+    if sys.flags.safe_path:
+        sys.path.insert(0, entry)
+    else:
+        sys.path[0] = entry
+
+
+def run(target: str, args: list[str], *, module: bool = False) -> int:
+    """Run ``target`` as ``__main__``; return its exit status (1 after an uncaught exception)."""
+    sys.argv = [target, *args]
+    try:
+        if module:
+            _set_path(os.getcwd())
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            _set_path(os.path.dirname(os.path.abspath(target)))
+            runpy.run_path(target, run_name="__main__")
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            _mpi_abort(exc.code if isinstance(exc.code, int) else 1)
+        raise
+    except BaseException as exc:  # noqa: BLE001 - every failure must be recorded, KeyboardInterrupt too
+        _report(exc)
+        _mpi_abort(1)
+        _exit_soon(1)
+        return 1
+    return 0
+
+
+def _leash(argv: list[str]) -> None:
+    """``SIGNUM PARENT_PID CMD ARGS...``: die with the parent, as CMD."""
+    if len(argv) < 3:
+        sys.exit(_USAGE)
+    die_with_parent(int(argv[1]), int(argv[0]))
+    os.execvp(argv[2], argv[2:])
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry of ``bootstrap.py`` / ``python -m popmesh.launch.bootstrap``."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--leash"]:
+        _leash(argv[1:])
+    parent = os.environ.pop("POPMESH_PARENT_PID", None)
+    if parent:
+        die_with_parent(int(parent))
+    module = argv[:1] == ["-m"]
+    rest = argv[1:] if module or argv[:1] == ["--"] else argv
+    if not rest:
+        sys.exit(_USAGE)
+    _line_buffered()
+    _interruptible()
+    sys.exit(run(rest[0], rest[1:], module=module))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""``popmesh info``: versions, available engines and the distributed variables this process sees.
+
+Paste its output into a bug report (like ``accelerate env``). Engines are detected with
+``importlib.util.find_spec``; the packages are imported only here, to read their versions.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import os
+import platform
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+from popmesh.engines import mpi_library_version
+
+__all__ = ["collect_info", "format_info", "distributed_env", "ENV_PREFIXES", "ENV_NAMES"]
+
+ENV_NAMES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "CUDA_VISIBLE_DEVICES",
+)
+ENV_PREFIXES = ("PMI_", "PMIX_", "OMPI_COMM_WORLD_", "POPMESH_", "JAX_", "TORCHELASTIC_")
+_ENGINE_PACKAGES = {"torch": "torch", "mpi": "mpi4py", "jax": "jax"}
+
+
+def _version(package: str) -> str | None:
+    """The package's ``__version__`` (imported here only), or None if it is not installed."""
+    if importlib.util.find_spec(package) is None:
+        return None
+    try:
+        return str(getattr(importlib.import_module(package), "__version__", "unknown"))
+    except Exception as e:  # noqa: BLE001 - a broken install is worth reporting, not crashing on
+        return f"broken ({type(e).__name__}: {e})"
+
+
+def _engine_available(package: str) -> bool:
+    return importlib.util.find_spec(package) is not None
+
+
+def distributed_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The variables that decide how a world forms, sorted by name."""
+    env = os.environ if env is None else env
+    return {k: env[k] for k in sorted(env) if k in ENV_NAMES or k.startswith(ENV_PREFIXES)}
+
+
+def collect_info(env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Everything ``popmesh info`` prints, as plain data."""
+    import popmesh
+
+    versions = {
+        "python": platform.python_version(),
+        "popmesh": getattr(popmesh, "__version__", "unknown"),
+        "torch": _version("torch"),
+        "mpi4py": _version("mpi4py"),
+        "mpi_library": mpi_library_version(),
+        "jax": _version("jax"),
+    }
+    return {
+        "platform": platform.platform(),
+        "python_executable": sys.executable,
+        "versions": versions,
+        "engines": {name: _engine_available(pkg) for name, pkg in _ENGINE_PACKAGES.items()},
+        "cpu_count": os.cpu_count(),
+        "environment": distributed_env(env),
+    }
+
+
+def format_info(info: Mapping[str, Any], *, as_json: bool = False) -> str:
+    """Text for a terminal (aligned ``- key: value`` lines) or JSON."""
+    if as_json:
+        return json.dumps(info, indent=2, sort_keys=True)
+    lines = [f"- platform: {info['platform']}", f"- python executable: {info['python_executable']}"]
+    lines += [f"- {name} version: {value or 'not installed'}" for name, value in info["versions"].items()]
+    engines = ", ".join(f"{name} ({'yes' if ok else 'no'})" for name, ok in info["engines"].items())
+    lines += [f"- engines available: {engines}", f"- cpu count: {info['cpu_count']}", "- distributed environment:"]
+    env = info["environment"]
+    lines += [f"    {k}={v}" for k, v in env.items()] or ["    (none set)"]
+    return "\n".join(lines)

@@ -1,0 +1,195 @@
+"""Pure launch planning: the environment each rank of a launched world receives.
+
+Everything here is a function over plain values (no processes, no sockets), so the layout of
+ranks, ports and thread shares can be tested directly. The runner turns a plan into processes.
+
+Environment contract (torch and jax engines, one entry per local rank)::
+
+    RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK (node rank),
+    MASTER_ADDR, MASTER_PORT, POPMESH_ENGINE, POPMESH_ERROR_FILE,
+    OMP_NUM_THREADS, MKL_NUM_THREADS (each unless already set)
+    jax only: JAX_COORDINATOR_ADDRESS=<addr>:<port>, JAX_NUM_PROCESSES, JAX_PROCESS_ID
+    torch only, local rank 0 of node 0: POPMESH_STORE_FD (a listening socket for TCPStore)
+
+Under the mpi engine ranks come from mpiexec; the plan only sets ``POPMESH_ENGINE=mpi``,
+``POPMESH_ERROR_FILE`` (with a ``{rank}`` placeholder) and the thread share.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from popmesh.errors import ConfigError
+
+__all__ = [
+    "ENGINES",
+    "STALE_PREFIXES",
+    "STALE_NAMES",
+    "LaunchSpec",
+    "RankPlan",
+    "validate",
+    "thread_share",
+    "cpu_count",
+    "error_file_name",
+    "base_env",
+    "plan_ranks",
+    "plan_mpi_env",
+]
+
+ENGINES = ("torch", "mpi", "jax")
+
+# Variables of an enclosing world (an outer launcher, torchrun, mpiexec) that must not leak into
+# the ranks we start: a child that saw an outer PMI_RANK could join the wrong world.
+STALE_PREFIXES = ("PMI_", "PMIX_", "OMPI_", "MPI_LOCAL", "TORCHELASTIC_")
+STALE_NAMES = (
+    "POPMESH_ENGINE",
+    "POPMESH_STORE_FD",
+    "POPMESH_ERROR_FILE",
+    "POPMESH_PARENT_PID",
+    "JAX_COORDINATOR_ADDRESS",
+    "JAX_NUM_PROCESSES",
+    "JAX_PROCESS_ID",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """What to start on this node: ``nproc`` ranks of a world of ``nnodes * nproc``."""
+
+    nproc: int
+    engine: str = "torch"
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc
+
+    @property
+    def hosts_store(self) -> bool:
+        """True on the node whose launcher binds the rendezvous socket (node rank 0)."""
+        return self.node_rank == 0
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """One local rank: its global and local rank and the variables to add to its environment."""
+
+    rank: int
+    local_rank: int
+    env: dict[str, str]
+
+
+def validate(spec: LaunchSpec) -> None:
+    """Raise :class:`ConfigError` saying what to change if ``spec`` cannot form a world."""
+    if spec.engine not in ENGINES:
+        raise ConfigError(f"unknown engine {spec.engine!r}; choose one of {', '.join(ENGINES)}")
+    if spec.nproc < 1:
+        raise ConfigError(f"need at least one process per node, got -n {spec.nproc}; pass -n 1 or more")
+    if spec.nnodes < 1:
+        raise ConfigError(f"need at least one node, got --nnodes {spec.nnodes}")
+    if not 0 <= spec.node_rank < spec.nnodes:
+        raise ConfigError(
+            f"--node-rank {spec.node_rank} is outside 0..{spec.nnodes - 1}; "
+            f"number the nodes 0 to --nnodes minus one"
+        )
+    if not 0 <= spec.master_port < 2**16:
+        raise ConfigError(f"--master-port {spec.master_port} is not a TCP port; use 0 (pick a free one) to 65535")
+    if not spec.master_addr:
+        raise ConfigError("--master-addr is empty; give the host name or IP of node rank 0")
+    if spec.nnodes > 1 and spec.master_port == 0:
+        raise ConfigError(
+            "with --nnodes > 1 every node must agree on the port: pass the same --master-port to all nodes"
+        )
+    if spec.nnodes > 1 and spec.engine == "mpi":
+        raise ConfigError(
+            "--engine mpi starts one mpiexec for the whole world; for several nodes run "
+            "`mpiexec -n N -hosts a,b python -m popmesh.launch.bootstrap script.py` yourself"
+        )
+
+
+def thread_share(cpus: int, local_world_size: int) -> int:
+    """Threads per rank so that the ranks of one node together use each core once (at least 1)."""
+    return max(1, cpus // max(1, local_world_size))
+
+
+def cpu_count() -> int:
+    """Cores this process may run on (affinity mask when the platform has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def error_file_name(rank: int | str) -> str:
+    """File name of one rank's error record inside the launcher's temporary directory."""
+    return f"rank-{rank}.json"
+
+
+def base_env(parent: Mapping[str, str], spec: LaunchSpec, cpus: int) -> dict[str, str]:
+    """The parent environment minus an enclosing world's variables, plus thread shares."""
+    env = {
+        key: value
+        for key, value in parent.items()
+        if key not in STALE_NAMES and not key.startswith(STALE_PREFIXES)
+    }
+    share = str(thread_share(cpus, spec.nproc))
+    for name in THREAD_VARS:
+        env[name] = parent.get(name) or share
+    env["POPMESH_ENGINE"] = spec.engine
+    return env
+
+
+def plan_ranks(spec: LaunchSpec, port: int, error_dir: str, *, store_fd: int | None = None) -> list[RankPlan]:
+    """Per-rank variables for the torch and jax engines (to be added on top of :func:`base_env`).
+
+    ``port`` is the resolved rendezvous port; ``store_fd`` the listening socket given to local
+    rank 0 of node 0 (torch engine only).
+    """
+    validate(spec)
+    if spec.engine == "mpi":
+        raise ConfigError("plan_ranks plans locally spawned ranks; use plan_mpi_env for --engine mpi")
+    plans = []
+    for local_rank in range(spec.nproc):
+        rank = spec.node_rank * spec.nproc + local_rank
+        env = {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(spec.world_size),
+            "LOCAL_RANK": str(local_rank),
+            "LOCAL_WORLD_SIZE": str(spec.nproc),
+            "GROUP_RANK": str(spec.node_rank),
+            "MASTER_ADDR": spec.master_addr,
+            "MASTER_PORT": str(port),
+            "POPMESH_ENGINE": spec.engine,
+            "POPMESH_ERROR_FILE": os.path.join(error_dir, error_file_name(rank)),
+        }
+        if spec.engine == "jax":
+            env["JAX_COORDINATOR_ADDRESS"] = f"{spec.master_addr}:{port}"
+            env["JAX_NUM_PROCESSES"] = str(spec.world_size)
+            env["JAX_PROCESS_ID"] = str(rank)
+        if spec.engine == "torch" and store_fd is not None and rank == 0:
+            env["POPMESH_STORE_FD"] = str(store_fd)
+        plans.append(RankPlan(rank=rank, local_rank=local_rank, env=env))
+    return plans
+
+
+def plan_mpi_env(spec: LaunchSpec, error_dir: str) -> dict[str, str]:
+    """Variables added to mpiexec's environment (which it passes on to every rank)."""
+    validate(spec)
+    return {
+        "POPMESH_ENGINE": "mpi",
+        "POPMESH_ERROR_FILE": os.path.join(error_dir, error_file_name("{rank}")),
+    }

@@ -1,0 +1,91 @@
+"""Decide how a launch ended: which rank failed first (the root cause) and which were torn down.
+
+A rank counts as failed if it exited non-zero before the launcher began tearing down, or if its
+error record is older than the teardown (it failed on its own, at about the same time). Of the
+failed ranks the root cause is the one that failed first: by its error record's time, else by
+the time its exit was seen.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+from collections.abc import Sequence
+
+from popmesh.launch.errorfile import ErrorRecord, read_error_file
+from popmesh.launch.output import OutputPump
+from popmesh.launch.plan import error_file_name
+from popmesh.launch.result import LaunchResult, RankFailure, exit_status
+from popmesh.launch.runner import Child
+
+__all__ = ["judge_local", "judge_mpi"]
+
+
+def _interrupted_code(received: int | None) -> int:
+    return 0 if received is None else 128 + received
+
+
+def _signal_name(received: int | None) -> str | None:
+    return None if received is None else signal.Signals(received).name
+
+
+def judge_local(
+    children: Sequence[Child], *, error_dir: str, pump: OutputPump, teardown_at: float | None,
+    received: int | None, world_size: int, engine: str,
+) -> LaunchResult:
+    """The result of a launch whose children are the ranks themselves (torch and jax engines)."""
+    timed: list[tuple[float, int, RankFailure]] = []
+    terminated: list[int] = []
+    for child in children:
+        assert child.rank is not None and child.returncode is not None
+        if child.returncode == 0:
+            continue
+        record = read_error_file(os.path.join(error_dir, error_file_name(child.rank)))
+        own = not child.signalled or (record is not None and teardown_at is not None and record.time < teardown_at)
+        if not own:
+            terminated.append(child.rank)
+            continue
+        code, sig = exit_status(child.returncode)
+        failure = RankFailure(child.rank, code, sig, record, tuple(pump.tail(child.rank)))
+        timed.append((record.time if record else child.exited_at or 0.0, child.rank, failure))
+    timed.sort(key=lambda item: item[:2])
+    failures = [failure for _, _, failure in timed]
+    return LaunchResult(
+        returncode=failures[0].exitcode if failures else _interrupted_code(received),
+        world_size=world_size,
+        engine=engine,
+        failure=failures[0] if failures else None,
+        other_failures=tuple(failures[1:]),
+        terminated=tuple(sorted(terminated)),
+        interrupted_by=_signal_name(received),
+    )
+
+
+def _records(error_dir: str) -> list[ErrorRecord]:
+    found = (read_error_file(path) for path in glob.glob(os.path.join(error_dir, error_file_name("*"))))
+    return sorted((r for r in found if r is not None), key=lambda r: (r.time, r.rank))
+
+
+def judge_mpi(
+    child: Child, *, error_dir: str, pump: OutputPump, teardown_at: float | None, received: int | None,
+    world_size: int,
+) -> LaunchResult:
+    """The result of an mpiexec run: ranks are named by their error records, else mpiexec is blamed."""
+    assert child.returncode is not None
+    records = [r for r in _records(error_dir) if teardown_at is None or r.time < teardown_at]
+    if child.returncode == 0 and not records:
+        return LaunchResult(0, world_size, "mpi")
+    failures = [RankFailure(r.rank, 1, None, r, tuple(pump.tail(r.rank))) for r in records]
+    if not failures and received is None:
+        code, sig = exit_status(child.returncode)
+        said = pump.tail(None, "stdout") + pump.tail(None, "stderr")
+        failures = [RankFailure(None, code, sig, None, tuple(said))]
+    return LaunchResult(
+        returncode=failures[0].exitcode if failures else _interrupted_code(received) or 1,
+        world_size=world_size,
+        engine="mpi",
+        failure=failures[0] if failures else None,
+        other_failures=tuple(failures[1:]),
+        interrupted_by=_signal_name(received),
+    )
