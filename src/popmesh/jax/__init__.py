@@ -33,6 +33,7 @@ from popmesh.jax.axes import (  # noqa: E402
     require_bound,
     varying_axes,
 )
+from popmesh.jax.distributed import JaxProcess, init, read_jax_env, shutdown  # noqa: E402
 from popmesh.jax.fsdp import (  # noqa: E402
     PaddedPartitioned,
     gather_array_with_mean_grads,
@@ -61,6 +62,10 @@ from popmesh.jax.population import (  # noqa: E402
 from popmesh.jax.updates import agent_gradient_update, gradient_update, loss_and_pgrad  # noqa: E402
 
 __all__ = [
+    "JaxProcess",
+    "init",
+    "read_jax_env",
+    "shutdown",
     "DP_AXIS_NAME",
     "POP_AXIS_NAME",
     "AxisName",
