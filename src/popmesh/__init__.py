@@ -1,23 +1,15 @@
 """popmesh: distributed training of learning agents over torch.distributed, MPI and JAX.
 
-Importing popmesh starts nothing and imports none of torch, mpi4py or jax.
+Importing popmesh starts nothing and imports none of torch, mpi4py or jax (nor numpy): the public
+names below load their modules on first use (PEP 562), so ``python -m popmesh launch`` and every
+rank's bootstrap start fast.
 """
 
-from .collectives import (
-    all_gather,
-    all_gather_object,
-    all_gather_ragged,
-    all_reduce,
-    all_reduce_,
-    barrier,
-    broadcast,
-    broadcast_,
-    broadcast_object,
-    gather,
-    gather_object,
-    reduce_scatter,
-)
-from .asynchronous import AsyncHandle, all_reduce_async, all_reduce_async_
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 from .errors import (
     CollectiveMismatch,
     CommTimeout,
@@ -28,39 +20,37 @@ from .errors import (
     PeerFailure,
     PopmeshError,
 )
-from .ops import ReduceOp
-from .world import Group, World, current_world, finalize, init
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "init",
-    "finalize",
-    "current_world",
-    "World",
-    "Group",
-    "ReduceOp",
-    "all_reduce",
-    "all_reduce_",
-    "all_reduce_async",
-    "all_reduce_async_",
-    "AsyncHandle",
-    "all_gather",
-    "all_gather_ragged",
-    "broadcast",
-    "broadcast_",
-    "gather",
-    "reduce_scatter",
-    "barrier",
-    "all_gather_object",
-    "broadcast_object",
-    "gather_object",
-    "PopmeshError",
-    "ConfigError",
-    "EngineUnavailable",
-    "PeerFailure",
-    "CommTimeout",
-    "CollectiveMismatch",
-    "MessageError",
-    "NotInGroup",
+_LAZY = {
+    "collectives": (
+        "all_reduce", "all_reduce_", "all_gather", "all_gather_ragged", "broadcast", "broadcast_", "gather",
+        "reduce_scatter", "barrier", "all_gather_object", "broadcast_object", "gather_object",
+    ),
+    "asynchronous": ("all_reduce_async", "all_reduce_async_", "AsyncHandle"),
+    "messages": ("send", "recv", "isend", "irecv", "SendHandle", "RecvHandle"),
+    "context": ("DistributedContext", "make_context"),
+    "timing": ("gather_timings", "report_time_info", "report_load_imbalance"),
+    "ops": ("ReduceOp",),
+    "world": ("init", "finalize", "current_world", "World", "Group"),
+}
+_HOME = {name: module for module, names in _LAZY.items() for name in names}
+
+__all__ = [name for names in _LAZY.values() for name in names] + [
+    "PopmeshError", "ConfigError", "EngineUnavailable", "PeerFailure", "CommTimeout", "CollectiveMismatch",
+    "MessageError", "NotInGroup",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _HOME.get(name)
+    if module is None:
+        raise AttributeError(f"module 'popmesh' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -17,12 +17,21 @@ class LocalEngine:
     name = "local"
     rank = 0
     size = 1
+    _p2p: Any = None
 
     def hostname(self) -> str:
         return socket.gethostname()
 
     def local_topology(self) -> tuple[int, int]:
         return 0, 1
+
+    def p2p(self) -> Any:
+        """A world of one may message itself: sends to rank 0 are delivered locally (a copy)."""
+        if self._p2p is None:
+            from .p2p_base import LoopbackP2P
+
+            self._p2p = LoopbackP2P()
+        return self._p2p
 
     def make_group(self, spec: GroupSpec, timeout: float) -> Any:
         return spec

@@ -53,13 +53,23 @@ class MpiEngine:
         self.rank = self._world.Get_rank()
         self.size = self._world.Get_size()
         self._node = self._world.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
-        self._comms: list[Any] = [self._diag, self._node]
+        self._p2p_comm = self._world.Dup()  # point-to-point messages only (mpi_p2p); collective, so made here
+        self._comms: list[Any] = [self._diag, self._node, self._p2p_comm]
+        self._p2p: Any = None
 
     def hostname(self) -> str:
         return socket.gethostname()
 
     def local_topology(self) -> tuple[int, int]:
         return self._node.Get_rank(), self._node.Get_size()
+
+    def p2p(self) -> Any:
+        """Point-to-point frames on global ranks (:class:`~popmesh.engines.mpi_p2p.MpiP2P`), made once."""
+        if self._p2p is None:
+            from .mpi_p2p import MpiP2P
+
+            self._p2p = MpiP2P(self)
+        return self._p2p
 
     def make_group(self, spec: GroupSpec, timeout: float) -> Any:
         if spec.gid == 0:

@@ -62,6 +62,7 @@ class TorchEngine:
         self._env = env
         self._owns = not dist.is_initialized()
         self._store: Any = None
+        self._p2p: Any = None
         if self._owns:
             self._store = _make_store(dist, env, timeout)
             self.backend = backend or _default_backend(torch)
@@ -84,6 +85,14 @@ class TorchEngine:
         if self._env.local_rank is not None and self._env.local_world_size is not None:
             return self._env.local_rank, self._env.local_world_size
         return None
+
+    def p2p(self) -> Any:
+        """Point-to-point frames on global ranks (:class:`~popmesh.engines.torch_p2p.TorchP2P`), made once."""
+        if self._p2p is None:
+            from .torch_p2p import TorchP2P
+
+            self._p2p = TorchP2P(self)
+        return self._p2p
 
     def make_group(self, spec: GroupSpec, timeout: float) -> Any:
         if spec.gid == 0:
@@ -257,6 +266,8 @@ def _default_backend(torch: Any) -> str:
 
 
 def _make_store(dist: Any, env: TorchEnv, timeout: float) -> Any:
+    """The rendezvous store. ``multi_tenant`` lets a later env:// init in the same process (a user
+    script calling init_process_group itself) reuse rank 0's server instead of failing to bind."""
     is_master = env.rank == 0
     kwargs: dict[str, Any] = {}
     if is_master and env.store_fd is not None:
@@ -264,7 +275,7 @@ def _make_store(dist: Any, env: TorchEnv, timeout: float) -> Any:
     try:
         return dist.TCPStore(
             env.master_addr, env.master_port, env.world_size, is_master,
-            timedelta(seconds=timeout), wait_for_workers=False, **kwargs,
+            timedelta(seconds=timeout), wait_for_workers=False, multi_tenant=True, **kwargs,
         )
     except (RuntimeError, OSError) as e:
         raise CommTimeout(

@@ -1,10 +1,18 @@
 """Population policies: replace weak agents by combinations of better ones.
 
-This package holds the pure decision core: who is replaced (:mod:`.selection`), with what weights
-(:mod:`.combine`), the complete :class:`Decision` (:mod:`.decision`) and hyper-parameter
-exploration (:mod:`.explore`). Higher metric is better; non-finite metrics count as worst.
+The pure decision core: who is replaced (:mod:`.selection`), with what weights (:mod:`.combine`),
+the complete :class:`Decision` (:mod:`.decision`) and hyper-parameter exploration (:mod:`.explore`).
+Higher metric is better; non-finite metrics count as worst.
+
+The mechanisms, all called as ``policy(iteration, model, optimizer, local_metric, group=None)``
+and returning ``(model, optimizer, PolicyInfo)``: :class:`AverageAll` and
+:class:`SelectiveAveraging` (synchronous, collectives), :class:`AsyncSelectiveAveraging`
+(messages and a background thread; training never waits) and :class:`OneSidedAveraging` (MPI
+one-sided windows). See ``docs/population.md``.
 """
 
+from popmesh.population.async_selective import AsyncSelectiveAveraging
+from popmesh.population.average_all import AverageAll
 from popmesh.population.combine import (
     DEFAULT_OPTIMIZER_POLICY,
     OptimizerPolicy,
@@ -16,7 +24,11 @@ from popmesh.population.combine import (
     rank_weights,
 )
 from popmesh.population.decision import Decision, decide
+from popmesh.population.events import EventLog
 from popmesh.population.explore import explore
+from popmesh.population.info import PolicyInfo
+from popmesh.population.one_sided import OneSidedAveraging
+from popmesh.population.options import Explore, SelectiveOptions
 from popmesh.population.selection import (
     AgeState,
     DonorRule,
@@ -36,8 +48,17 @@ from popmesh.population.selection import (
     update_state,
     worst_by_ratio,
 )
+from popmesh.population.selective import SelectiveAveraging
 
 __all__ = [
+    "AsyncSelectiveAveraging",
+    "AverageAll",
+    "EventLog",
+    "Explore",
+    "OneSidedAveraging",
+    "PolicyInfo",
+    "SelectiveAveraging",
+    "SelectiveOptions",
     "AgeState",
     "DEFAULT_OPTIMIZER_POLICY",
     "Decision",

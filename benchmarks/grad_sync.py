@@ -1,0 +1,272 @@
+"""Gradient averaging: popmesh's bucketed sync vs what the seed libraries do, vs the engine's floor.
+
+Model: 100 Linear(316, 316) layers = 200 parameter tensors, 10.0 M float32 elements (40 MB).
+2 ranks, gloo (torch) and MPICH (mpi), each in one run, contenders interleaved (medians of rounds):
+
+  popmesh        popmesh.torch.avg_grads(model): cached GradientSync, gradients are bucket views
+  per-tensor     one raw all-reduce per gradient, then divide (OmniSafe's avg_grads, torchgfn's
+                 average_gradients)
+  flatten        torch.cat the gradients, one raw all-reduce, divide, copy back
+  flat floor     one raw all-reduce of an already-flat 40 MB buffer (the engine's floor)
+
+and, on gloo, a full training step (zero_grad, forward, backward, sync, SGD step) with
+GradientSync(overlap=True) against torch DDP. ``--sweep`` also times GradientSync at several caps,
+and the raw engine on the 40 MB in pieces, one call after another vs all queued at once (the
+measurements behind popmesh.torch.CPU_CAP_BYTES and IN_FLIGHT).
+
+Run: .venv/bin/python benchmarks/grad_sync.py [--sweep]   (the driver launches both worlds)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import launch_json, write_result  # noqa: E402
+
+LAYERS, WIDTH, BATCH = 100, 316, 16
+SWEEP_CAPS = (256 << 10, 1 << 20, 4 << 20, 8 << 20, 16 << 20, 25 << 20, 64 << 20)
+PIECES = (1 << 20, 4 << 20, 16 << 20)
+ROUNDS = int(os.environ.get("GRAD_SYNC_ROUNDS", "21"))
+
+
+def interleave(fns: dict[str, Callable[[], object]], rounds: int, warmup: int = 2) -> dict[str, float]:
+    """Median seconds per contender, one call of each per round, the order reversed every other
+    round, so that drift and a noisy neighbour hit every contender alike. A barrier before each
+    call lines the ranks up, so a call's time is its own, not the previous call's skew."""
+    import popmesh
+
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    items = list(fns.items())
+    for r in range(rounds):
+        for name, fn in items if r % 2 == 0 else items[::-1]:
+            popmesh.barrier()
+            start = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def build_model():
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
+
+
+def fill_grads(model, rank: int) -> None:
+    import torch
+
+    gen = torch.Generator().manual_seed(rank + 1)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=gen)
+
+
+def raw_all_reduce(engine: str):
+    """The engine's own in-place SUM, bypassing popmesh."""
+    if engine == "torch":
+        import torch.distributed as dist
+
+        return lambda t: dist.all_reduce(t)
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    return lambda t: comm.Allreduce(MPI.IN_PLACE, t.numpy(), op=MPI.SUM)
+
+
+def sync_contenders(world, model, flat):
+    import torch
+
+    from popmesh.torch import avg_grads
+
+    reduce_, n = raw_all_reduce(world.engine_name), world.size
+    grads = [p.grad for p in model.parameters()]
+
+    def per_tensor() -> None:
+        for g in grads:
+            reduce_(g)
+            g.div_(n)
+
+    def flatten() -> None:
+        buf = torch.cat([g.reshape(-1) for g in grads])
+        reduce_(buf)
+        buf.div_(n)
+        offset = 0
+        for g in grads:
+            g.copy_(buf[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    avg_grads(model)  # build the cached sync; from here the gradients are its bucket views
+    grads[:] = [p.grad for p in model.parameters()]
+    return {"popmesh": lambda: avg_grads(model), "per-tensor": per_tensor, "flatten": flatten,
+            "flat floor": lambda: reduce_(flat)}
+
+
+def sweep_contenders(world, rank: int):
+    from popmesh.torch import GradientSync
+
+    fns = {}
+    for cap in SWEEP_CAPS:
+        model = build_model()
+        fill_grads(model, rank)
+        sync = GradientSync(model, cap_bytes=cap, overlap=False)
+        fns[f"cap {cap >> 10} KiB"] = sync
+    return fns
+
+
+def raw_start(engine: str):
+    """The engine's own non-blocking in-place SUM; returns a function that waits for it."""
+    if engine == "torch":
+        import torch.distributed as dist
+
+        return lambda t: dist.all_reduce(t, async_op=True).wait
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    return lambda t: comm.Iallreduce(MPI.IN_PLACE, t.numpy(), op=MPI.SUM).Wait
+
+
+def pieces_contenders(world, flat):
+    """The raw engine on the same 40 MB in pieces: blocking one by one vs all queued at once."""
+    reduce_, start = raw_all_reduce(world.engine_name), raw_start(world.engine_name)
+    fns = {}
+    for cap in PIECES:
+        parts = list(flat.split(cap // 4))
+
+        def one_by_one(parts=parts) -> None:
+            for t in parts:
+                reduce_(t)
+
+        def queued(parts=parts) -> None:
+            for wait in [start(t) for t in parts]:
+                wait()
+
+        fns[f"raw {cap >> 20} MiB pieces, one by one"] = one_by_one
+        fns[f"raw {cap >> 20} MiB pieces, all queued"] = queued
+    return fns
+
+
+def step_contenders(world):
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    from popmesh.torch import GradientSync
+
+    x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(world.rank))
+
+    def make_step(model, sync=None):
+        opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+
+        def step() -> None:
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            if sync is not None:
+                sync()
+            opt.step()
+
+        return step
+
+    ours = build_model()
+    fns = {"step popmesh overlap": make_step(ours, GradientSync(ours, overlap=True))}
+    plain = build_model()
+    fns["step popmesh no-overlap"] = make_step(plain, GradientSync(plain, overlap=False))
+    fns["step DDP"] = make_step(DistributedDataParallel(build_model()))
+    fns["step compute only"] = make_step(build_model())
+    return fns
+
+
+def worker() -> None:
+    import torch
+
+    import popmesh
+
+    torch.set_num_threads(1)
+    world = popmesh.init()
+    model = build_model()
+    fill_grads(model, world.rank)
+    flat = torch.ones(sum(p.numel() for p in model.parameters()))
+    contenders = sync_contenders(world, model, flat)
+    if "--sweep" in sys.argv:  # in the same rounds, so that every ratio compares like with like
+        contenders.update(sweep_contenders(world, world.rank))
+        contenders.update(pieces_contenders(world, flat))
+    rows = interleave(contenders, rounds=ROUNDS)
+    if world.engine_name == "torch":
+        rows.update(interleave(step_contenders(world), rounds=ROUNDS))
+    if world.is_main:
+        write_result({"engine": world.engine_name, "rows": rows,
+                      "params": sum(1 for _ in model.parameters()), "numel": flat.numel()})
+    world.finalize()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn_json(n: int, engine: str, args: list[str]) -> dict:
+    """Start a world the way tests/world/harness.py does (for when `popmesh launch` is absent)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        env = dict(os.environ, BENCH_OUT=str(out), OMP_NUM_THREADS="1", POPMESH_ENGINE=engine)
+        cmd = [sys.executable, os.path.abspath(__file__), *args]
+        if engine == "mpi":
+            exe = Path(sys.executable).with_name("mpiexec")
+            subprocess.run([str(exe), "-n", str(n), *cmd], env=env, check=True, timeout=900)
+        else:
+            port = str(_free_port())
+            procs = [subprocess.Popen(cmd, env=dict(env, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r),
+                                                    LOCAL_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1",
+                                                    MASTER_PORT=port)) for r in range(n)]
+            codes = [p.wait(timeout=900) for p in procs]
+            if any(codes):
+                raise RuntimeError(f"benchmark ranks exited with {codes}")
+        return json.loads(out.read_text())
+
+
+def run_world(engine: str, args: list[str]) -> dict:
+    if importlib.util.find_spec("popmesh.launch.cli") is not None:
+        return launch_json(os.path.abspath(__file__), 2, engine, *args, timeout=900)
+    return _spawn_json(2, engine, args)
+
+
+def report(result: dict) -> None:
+    name = "gloo" if result["engine"] == "torch" else "mpich"
+    rows = result["rows"]
+    floor, per_tensor = rows["flat floor"], rows["per-tensor"]
+    print(f"\n{name}: {result['params']} tensors, {result['numel'] / 1e6:.1f} M float32, 2 ranks")
+    print(f"{'contender':26} {'median':>10} {'/ floor':>8} {'/ per-tensor':>13}")
+    for label, t in rows.items():
+        if label.startswith("step"):
+            continue
+        print(f"{label:26} {t * 1e3:8.2f}ms {t / floor:7.2f}x {t / per_tensor:12.3f}x")
+    if "step DDP" in rows:
+        ddp = rows["step DDP"]
+        print(f"\n{'training step':26} {'median':>10} {'/ DDP':>8}")
+        for label, t in rows.items():
+            if label.startswith("step"):
+                print(f"{label[5:]:26} {t * 1e3:8.2f}ms {t / ddp:7.3f}x")
+
+
+def main() -> None:
+    args = ["--worker"] + (["--sweep"] if "--sweep" in sys.argv else [])  # --only-torch / --only-mpi: one world
+    engines = [e for e in ("torch", "mpi") if f"--only-{'mpi' if e == 'torch' else 'torch'}" not in sys.argv]
+    for engine in engines:
+        report(run_world(engine, args))
+
+
+if __name__ == "__main__":
+    worker() if "--worker" in sys.argv else main()

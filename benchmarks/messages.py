@@ -1,0 +1,96 @@
+"""Point-to-point messages through popmesh vs the raw engine call, same processes, same run: 2 ranks.
+
+Ping-pong between ranks 0 and 1. 64 MB (float32): one-way time = round trip / 2, reported as
+throughput; 4 B: round-trip latency. Contenders: ``raw`` (``dist.send/recv`` on gloo,
+``comm.Send/Recv`` on MPI, into preallocated buffers), ``popmesh`` (``popmesh.send/recv``: wire
+frame, tags, timeouts, a new receive buffer per message) and ``p2p`` (the engine's frame
+transport under it, bytes only).
+Targets: popmesh >= 0.9x raw throughput at 64 MB, <= 1.5x raw round trip at 4 B.
+Run: .venv/bin/python benchmarks/messages.py   (the driver launches both worlds itself)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import interleaved, launch_json, write_result  # noqa: E402
+
+SIZES = {"64 MB": 16 << 20, "4 B": 1}  # float32 elements
+REPS = {"64 MB": 3, "4 B": 400}
+ROUNDS = {"64 MB": 3, "4 B": 5}
+
+
+def raw_pingpong(engine: str, rank: int, numel: int):
+    if engine == "torch":
+        import torch
+        import torch.distributed as dist
+
+        buf = torch.ones(numel, dtype=torch.float32)
+        if rank == 0:
+            return lambda: (dist.send(buf, 1), dist.recv(buf, 1))
+        return lambda: (dist.recv(buf, 0), dist.send(buf, 0))
+    from mpi4py import MPI
+
+    comm, buf = MPI.COMM_WORLD, np.ones(numel, dtype=np.float32)
+    if rank == 0:
+        return lambda: (comm.Send(buf, 1), comm.Recv(buf, 1))
+    return lambda: (comm.Recv(buf, 0), comm.Send(buf, 0))
+
+
+def popmesh_pingpong(rank: int, numel: int):
+    import popmesh
+
+    data = np.ones(numel, dtype=np.float32)
+    if rank == 0:
+        return lambda: (popmesh.send(data, 1, tag=1), popmesh.recv(1, tag=1))
+    return lambda: popmesh.send(popmesh.recv(0, tag=1)[1], 0, tag=1)
+
+
+def p2p_pingpong(world, rank: int, numel: int):
+    p2p = world.engine.p2p()
+    data = np.ones(numel, dtype=np.float32).view(np.uint8)
+    if rank == 0:
+        return lambda: (p2p.send(data, 1, 2, 60), p2p.recv(1, 2, 60))
+    return lambda: p2p.send(p2p.recv(0, 2, 60)[1], 0, 2, 60)
+
+
+def worker() -> None:
+    import popmesh
+
+    world = popmesh.init()
+    rows = {}
+    for label, numel in SIZES.items():
+        fns = {"raw": raw_pingpong(world.engine_name, world.rank, numel),
+               "popmesh": popmesh_pingpong(world.rank, numel),
+               "p2p": p2p_pingpong(world, world.rank, numel)}
+        rows[label] = interleaved(fns, REPS[label], rounds=ROUNDS[label])
+        popmesh.barrier()
+    if world.is_main:
+        write_result({"engine": world.engine_name, "rows": rows})
+    popmesh.barrier()
+    world.finalize()
+
+
+def main() -> None:
+    print(f"{'engine':7} {'size':>6} {'raw':>14} {'popmesh':>14} {'p2p':>14} {'popmesh/raw':>12}")
+    for engine in ("torch", "mpi"):
+        result = launch_json(os.path.abspath(__file__), 2, engine, "--worker")
+        name = "gloo" if engine == "torch" else "mpich"
+        for label, t in result["rows"].items():
+            if label == "64 MB":
+                nbytes = SIZES[label] * 4
+                gbps = {k: 2 * nbytes / v / 1e9 for k, v in t.items()}  # two one-way transfers per round trip
+                cells = [f"{gbps[k]:9.2f} GB/s" for k in ("raw", "popmesh", "p2p")]
+                ratio = f"{t['raw'] / t['popmesh']:.2f}x thr"
+            else:
+                cells = [f"{t[k] * 1e6:9.1f} us  " for k in ("raw", "popmesh", "p2p")]
+                ratio = f"{t['popmesh'] / t['raw']:.2f}x rtt"
+            print(f"{name:7} {label:>6} {cells[0]:>14} {cells[1]:>14} {cells[2]:>14} {ratio:>12}")
+
+
+if __name__ == "__main__":
+    worker() if "--worker" in sys.argv else main()

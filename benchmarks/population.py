@@ -1,0 +1,139 @@
+"""Population policies: what they add to a training step, at the same cadence (every 10 steps).
+
+4 ranks on torch/gloo, each training its own MLP (64 → 256 → 256 → 8, ~84 k float32 parameters,
+batch 256, Adam) for a few ms per step. Contenders, each with its own model and optimizer, run
+interleaved in blocks of one cadence (10 steps), the order reversed every other round, so a noisy
+neighbour hits all of them alike:
+
+  none        the bare training step
+  average     AverageAll(every=10): all_reduce of the parameters every 10 steps
+  selective   SelectiveAveraging(every=10): all_gather of metrics, decide, one all_reduce
+  async       AsyncSelectiveAveraging(every=10): snapshot + queued metric; the rest in the background
+
+Every block starts after a barrier (not timed), so all ranks compute at once in every contender.
+Reported per contender: the median time of a 10-step block divided by 10 (the amortized step; a
+plain per-step median would hide the averaging step) on rank 0 and on the slowest rank, ratios to
+``none``, the time spent inside the policy call per step (mean over ranks: the main thread's own
+cost, without waiting noise from other contenders), the 90th percentile of single steps on rank 0,
+and the replacements applied on all ranks (a sanity check that the policies act).
+
+Run: .venv/bin/python benchmarks/population.py [--rounds N]   (the driver launches the world)
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import launch_json, write_result  # noqa: E402
+
+EVERY, WIDTH, BATCH, RANKS = 10, 256, 256, 4
+ROUNDS = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 30
+
+
+def build(seed: int):
+    import torch
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(64, WIDTH), torch.nn.ReLU(), torch.nn.Linear(WIDTH, WIDTH),
+                                torch.nn.ReLU(), torch.nn.Linear(WIDTH, 8))
+    return model, torch.optim.Adam(model.parameters(), lr=1e-3)
+
+
+class Contender:
+    """One model + optimizer + policy, trained a block of steps at a time."""
+
+    def __init__(self, name: str, policy, rank: int) -> None:
+        import torch
+
+        self.name, self.policy = name, policy
+        self.model, self.opt = build(rank)
+        gen = torch.Generator().manual_seed(rank)
+        self.x, self.y = torch.randn(BATCH, 64, generator=gen), torch.randn(BATCH, 8, generator=gen)
+        self.iteration, self.replacements = 0, 0
+        self.blocks: list[float] = []
+        self.steps: list[float] = []
+        self.in_policy = 0.0
+
+    def step(self) -> None:
+        import torch
+
+        start = time.perf_counter()
+        self.opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(self.model(self.x), self.y)
+        loss.backward()
+        self.opt.step()
+        if self.policy is not None:
+            metric, called = -loss.item(), time.perf_counter()
+            self.model, self.opt, info = self.policy(self.iteration, self.model, self.opt, metric)
+            self.in_policy += time.perf_counter() - called
+            self.replacements += int(info.replaced)
+        self.iteration += 1
+        self.steps.append(time.perf_counter() - start)
+
+    def block(self) -> None:
+        start = time.perf_counter()
+        for _ in range(EVERY):
+            self.step()
+        self.blocks.append(time.perf_counter() - start)
+
+
+def worker() -> None:
+    import numpy as np
+    import torch
+
+    import popmesh
+    from popmesh.population import AsyncSelectiveAveraging, AverageAll, ReplacementRule, SelectiveAveraging
+
+    torch.set_num_threads(1)
+    world = popmesh.init()
+    rule = ReplacementRule(ratio=0.25)
+    contenders = [
+        Contender("none", None, world.rank),
+        Contender("average", AverageAll(every=EVERY), world.rank),
+        Contender("selective", SelectiveAveraging(every=EVERY, rule=rule), world.rank),
+        Contender("async", AsyncSelectiveAveraging(every=EVERY, rule=rule), world.rank),
+    ]
+    for c in contenders:  # warm-up: one block each (first collectives, thread start)
+        c.block()
+        c.blocks.clear()
+        c.steps.clear()
+        c.in_policy = 0.0
+    for r in range(ROUNDS):
+        for c in contenders if r % 2 == 0 else contenders[::-1]:
+            popmesh.barrier()  # every block starts with all ranks computing (2 shared cores here)
+            c.block()
+    contenders[-1].policy.shutdown(timeout=60)
+    replaced = popmesh.all_reduce(np.array([c.replacements for c in contenders], dtype=np.int64))
+    medians = np.array([statistics.median(c.blocks) / EVERY for c in contenders])
+    slowest = popmesh.all_reduce(medians, "max")
+    in_policy = popmesh.all_reduce(np.array([c.in_policy / len(c.steps) for c in contenders]), "avg")
+    if world.rank == 0:
+        write_result({c.name: {"block": float(m), "slowest": float(s), "replacements": int(n), "in_policy": float(p),
+                               "p90": statistics.quantiles(c.steps, n=10)[-1]}
+                      for c, m, s, n, p in zip(contenders, medians, slowest, replaced, in_policy)})
+    world.finalize()
+
+
+def report(rows: dict) -> None:
+    base, worst = rows["none"]["block"], rows["none"]["slowest"]
+    print(f"\ntorch/gloo, {RANKS} ranks, MLP 64-{WIDTH}-{WIDTH}-8 (batch {BATCH}, Adam), policy every {EVERY} "
+          f"steps, {ROUNDS} rounds")
+    print(f"{'contender':12} {'step, rank 0':>13} {'/ none':>8} {'slowest rank':>13} {'/ none':>8} "
+          f"{'in policy':>10} {'p90 step r0':>12} {'replaced':>9}")
+    for name, row in rows.items():
+        print(f"{name:12} {row['block'] * 1e3:10.3f} ms {row['block'] / base:7.3f}x {row['slowest'] * 1e3:10.3f} ms "
+              f"{row['slowest'] / worst:7.3f}x {row['in_policy'] * 1e3:7.3f} ms {row['p90'] * 1e3:9.3f} ms "
+              f"{row['replacements']:9d}")
+
+
+def main() -> None:
+    args = ["--worker", "--rounds", str(ROUNDS)]
+    report(launch_json(os.path.abspath(__file__), RANKS, "torch", *args, timeout=900))
+
+
+if __name__ == "__main__":
+    worker() if "--worker" in sys.argv else main()

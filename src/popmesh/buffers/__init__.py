@@ -1,0 +1,28 @@
+"""The remote replay-buffer service: managers score and keep agents' batches, a coordinator aggregates.
+
+Roles come from a :class:`~popmesh.context.DistributedContext`: training ranks use a
+:class:`ReplayBufferClient`, buffer ranks run a :class:`ReplayBufferManager`, the coordinator rank
+runs a :class:`Coordinator`. Messages are pickle-free DICT frames on popmesh's reserved tags
+(:mod:`popmesh.buffers.protocol`); see ``docs/buffers.md``.
+"""
+
+from .baselines import BASELINE_STRATEGIES
+from .client import MODES, ReplayBufferClient
+from .coordinator import Coordinator
+from .manager import ManagerStats, ReplayBufferManager, novelty_score
+from .protocol import Message, MessageType, ProtocolError
+from .store import LocalStore
+
+__all__ = [
+    "BASELINE_STRATEGIES",
+    "MODES",
+    "Coordinator",
+    "LocalStore",
+    "ManagerStats",
+    "Message",
+    "MessageType",
+    "ProtocolError",
+    "ReplayBufferClient",
+    "ReplayBufferManager",
+    "novelty_score",
+]

@@ -1,0 +1,260 @@
+"""The replay-buffer manager: the loop a buffer rank runs to score and keep its agents' batches.
+
+A manager serves a fixed set of training ranks (``RankLayout.assigned_training_ranks``). For each
+DATA batch it calls ``scoring_function(batch, store)`` **before** inserting the batch, so novelty is
+measured against what the buffer held before (torchgfn inserted first, so a batch was compared with
+itself), then inserts it into a bounded FIFO store, and replies SCORE with the score and the current
+baseline. GET_METADATA is answered on its own tag. BASELINE_SYNC from the coordinator sets a global
+baseline. Each served agent ends with EXIT; once all have, the manager sends EXIT to the coordinator
+(if any) and returns after its EXIT_ACK. Malformed or unexpected messages are answered with an
+ERROR reply and logged, never fatal.
+
+Cross-rank contract: run :meth:`ReplayBufferManager.run` on the manager rank while its agents use
+:class:`~popmesh.buffers.client.ReplayBufferClient`; every served agent must eventually call
+``drain()`` (which sends EXIT).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from .. import messages
+from ..errors import CommTimeout, ConfigError
+from ..world import Comm, resolve_group
+from .baselines import check_strategy, choose_baseline, local_baseline, update_ema
+from .protocol import (COORDINATOR_TAG, METADATA_TAG, REQUEST_TAG, SCORE_TAG, Message, MessageType,
+                       ProtocolError, batch_size, from_payload, to_payload)
+from .store import LocalStore, to_numpy
+
+__all__ = ["ReplayBufferManager", "ManagerStats", "Outgoing", "ScoringFunction", "novelty_score", "send_outgoing"]
+
+logger = logging.getLogger(__name__)
+ScoringFunction = Callable[[dict[str, Any], LocalStore], "float | Mapping[str, Any]"]
+
+
+class Outgoing(NamedTuple):
+    """A message the service decided to send: to global rank ``dst`` on ``tag``."""
+
+    dst: int
+    tag: int
+    message: Message
+
+
+@dataclass
+class ManagerStats:
+    """What a manager saw: messages per type, DATA rows per sender, error replies sent."""
+
+    messages: Counter = field(default_factory=Counter)
+    rows_from: Counter = field(default_factory=Counter)
+    errors: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"messages": dict(self.messages), "rows_from": {str(k): v for k, v in self.rows_from.items()},
+                "errors": self.errors}
+
+
+def novelty_score(key: str = "states", block_rows: int = 4096) -> ScoringFunction:
+    """Score = mean over the batch's rows of the L2 distance to the nearest stored row of ``key``.
+
+    An empty store scores ``inf`` (everything is new); a batch already stored scores 0.
+    """
+    def score(batch: dict[str, Any], store: LocalStore) -> float:
+        stored = store.column(key)
+        new = to_numpy(batch[key]).reshape(batch_size(batch), -1).astype(np.float64)
+        if stored is None or len(stored) == 0:
+            return math.inf
+        old = stored.reshape(len(stored), -1).astype(np.float64)
+        nearest = np.full(len(new), np.inf)
+        for start in range(0, len(old), block_rows):
+            block = old[start:start + block_rows]
+            dist = np.sqrt(((new[:, None, :] - block[None, :, :]) ** 2).sum(-1))
+            nearest = np.minimum(nearest, dist.min(axis=1))
+        return float(nearest.mean())
+
+    return score
+
+
+def _unscored(batch: dict[str, Any], store: LocalStore) -> float:
+    return math.inf
+
+
+def send_outgoing(out: Outgoing, group: Comm | None, timeout: float | None) -> messages.SendHandle:
+    """Start sending a service message (non-blocking, so a slow reader never stalls the service)."""
+    return messages.isend(to_payload(out.message), out.dst, out.tag, group=group, timeout=timeout)
+
+
+class ReplayBufferManager:
+    """Scores, stores and answers for the training ranks in ``served`` (see the module docstring).
+
+    ``scoring_function(batch, store)`` returns a float, or a mapping with ``"score"`` and extra
+    JSON-able fields echoed in the SCORE reply; a ``"modes"`` list of strings is also reported to
+    the coordinator (MODE_REPORT). ``metadata_function(store)`` adds fields to METADATA replies.
+    Baselines: see :mod:`popmesh.buffers.baselines`; rewards are read from ``reward_key``.
+    """
+
+    def __init__(self, served: Sequence[int], *, capacity: int = 10000,
+                 scoring_function: ScoringFunction | None = None,
+                 metadata_function: Callable[[LocalStore], Mapping[str, Any]] | None = None,
+                 baseline_strategy: str = "min", baseline_percentile: float = 0.1, baseline_ema_alpha: float = 0.1,
+                 store_locally: bool = True, reward_key: str = "log_rewards", coordinator_rank: int | None = None,
+                 report_every: int = 1, group: Comm | None = None, timeout: float | None = None) -> None:
+        check_strategy(baseline_strategy, baseline_percentile, baseline_ema_alpha)
+        if not served:
+            raise ConfigError("a manager must serve at least one training rank")
+        if report_every < 1:
+            raise ConfigError(f"report_every={report_every} must be >= 1")
+        self.served = frozenset(int(r) for r in served)
+        self.store = LocalStore(capacity)
+        self.scoring_function = scoring_function or _unscored
+        self.metadata_function = metadata_function
+        self.strategy, self.percentile, self.alpha = baseline_strategy, baseline_percentile, baseline_ema_alpha
+        self.store_locally, self.reward_key = store_locally, reward_key
+        self.coordinator_rank, self.report_every = coordinator_rank, report_every
+        self.group, self.timeout = group, timeout
+        self.stats = ManagerStats()
+        self.exited: set[int] = set()
+        self._ema: float | None = None
+        self._synced: float | None = None
+        self._data_seen = 0
+
+    @classmethod
+    def from_context(cls, ctx: Any, **options: Any) -> ReplayBufferManager:
+        """A manager for this buffer rank of a :class:`~popmesh.context.DistributedContext`."""
+        if not ctx.is_buffer_rank():
+            raise ConfigError(f"rank {ctx.my_rank} is not a buffer rank: run a manager on {sorted(ctx.buffer_rank_set)}")
+        options.setdefault("coordinator_rank", ctx.coordinator_rank)
+        options.setdefault("group", ctx.world)
+        return cls(ctx.assigned_training_ranks, **options)
+
+    @property
+    def done(self) -> bool:
+        """True once every served agent has sent EXIT."""
+        return self.exited >= self.served
+
+    @property
+    def local_baseline(self) -> float | None:
+        """This manager's own estimate (ignoring a synced global baseline)."""
+        rewards = self.store.column(self.reward_key) if self.store_locally else None
+        return local_baseline(self.strategy, rewards, self.store.is_full, self._ema, self.percentile)
+
+    @property
+    def baseline(self) -> float | None:
+        """The baseline sent to agents: the synced global one if any, else the local one."""
+        return choose_baseline(self._synced, self.local_baseline)
+
+    # ---- dispatch (no communication) ---------------------------------------------------------
+    def handle(self, src: int, message: Message) -> list[Outgoing]:
+        """Apply one request from global rank ``src``; returns the messages to send."""
+        self.stats.messages[message.type.value] += 1
+        kind = message.type
+        if kind is MessageType.DATA and message.batch is not None:
+            return self._on_data(src, message.batch)
+        if kind is MessageType.GET_METADATA:
+            return [Outgoing(src, METADATA_TAG, Message(MessageType.METADATA, self.metadata()))]
+        if kind is MessageType.BASELINE_SYNC and src == self.coordinator_rank:
+            value = message.data.get("global_baseline")
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self._synced = float(value)
+            return []
+        if kind is MessageType.EXIT and src in self.served:
+            self.exited.add(src)
+            return []
+        what = "DATA without a batch" if kind is MessageType.DATA else kind.value
+        return [self.error_reply(src, f"a manager does not handle {what} from rank {src}")]
+
+    def error_reply(self, src: int, text: str) -> Outgoing:
+        """An ERROR reply to ``src`` (on its score channel), counted and logged."""
+        self.stats.errors += 1
+        logger.warning("replay-buffer manager: %s", text)
+        return Outgoing(src, SCORE_TAG, Message(MessageType.ERROR, {"error": text}))
+
+    def metadata(self) -> dict[str, Any]:
+        """Fields of a METADATA reply."""
+        data = {"stored": len(self.store), "capacity": self.store.capacity, "baseline": self.baseline,
+                "rows_received": sum(self.stats.rows_from.values()), "exited": sorted(self.exited)}
+        if self.metadata_function is not None:
+            data.update(self.metadata_function(self.store))
+        return data
+
+    def _on_data(self, src: int, batch: dict[str, Any]) -> list[Outgoing]:
+        rows = batch_size(batch)
+        score, extra = _split_score(self.scoring_function(batch, self.store))  # before inserting: novelty vs old
+        if self.store_locally:
+            self.store.add(batch)
+        if self.reward_key in batch:
+            self._ema = update_ema(self._ema, to_numpy(batch[self.reward_key]), self.alpha)
+        self.stats.rows_from[src] += rows
+        reply = {**extra, "score": score, "baseline": self.baseline, "stored": len(self.store), "rows": rows}
+        out = [Outgoing(src, SCORE_TAG, Message(MessageType.SCORE, reply))]
+        self._data_seen += 1
+        if self.coordinator_rank is not None:
+            modes = extra.get("modes")
+            if modes:
+                out.append(Outgoing(self.coordinator_rank, COORDINATOR_TAG,
+                                    Message(MessageType.MODE_REPORT, {"modes": list(modes), "training_rank": src})))
+            if self._data_seen % self.report_every == 0:
+                out.append(Outgoing(self.coordinator_rank, COORDINATOR_TAG,
+                                    Message(MessageType.BASELINE_REPORT, {"baseline": self.local_baseline})))
+        return out
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def run(self, idle_timeout: float | None = None) -> ManagerStats:
+        """Serve requests until every served agent sent EXIT; then tell the coordinator (if any).
+
+        CommTimeout if no request arrives for ``idle_timeout`` seconds (default: the world's
+        timeout), naming the agents that have not exited.
+        """
+        comm = resolve_group(self.group)
+        limit = comm.timeout if idle_timeout is None else float(idle_timeout)
+        pending: list[messages.SendHandle] = []
+        while not self.done:
+            for out in self._serve_one(comm, limit):
+                pending.append(send_outgoing(out, self.group, self.timeout))
+            pending = [h for h in pending if not h.done()]
+        if self.coordinator_rank is not None:
+            pending.append(send_outgoing(Outgoing(self.coordinator_rank, COORDINATOR_TAG, Message(MessageType.EXIT)),
+                                         self.group, self.timeout))
+            self._await_exit_ack(limit)
+        for handle in pending:
+            handle.wait(self.timeout)
+        return self.stats
+
+    def _await_exit_ack(self, limit: float) -> None:
+        """Read the coordinator's last messages (baseline syncs) up to its EXIT_ACK, so none is left in flight."""
+        assert self.coordinator_rank is not None
+        while True:
+            _, payload = messages.recv(self.coordinator_rank, REQUEST_TAG, group=self.group, timeout=limit)
+            message = from_payload(payload)
+            if message.type is MessageType.EXIT_ACK:
+                return
+            self.handle(self.coordinator_rank, message)
+
+    def _serve_one(self, comm: Comm, limit: float) -> list[Outgoing]:
+        try:
+            src, payload = messages.recv(None, REQUEST_TAG, group=self.group, timeout=limit)
+        except messages.FrameError as e:
+            return [self.error_reply(e.src, f"undecodable request from rank {e.src}: {e}")]
+        except CommTimeout as e:
+            waiting = sorted(self.served - self.exited)
+            raise CommTimeout(f"replay-buffer manager {comm.rank} got no request for {limit:g} s; agents {waiting} "
+                              "have not sent EXIT (did they crash, or forget client.drain()?)", tuple(waiting)) from e
+        try:
+            return self.handle(src, from_payload(payload))
+        except ProtocolError as e:
+            return [self.error_reply(src, f"malformed request from rank {src}: {e}")]
+
+
+def _split_score(result: Any) -> tuple[float, dict[str, Any]]:
+    if isinstance(result, Mapping):
+        if "score" not in result:
+            raise ConfigError(f"a scoring function returning a mapping must include 'score'; got keys {list(result)}")
+        return float(result["score"]), {k: v for k, v in result.items() if k != "score"}
+    return float(result), {}

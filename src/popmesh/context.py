@@ -1,0 +1,134 @@
+"""Roles to groups: the :class:`DistributedContext` of a world split by a :class:`~popmesh.topology.RankLayout`.
+
+:func:`make_context` turns a pure layout (training ranks in agent groups, replay-buffer managers, an
+optional coordinator) into Groups, the same code on every engine. It is collective: **every rank of
+the world must call it, with the same arguments**; groups are created in one fixed order (agent
+groups, then the training group, then the buffer group), and a rank list already created is reused
+rather than created twice (one agent group of all trainers *is* the training group).
+
+Attribute names and meanings mirror torchgfn's ``DistributedContext``, with global ranks
+throughout. Deliberate differences: groups are popmesh Groups (every rank holds every group;
+``is_member`` says whether it belongs), one context serves torch and MPI alike (no second mpi4py
+context that must line up by rank), and :meth:`~DistributedContext.cleanup` finalizes the world
+only when asked (torchgfn's always called ``MPI.Finalize``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .collectives import all_gather_object
+from .errors import ConfigError
+from .topology import RankLayout
+from .world import Group, World
+
+__all__ = ["DistributedContext", "make_context"]
+
+
+@dataclass(eq=False)
+class DistributedContext:
+    """Who does what in a world, and the groups each role communicates over.
+
+    ``agent_groups`` holds every agent group (in layout order) on every rank; ``agent_group_id`` is
+    this rank's group index (for a manager, the group of its first agent; 0 for the coordinator).
+    ``train_global_group`` spans all training ranks; ``buffer_group`` all managers (None without
+    buffers). ``assigned_buffer`` is the manager serving this training rank (None elsewhere);
+    ``assigned_training_ranks`` the agents this manager serves (None elsewhere).
+    """
+
+    world: World
+    layout: RankLayout
+    my_rank: int
+    world_size: int
+    num_training_ranks: int
+    agent_group_size: int
+    agent_groups: list[Group]
+    agent_group_id: int
+    train_global_group: Group
+    assigned_buffer: int | None = None
+    assigned_training_ranks: list[int] | None = None
+    buffer_group: Group | None = None
+    buffer_rank_set: set[int] = field(default_factory=set)
+    coordinator_rank: int | None = None
+    training_ranks: list[int] = field(default_factory=list)
+    _closed: bool = field(default=False, repr=False)
+
+    def is_training_rank(self) -> bool:
+        """True on ranks that train agents."""
+        return self.my_rank in self.training_ranks
+
+    def is_buffer_rank(self) -> bool:
+        """True on replay-buffer manager ranks."""
+        return self.my_rank in self.buffer_rank_set
+
+    def is_coordinator_rank(self) -> bool:
+        """True on the coordinator rank (if there is one)."""
+        return self.coordinator_rank is not None and self.my_rank == self.coordinator_rank
+
+    @property
+    def agent_group(self) -> Group | None:
+        """This training rank's agent group (None on managers and the coordinator)."""
+        return self.agent_groups[self.agent_group_id] if self.is_training_rank() else None
+
+    def cleanup(self, finalize: bool = False) -> None:
+        """Forget the groups (idempotent); with ``finalize=True`` also finalize the world.
+
+        Local only: no rank waits for the others here, so end with a barrier first if ranks must
+        agree they are done.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self.agent_groups = []
+        self.buffer_group = None
+        if finalize:
+            self.world.finalize()
+
+
+def make_context(world: World, layout: RankLayout | None = None, *, num_buffers: int = 0,
+                 num_agent_groups: int = 1, use_coordinator: bool = False) -> DistributedContext:
+    """Split ``world`` into roles and create their groups; collective over the whole world.
+
+    Without ``layout`` one is built: node-aware from ``world.hostnames`` when there are buffer
+    managers (each manager on its agents' node), else arithmetic. A ``layout`` passed in must have
+    ``world.size`` ranks and is checked to be the same on every rank (one all_gather_object).
+    """
+    if layout is None:
+        if num_buffers > 0:
+            layout = RankLayout.from_hostnames(world.hostnames, num_buffers, num_agent_groups, use_coordinator)
+        else:
+            layout = RankLayout.build(world.size, 0, num_agent_groups, use_coordinator, num_nodes=world.num_nodes)
+    else:
+        _check_layout(world, layout)
+    groups: dict[tuple[int, ...], Group] = {}
+
+    def group_of(ranks: tuple[int, ...]) -> Group:
+        if ranks not in groups:
+            groups[ranks] = world.new_group(ranks)
+        return groups[ranks]
+
+    agent_groups = [group_of(g) for g in layout.agent_groups]
+    training = group_of(layout.training_ranks)
+    buffers = group_of(tuple(layout.buffer_ranks)) if layout.buffer_ranks else None
+    rank = world.rank
+    return DistributedContext(
+        world=world, layout=layout, my_rank=rank, world_size=world.size,
+        num_training_ranks=layout.num_training_ranks, agent_group_size=layout.agent_group_size,
+        agent_groups=agent_groups, agent_group_id=layout.agent_group_id(rank), train_global_group=training,
+        assigned_buffer=layout.assigned_buffer(rank), assigned_training_ranks=layout.assigned_training_ranks(rank),
+        buffer_group=buffers, buffer_rank_set=set(layout.buffer_ranks), coordinator_rank=layout.coordinator_rank,
+        training_ranks=list(layout.training_ranks))
+
+
+def _check_layout(world: World, layout: RankLayout) -> None:
+    if layout.world_size != world.size:
+        raise ConfigError(f"the layout is for {layout.world_size} ranks but the world has {world.size}: "
+                          "build it with world_size=world.size")
+    if world.size == 1:
+        return
+    mine = layout.to_dict()
+    everyone = all_gather_object(mine, group=world)
+    differ = [r for r, other in enumerate(everyone) if other != mine]
+    if differ:
+        raise ConfigError(f"ranks {differ} passed a different RankLayout than rank {world.rank}: build the layout "
+                          "the same way on every rank (or on one rank and broadcast layout.to_dict())")

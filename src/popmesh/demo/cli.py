@@ -1,0 +1,44 @@
+"""``popmesh demo``: population RL on CartPole over a real world, one command.
+
+Registered with the CLI through the ``popmesh.commands`` entry point (see pyproject.toml).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..launch.cli import Command
+from .config import POLICIES, DemoConfig
+
+__all__ = ["COMMAND", "configure", "run_command"]
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    defaults = DemoConfig()
+    p.add_argument("--ranks", type=int, default=defaults.ranks, help=f"agents, one per rank (default {defaults.ranks})")
+    p.add_argument("--engine", choices=("torch", "mpi"), default=defaults.engine, help="engine (default torch/gloo)")
+    p.add_argument("--policy", choices=POLICIES, default=defaults.policy, help="population policy (default async)")
+    p.add_argument("--seed", type=int, default=defaults.seed, help="base seed; rank r uses seed*1000+r")
+    p.add_argument("--steps", type=int, default=defaults.steps, help=f"env steps per agent (default {defaults.steps:,})")
+    p.add_argument("--every", type=int, default=defaults.every, help="iterations between population decisions")
+    p.add_argument("--out", default=defaults.out_dir, help="where runs/<timestamp>/ goes (default ./runs)")
+    p.add_argument("--stop-at-target", action="store_true", help="stop as soon as one agent averages 475")
+    p.add_argument("--no-live", action="store_true", help="no live view, only the final summary")
+
+
+def run_command(ns: argparse.Namespace) -> int:
+    from ..launch.api import launch
+
+    config = DemoConfig(ranks=ns.ranks, engine=ns.engine, policy=ns.policy, seed=ns.seed, steps=ns.steps,
+                        every=ns.every, out_dir=ns.out, live=not ns.no_live, stop_at_target=ns.stop_at_target)
+    terminal = config.live and sys.stdout.isatty() and config.engine == "torch"
+    result = launch("popmesh.demo.worker", ["--config", json.dumps(config.to_dict())], module=True,
+                    nproc=config.ranks, engine=config.engine, quiet_others=True, rank0_terminal=terminal)
+    if result.returncode != 0:
+        print(f"popmesh demo: a rank failed (exit {result.returncode}); see the summary above", file=sys.stderr)
+    return result.returncode
+
+
+COMMAND = Command("demo", "population RL on CartPole: one agent per rank, weak agents replaced", configure, run_command)

@@ -1,0 +1,60 @@
+"""Demo settings and the per-rank diversity of the population (pure)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import ConfigError
+from .learner import Hyper
+
+__all__ = ["POLICIES", "DemoConfig", "rank_hyper", "rank_seed"]
+
+POLICIES = ("none", "average-all", "selective", "async")
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """What `popmesh demo` was asked to do."""
+
+    ranks: int = 4
+    engine: str = "torch"
+    policy: str = "async"
+    seed: int = 0
+    steps: int = 120_000
+    every: int = 10
+    ratio: float = 0.25
+    target: float = 475.0
+    out_dir: str = "runs"
+    live: bool = True
+    stop_at_target: bool = False
+
+    def __post_init__(self) -> None:
+        if self.ranks < 1:
+            raise ConfigError(f"--ranks {self.ranks}: need at least one rank")
+        if self.policy not in POLICIES:
+            raise ConfigError(f"--policy {self.policy!r}: choose one of {', '.join(POLICIES)}")
+        if self.engine not in ("torch", "mpi"):
+            raise ConfigError(f"--engine {self.engine!r}: choose torch or mpi")
+        if self.steps < 1 or self.every < 1:
+            raise ConfigError("--steps and --every must be positive")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """Distinct, reproducible seeds per rank."""
+    return int(seed) * 1000 + rank
+
+
+def rank_hyper(seed: int, rank: int) -> Hyper:
+    """Each rank draws its own learning rate (log-uniform 2e-4..6e-3) and entropy bonus, so the
+    population has good and bad agents to tell apart."""
+    rng = np.random.default_rng([seed, rank, 7])
+    lr = math.exp(rng.uniform(math.log(2e-4), math.log(6e-3)))
+    entropy = float(rng.choice([0.0, 0.005, 0.01, 0.02]))
+    return Hyper(lr=float(lr), entropy=entropy)

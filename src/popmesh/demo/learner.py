@@ -1,0 +1,186 @@
+"""A small PPO learner for CartPole-v1 on vectorised environments: one agent per rank in the demo.
+
+Deliberately compact: the demo is about what popmesh does between agents, not about RL tricks. Each
+``iterate()`` collects ``rollout`` steps from ``num_envs`` environments, then runs a few epochs of
+clipped PPO. Hyper-parameters are a small dataclass so a population can perturb them.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Hyper", "IterationStats", "CartPoleLearner", "build_policy"]
+
+
+@dataclass
+class Hyper:
+    """Per-agent hyper-parameters (the population varies ``lr`` and ``entropy``)."""
+
+    lr: float = 2.5e-3
+    entropy: float = 0.01
+    gamma: float = 0.99
+    lam: float = 0.95
+    clip: float = 0.2
+    epochs: int = 4
+    minibatches: int = 4
+    num_envs: int = 8
+    rollout: int = 64
+    hidden: int = 64
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class IterationStats:
+    """What one iteration did: env steps taken, episodes finished with their returns, PPO loss."""
+
+    steps: int
+    episode_returns: list[float] = field(default_factory=list)
+    loss: float = 0.0
+
+
+def build_policy(hidden: int) -> Any:
+    """Actor-critic MLP for CartPole (4 observations, 2 actions)."""
+    import torch.nn as nn
+
+    class ActorCritic(nn.Module):
+        """Separate actor and critic: a shared body lets the large value loss drown the policy."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.actor = nn.Sequential(nn.Linear(4, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(),
+                                       nn.Linear(hidden, 2))
+            self.critic = nn.Sequential(nn.Linear(4, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(),
+                                        nn.Linear(hidden, 1))
+
+        def forward(self, obs: Any) -> tuple[Any, Any]:
+            return self.actor(obs), self.critic(obs).squeeze(-1)
+
+    return ActorCritic()
+
+
+class CartPoleLearner:
+    """One PPO agent with its own environments, model and optimizer."""
+
+    def __init__(self, seed: int, hyper: Hyper | None = None) -> None:
+        import gymnasium as gym
+        import torch
+
+        self.hyper = hyper or Hyper()
+        self.seed = seed
+        torch.manual_seed(seed)
+        self.envs = gym.make_vec(
+            "CartPole-v1", num_envs=self.hyper.num_envs, vectorization_mode="sync",
+            vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP},
+        )
+        self.obs, _ = self.envs.reset(seed=seed)
+        self.model = build_policy(self.hyper.hidden)
+        self.optimizer = self.make_optimizer(self.model)
+        self.running = np.zeros(self.hyper.num_envs)
+        self.recent: deque[float] = deque(maxlen=20)
+        self.total_steps = 0
+
+    def make_optimizer(self, model: Any) -> Any:
+        """A fresh Adam for ``model`` (also the population's optimizer builder)."""
+        import torch
+
+        return torch.optim.Adam(model.parameters(), lr=self.hyper.lr, eps=1e-5)
+
+    def mean_return(self) -> float:
+        """Mean return of the last 20 finished episodes (NaN before the first one)."""
+        return float(np.mean(self.recent)) if self.recent else float("nan")
+
+    def iterate(self, timer: Any = None) -> IterationStats:
+        """Collect one rollout and train on it (timed as ``rollout`` and ``train`` when given a Timer)."""
+        with _section(timer, "rollout"):
+            batch, finished = self._collect()
+        with _section(timer, "train"):
+            loss = self._train(batch)
+        steps = self.hyper.rollout * self.hyper.num_envs
+        self.total_steps += steps
+        return IterationStats(steps, finished, loss)
+
+    def _collect(self) -> tuple[dict[str, Any], list[float]]:
+        import torch
+
+        hp, n = self.hyper, self.hyper.num_envs
+        obs_buf = np.zeros((hp.rollout, n, 4), np.float32)
+        act_buf, logp_buf, val_buf, rew_buf, done_buf = (np.zeros((hp.rollout, n), np.float32) for _ in range(5))
+        finished: list[float] = []
+        with torch.no_grad():
+            for t in range(hp.rollout):
+                logits, value = self.model(torch.as_tensor(self.obs, dtype=torch.float32))
+                dist = torch.distributions.Categorical(logits=logits)
+                action = dist.sample()
+                obs_buf[t], act_buf[t], logp_buf[t], val_buf[t] = self.obs, action, dist.log_prob(action), value
+                self.obs, reward, term, trunc, _ = self.envs.step(action.numpy())
+                rew_buf[t], done_buf[t] = reward, np.logical_or(term, trunc)
+                finished.extend(self._track_returns(reward, done_buf[t]))
+            _, last_value = self.model(torch.as_tensor(self.obs, dtype=torch.float32))
+        adv = _gae(rew_buf, val_buf, done_buf, last_value.numpy(), hp.gamma, hp.lam)
+        batch = {"obs": obs_buf, "act": act_buf, "logp": logp_buf, "adv": adv, "ret": adv + val_buf}
+        return {k: v.reshape((-1,) + v.shape[2:]) for k, v in batch.items()}, finished
+
+    def _track_returns(self, reward: np.ndarray, done: np.ndarray) -> list[float]:
+        self.running += reward
+        ended = [float(r) for r in self.running[done > 0]]
+        self.recent.extend(ended)
+        self.running[done > 0] = 0.0
+        return ended
+
+    def _train(self, batch: dict[str, np.ndarray]) -> float:
+        import torch
+
+        hp = self.hyper
+        data = {k: torch.as_tensor(v) for k, v in batch.items()}
+        size = data["obs"].shape[0]
+        per = size // hp.minibatches
+        loss_value = 0.0
+        for _ in range(hp.epochs):
+            order = torch.randperm(size)
+            for start in range(0, size, per):
+                idx = order[start : start + per]
+                loss = self._ppo_loss({k: v[idx] for k, v in data.items()})
+                self.optimizer.zero_grad()
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), 0.5)
+                self.optimizer.step()
+                loss_value = float(loss.detach())
+        return loss_value
+
+    def _ppo_loss(self, mb: dict[str, Any]) -> Any:
+        import torch
+
+        hp = self.hyper
+        logits, value = self.model(mb["obs"])
+        dist = torch.distributions.Categorical(logits=logits)
+        ratio = torch.exp(dist.log_prob(mb["act"]) - mb["logp"])
+        adv = (mb["adv"] - mb["adv"].mean()) / (mb["adv"].std() + 1e-8)
+        policy = -torch.min(ratio * adv, ratio.clamp(1 - hp.clip, 1 + hp.clip) * adv).mean()
+        return policy + 0.5 * ((value - mb["ret"]) ** 2).mean() - hp.entropy * dist.entropy().mean()
+
+    def close(self) -> None:
+        self.envs.close()
+
+
+def _section(timer: Any, name: str) -> Any:
+    return timer.section(name) if timer is not None else nullcontext()
+
+
+def _gae(rew: np.ndarray, val: np.ndarray, done: np.ndarray, last: np.ndarray, gamma: float, lam: float) -> np.ndarray:
+    adv = np.zeros_like(rew)
+    running = np.zeros(rew.shape[1], np.float32)
+    next_value = last
+    for t in reversed(range(rew.shape[0])):
+        alive = 1.0 - done[t]
+        delta = rew[t] + gamma * next_value * alive - val[t]
+        running = delta + gamma * lam * alive * running
+        adv[t] = running
+        next_value = val[t]
+    return adv

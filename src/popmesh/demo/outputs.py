@@ -1,0 +1,73 @@
+"""The files a demo run leaves behind: returns.png, events.jsonl and summary.json under runs/<time>/."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+__all__ = ["new_run_dir", "steps_to_target", "write_events", "write_summary", "plot_returns"]
+
+
+def new_run_dir(root: str | Path) -> Path:
+    """``root/<YYYYmmdd-HHMMSS>`` (suffixed if it exists), created."""
+    base = Path(root) / time.strftime("%Y%m%d-%H%M%S")
+    path, n = base, 1
+    while path.exists():
+        path, n = Path(f"{base}-{n}"), n + 1
+    path.mkdir(parents=True)
+    return path
+
+
+def steps_to_target(history: Sequence[dict[str, Any]], target: float) -> int | None:
+    """First global env-step count at which some rank's mean return (last 20 episodes) ≥ target.
+
+    ``history`` rows carry ``rank``, ``steps`` (that rank's steps so far), ``mean_return`` and
+    ``time``; the population's steps at a moment are summed over ranks' latest counts.
+    """
+    latest: dict[int, int] = {}
+    for row in sorted(history, key=lambda r: r["time"]):
+        latest[row["rank"]] = row["steps"]
+        value = row["mean_return"]
+        if value is not None and not math.isnan(value) and value >= target:
+            return sum(latest.values())
+    return None
+
+
+def write_events(path: Path, events: Sequence[dict[str, Any]]) -> None:
+    """One JSON object per line, in time order."""
+    with open(path, "w") as f:
+        for event in sorted(events, key=lambda e: e.get("time", 0.0)):
+            f.write(json.dumps(event) + "\n")
+
+
+def write_summary(path: Path, summary: dict[str, Any]) -> None:
+    path.write_text(json.dumps(summary, indent=2, default=float) + "\n")
+
+
+def plot_returns(path: Path, history: Sequence[dict[str, Any]], events: Sequence[dict[str, Any]],
+                 target: float) -> None:
+    """Each rank's mean return over its env steps, with replacement events marked."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 4.5), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    ranks = sorted({row["rank"] for row in history})
+    for rank in ranks:
+        rows = [r for r in history if r["rank"] == rank and r["mean_return"] is not None]
+        (line,) = ax.plot([r["steps"] for r in rows], [r["mean_return"] for r in rows], label=f"rank {rank}", lw=1.4)
+        mine = [e for e in events if e["rank"] == rank]
+        ax.plot([e["steps"] for e in mine], [e.get("metric_before") or 0.0 for e in mine], ls="none", marker="v",
+                color=line.get_color(), markeredgecolor="black", ms=7)
+    ax.axhline(target, color="green", ls="--", lw=1, label=f"target {target:g}")
+    ax.set_xlabel("environment steps (per rank)")
+    ax.set_ylabel("mean return, last 20 episodes")
+    ax.set_title("CartPole-v1: one PPO agent per rank; ▼ = replaced by an average of better agents")
+    ax.legend(loc="lower right", fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)

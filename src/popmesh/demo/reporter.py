@@ -1,0 +1,103 @@
+"""How rank 0 learns what every agent is doing without making anyone wait.
+
+Every rank sends a small JSON row per iteration to rank 0 with a non-blocking ``isend`` on the
+demo's own tag; rank 0 drains whatever has arrived between its own iterations, feeds the live view,
+and keeps the history and replacement events for the files written at the end. When rank 0 sees the
+target reached (and the run asked to stop there) it tells everyone on a second tag.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from typing import Any
+
+from .. import messages
+from ..world import World
+from .view import PopulationView, describe_event
+
+__all__ = ["Reporter", "STATS_TAG", "STOP_TAG"]
+
+STATS_TAG = 901
+STOP_TAG = 902
+
+
+class Reporter:
+    """Rank 0 collects rows and events; other ranks stream theirs."""
+
+    def __init__(self, world: World, view: PopulationView | None, target: float, stop_at_target: bool) -> None:
+        self.world, self.view, self.target, self.stop_at_target = world, view, target, stop_at_target
+        self.history: list[dict[str, Any]] = []
+        self.events: list[dict[str, Any]] = []
+        self.reached: dict[str, Any] | None = None
+        self._sends: deque[Any] = deque()
+        self._done: set[int] = set()
+        self._stop_sent = False
+        self._stats = messages.irecv(None, STATS_TAG) if world.is_main and world.size > 1 else None
+        self._stop = messages.irecv(0, STOP_TAG) if not world.is_main else None
+
+    def record(self, row: dict[str, Any], event: dict[str, Any] | None) -> None:
+        """Report this rank's latest iteration (and replacement, if one happened)."""
+        if self.world.is_main:
+            self._ingest(row, event)
+            self.drain()
+            return
+        self._sends.append(messages.isend({"row": row, "event": event}, 0, STATS_TAG))
+        while self._sends and self._sends[0].done():
+            self._sends.popleft().wait()
+
+    def should_stop(self) -> bool:
+        """True once rank 0 has seen the target reached and the run stops there."""
+        if self.world.is_main:
+            return self._stop_sent
+        return self._stop is not None and self._stop.done()
+
+    def drain(self) -> None:
+        """Rank 0: take in every message that has arrived, without blocking."""
+        while self._stats is not None and self._stats.done():
+            src, message = self._stats.wait()
+            self._stats = messages.irecv(None, STATS_TAG)
+            if message.get("done"):
+                self._done.add(src)
+            else:
+                self._ingest(message["row"], message.get("event"))
+
+    def finish(self, timeout: float = 120.0) -> None:
+        """Non-main ranks: flush sends and say done. Rank 0: wait for everyone's done."""
+        if not self.world.is_main:
+            self._sends.append(messages.isend({"done": True}, 0, STATS_TAG))
+            for handle in self._sends:
+                handle.wait(timeout)
+            return
+        deadline = time.monotonic() + timeout
+        while len(self._done) < self.world.size - 1 and time.monotonic() < deadline:
+            self.drain()
+            time.sleep(0.01)
+        for handle in self._sends:
+            handle.wait(timeout)
+        self._stats = None
+
+    def _ingest(self, row: dict[str, Any], event: dict[str, Any] | None) -> None:
+        self.history.append(row)
+        if self.view is not None:
+            self.view.update(row["rank"], steps=row["steps"], steps_per_s=row["steps_per_s"], lr=row["lr"],
+                             mean_return=math.nan if row["mean_return"] is None else row["mean_return"])
+        if event is not None:
+            self.events.append(event)
+            if self.view is not None:
+                self.view.status[event["rank"]].replaced += 1
+                self.view.add_event(describe_event(event["rank"], event["donors"], event["weights"], event["strategy"]))
+        self._check_target(row)
+
+    def _check_target(self, row: dict[str, Any]) -> None:
+        value = row["mean_return"]
+        if self.reached is None and value is not None and value >= self.target:
+            self.reached = {"rank": row["rank"], "agent_steps": row["steps"], "time": row["time"],
+                            "iteration": row["iteration"]}
+            if self.view is not None:
+                self.view.add_event(f"rank {row['rank']} reached {self.target:g} after {row['steps']:,} steps")
+            if self.stop_at_target and not self._stop_sent:
+                for rank in range(1, self.world.size):
+                    self._sends.append(messages.isend({"stop": True}, rank, STOP_TAG))
+                self._stop_sent = True

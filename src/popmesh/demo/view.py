@@ -1,0 +1,95 @@
+"""Rank 0's live view of the population: progress, a table per rank, replacement events (rich)."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["RankStatus", "PopulationView", "describe_event"]
+
+
+@dataclass
+class RankStatus:
+    steps: int = 0
+    mean_return: float = float("nan")
+    steps_per_s: float = 0.0
+    replaced: int = 0
+    lr: float = 0.0
+
+
+@dataclass
+class PopulationView:
+    """Holds what rank 0 knows and renders it; ``live=False`` prints nothing until the summary."""
+
+    ranks: int
+    total_steps: int
+    policy: str
+    live: bool = True
+    status: dict[int, RankStatus] = field(default_factory=dict)
+    events: list[str] = field(default_factory=list)
+    _live: Any = None
+    _started: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        self.status = {r: RankStatus() for r in range(self.ranks)}
+
+    def start(self) -> None:
+        if not self.live:
+            return
+        from rich.live import Live
+
+        self._live = Live(self.render(), refresh_per_second=4, transient=False)
+        self._live.start()
+
+    def update(self, rank: int, **values: Any) -> None:
+        for key, value in values.items():
+            setattr(self.status[rank], key, value)
+        self._refresh()
+
+    def add_event(self, text: str) -> None:
+        self.events.append(f"{time.monotonic() - self._started:6.1f}s  {text}")
+        self._refresh()
+
+    def stop(self) -> None:
+        if self._live is not None:
+            self._live.update(self.render())
+            self._live.stop()
+            self._live = None
+
+    def _refresh(self) -> None:
+        if self._live is not None:
+            self._live.update(self.render())
+
+    def render(self) -> Any:
+        from rich.console import Group
+        from rich.panel import Panel
+        from rich.progress_bar import ProgressBar
+        from rich.table import Table
+        from rich.text import Text
+
+        done = sum(s.steps for s in self.status.values())
+        goal = self.total_steps * self.ranks
+        header = Text(f"population of {self.ranks} CartPole agents · policy {self.policy} · "
+                      f"{done:,}/{goal:,} env steps · {time.monotonic() - self._started:5.1f}s")
+        table = Table(expand=False, box=None, padding=(0, 2))
+        for column in ("rank", "lr", "steps", "return (last 20)", "steps/s", "replaced"):
+            table.add_column(column, justify="right")
+        for rank, s in self.status.items():
+            ret = "—" if math.isnan(s.mean_return) else f"{s.mean_return:6.1f}"
+            table.add_row(str(rank), f"{s.lr:.1e}", f"{s.steps:,}", ret, f"{s.steps_per_s:,.0f}", str(s.replaced))
+        recent = "\n".join(self.events[-6:]) or "no replacements yet"
+        return Group(header, ProgressBar(total=goal, completed=min(done, goal), width=60), table,
+                     Panel(recent, title="replacement events", expand=False))
+
+
+def describe_event(replaced: int, donors: list[int], weights: list[float], strategy: str) -> str:
+    """``rank 3 ← mean(rank 0, rank 1)`` or a weighted form."""
+    names = ", ".join(f"rank {d}" for d in donors)
+    if not donors:
+        return f"rank {replaced} ← re-initialised"
+    if strategy == "mean" or len(set(round(w, 6) for w in weights)) <= 1:
+        return f"rank {replaced} ← mean({names})"
+    parts = ", ".join(f"{w:.2f}·rank {d}" for d, w in zip(donors, weights))
+    return f"rank {replaced} ← {strategy}({parts})"

@@ -1,0 +1,295 @@
+"""What every engine's point-to-point transport shares: frames, requests, matching, a loopback.
+
+An engine's p2p object moves *frames* (a uint8 array, or a list of buffers sent back to back as one
+frame) between **global** ranks on integer tags ``0 <= tag < TAG_LIMIT``. The contract, identical
+on every engine:
+
+* Messages from one sender on one tag arrive in the order they were sent; tags are independent
+  channels. A receive names a source (an int), a set of sources, or None (any source).
+* Receives are matched in the order they were posted (``irecv`` handles and blocking ``recv``), as
+  in MPI; a receive for a specific source lets messages from other ranks wait for later receives.
+* **Nothing a user sent is lost.** A receive that times out withdraws; the message it was waiting
+  for stays queued and the next receive on that channel gets it. An ``irecv`` handle whose
+  ``wait`` timed out stays posted (wait again, or drop the handle to withdraw it).
+* A send to this process's own rank is delivered locally (a copy), so a world of one can message
+  itself.
+* Every blocking call takes ``timeout`` seconds and raises CommTimeout (or PeerFailure when the
+  engine can tell the peer is gone) instead of hanging.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import weakref
+from collections import deque
+from collections.abc import Collection, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from ..errors import CommTimeout, ConfigError
+from .base import poll_until
+
+__all__ = [
+    "TAG_LIMIT", "Frame", "Item", "SendRequest", "SentRequest", "RecvRequest", "P2PBase", "LoopbackP2P",
+    "BufferPool", "frame_parts", "join_parts",
+]
+
+TAG_LIMIT = 1 << 15  # the MPI standard guarantees tags up to 32767 on every implementation
+Frame = Any  # a uint8 numpy array, a bytes-like object, or a sequence of them (sent as one frame)
+Item = tuple[int, Any]  # (source rank, uint8 array or the Exception that replaced the message)
+
+
+def frame_parts(frame: Frame) -> list[np.ndarray]:
+    """Flat uint8 views over the buffers of ``frame`` (copies only non-contiguous buffers)."""
+    buffers = frame if isinstance(frame, (list, tuple)) else [frame]
+    parts = []
+    for buf in buffers:
+        if isinstance(buf, np.ndarray):
+            arr = buf if buf.flags.c_contiguous else np.ascontiguousarray(buf)
+            parts.append(arr.reshape(-1).view(np.uint8))
+            continue
+        view = memoryview(buf)
+        if not view.c_contiguous:
+            view = memoryview(view.tobytes())
+        parts.append(np.frombuffer(view.cast("B") if view.format != "B" or view.ndim != 1 else view, np.uint8))
+    return parts
+
+
+def join_parts(parts: Sequence[np.ndarray]) -> np.ndarray:
+    """One new contiguous, writable uint8 array holding ``parts`` back to back."""
+    out = np.empty(sum(p.size for p in parts), dtype=np.uint8)
+    pos = 0
+    for p in parts:
+        out[pos:pos + p.size] = p
+        pos += p.size
+    return out
+
+
+class BufferPool:
+    """Receive buffers for large frames, reused once nothing references them any more.
+
+    A fresh multi-megabyte buffer per message costs page faults comparable to moving the bytes
+    (raw engine code reuses one buffer). Buffers handed out stay listed here; :meth:`take` reuses
+    one of the exact size whose only references are this pool's, i.e. after every array decoded
+    from it was dropped. Smaller frames get plain new buffers.
+    """
+
+    MIN_NBYTES = 1 << 20
+
+    def __init__(self, keep: int = 4) -> None:
+        self._keep = keep
+        self._bufs: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A writable uint8 buffer of ``nbytes`` that nobody else holds."""
+        if nbytes < self.MIN_NBYTES:
+            return np.empty(nbytes, dtype=np.uint8)
+        with self._lock:
+            for buf in self._bufs:
+                if buf.size == nbytes and sys.getrefcount(buf) <= 3:  # the list, ``buf`` and the call's argument
+                    return buf
+            fresh = np.empty(nbytes, dtype=np.uint8)
+            self._bufs = [*self._bufs[-(self._keep - 1):], fresh] if self._keep > 1 else [fresh]
+            return fresh
+
+
+class SendRequest(Protocol):
+    """A send in flight: ``done()`` polls; ``wait(timeout)`` blocks, raising CommTimeout/PeerFailure."""
+
+    def done(self) -> bool: ...
+    def wait(self, timeout: float) -> None: ...
+
+
+class SentRequest:
+    """A send that completed before it was returned (local delivery, eager engines)."""
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self, timeout: float) -> None:
+        return None
+
+
+class RecvRequest:
+    """A posted receive. ``done()`` polls; ``wait(timeout)`` returns ``(source, uint8 array)``.
+
+    Timing out leaves the request posted; dropping the last reference withdraws it.
+    """
+
+    __slots__ = ("sources", "tag", "_owner", "_item", "__weakref__")
+
+    def __init__(self, owner: P2PBase, sources: frozenset[int] | None, tag: int) -> None:
+        self.sources, self.tag, self._owner = sources, tag, owner
+        self._item: Item | None = None
+
+    def done(self) -> bool:
+        return self._owner._poll(self)
+
+    def wait(self, timeout: float) -> tuple[int, np.ndarray]:
+        if not self._owner._block(self, timeout):
+            raise self._owner._timeout_error(self, timeout)
+        return self.result()
+
+    def result(self) -> tuple[int, np.ndarray]:
+        """The matched message; re-raises the error that replaced it (e.g. MessageError)."""
+        assert self._item is not None, "result() before the receive completed"
+        src, data = self._item
+        if isinstance(data, BaseException):
+            raise data
+        return src, data
+
+
+class P2PBase:
+    """Tag and rank checks, posting-order matching and the blocking calls, over three engine hooks.
+
+    Subclasses implement ``_post_send(parts, dst, tag)`` (start a send to another rank),
+    ``_fetch(sources, tag)`` (take the next queued message from one of ``sources`` without
+    blocking, or None) and ``_block(req, timeout)`` (wait until ``_poll(req)`` is true).
+    """
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.size = rank, size
+        self._lock = threading.RLock()
+        self._posted: dict[int, list[weakref.ref[RecvRequest]]] = {}
+        self._local: dict[int, deque[Item]] = {}
+
+    # ---- public API --------------------------------------------------------------------------
+    def send(self, frame: Frame, dst: int, tag: int, timeout: float) -> None:
+        """Send ``frame`` to global rank ``dst``; returns once its buffers may be reused."""
+        self.isend(frame, dst, tag).wait(timeout)
+
+    def isend(self, frame: Frame, dst: int, tag: int) -> SendRequest:
+        """Start sending; keep ``frame``'s buffers unchanged until the request is done."""
+        self._check(dst, tag, "dst")
+        parts = frame_parts(frame)
+        if dst == self.rank:
+            self._deliver_local(tag, join_parts(parts))
+            return SentRequest()
+        return self._post_send(parts, dst, tag)
+
+    def recv(self, src: int | Collection[int] | None, tag: int, timeout: float) -> tuple[int, np.ndarray]:
+        """The next message on ``tag`` from ``src`` (None: any rank), as ``(source, uint8 array)``."""
+        req = self.irecv(src, tag)
+        try:
+            arrived = self._block(req, timeout)
+        finally:
+            self._withdraw(req)  # under the lock: from here on no other thread can hand ``req`` a message
+        if not arrived and req._item is None:
+            raise self._timeout_error(req, timeout)
+        return req.result()
+
+    def irecv(self, src: int | Collection[int] | None, tag: int) -> RecvRequest:
+        """Post a receive; it is matched after every receive posted before it on ``tag``."""
+        sources = self._sources(src, tag)
+        req = RecvRequest(self, sources, tag)
+        with self._lock:
+            self._posted.setdefault(tag, []).append(weakref.ref(req))
+        return req
+
+    def close(self) -> None:
+        """Release what the transport holds; override where there is something to release."""
+        return None
+
+    # ---- matching ----------------------------------------------------------------------------
+    def _poll(self, req: RecvRequest) -> bool:
+        """Match queued messages to posted receives on ``req.tag`` in posting order; True if ``req`` has one.
+
+        A message fetched for one receive goes to the *earliest* waiting receive that accepts its
+        source: it may have arrived after an earlier receive looked and found nothing.
+        """
+        with self._lock:
+            if req._item is not None:
+                return True
+            posted = self._posted.get(req.tag, [])
+            waiting: list[RecvRequest] = []
+            for ref in posted:
+                handle = ref()
+                if handle is None or handle._item is not None:
+                    continue
+                waiting.append(handle)
+                while handle._item is None:
+                    item = self._take_local(handle.sources, req.tag) or self._fetch(handle.sources, req.tag)
+                    if item is None:
+                        break
+                    owner = next(w for w in waiting if w._item is None and (w.sources is None or item[0] in w.sources))
+                    owner._item = item
+            posted[:] = [ref for ref in posted if (h := ref()) is not None and h._item is None]
+            return req._item is not None
+
+    def _withdraw(self, req: RecvRequest) -> None:
+        with self._lock:
+            posted = self._posted.get(req.tag, [])
+            for ref in posted:
+                if ref() is req:
+                    posted.remove(ref)
+                    break
+
+    def _deliver_local(self, tag: int, data: np.ndarray) -> None:
+        with self._lock:
+            self._local.setdefault(tag, deque()).append((self.rank, data))
+        self._notify()
+
+    def _take_local(self, sources: frozenset[int] | None, tag: int) -> Item | None:
+        queue = self._local.get(tag)
+        if queue and (sources is None or self.rank in sources):
+            return queue.popleft()
+        return None
+
+    # ---- checks and errors -------------------------------------------------------------------
+    def _check(self, rank: int, tag: int, what: str) -> None:
+        if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag < TAG_LIMIT:
+            raise ConfigError(f"tag={tag!r}: p2p tags are integers in [0, {TAG_LIMIT})")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.size:
+            raise ConfigError(f"{what}={rank!r} is not a rank of this world of {self.size}: pass a global rank "
+                              f"in [0, {self.size})")
+
+    def _sources(self, src: int | Collection[int] | None, tag: int) -> frozenset[int] | None:
+        if src is None:
+            self._check(self.rank, tag, "src")
+            return None
+        ranks = [src] if isinstance(src, int) else list(src)
+        for r in ranks:
+            self._check(r, tag, "src")
+        if not ranks:
+            raise ConfigError("src is an empty collection of ranks: pass None for any source")
+        return frozenset(ranks)
+
+    def _timeout_error(self, req: RecvRequest, timeout: float) -> Exception:
+        who = "any rank" if req.sources is None else f"rank(s) {sorted(req.sources)}"
+        missing = None if req.sources is None else tuple(sorted(req.sources))
+        return CommTimeout(
+            f"rank {self.rank} received no message from {who} on tag {req.tag} within {timeout:g} s. The message "
+            "is not lost if it comes later: the next receive on this channel gets it. Check that the sender sends "
+            "on this tag to this rank, or raise the timeout (timeout=..., POPMESH_TIMEOUT).", missing)
+
+    # ---- engine hooks ------------------------------------------------------------------------
+    def _post_send(self, parts: list[np.ndarray], dst: int, tag: int) -> SendRequest:
+        raise ConfigError(f"rank {self.rank} cannot send to rank {dst}: this engine only delivers to itself")
+
+    def _fetch(self, sources: frozenset[int] | None, tag: int) -> Item | None:
+        return None
+
+    def _block(self, req: RecvRequest, timeout: float) -> bool:
+        return poll_until(lambda: self._poll(req), timeout)
+
+    def _notify(self) -> None:
+        return None
+
+
+class LoopbackP2P(P2PBase):
+    """The p2p of a world of one: a rank may send to itself (delivered as a copy), nothing else."""
+
+    def __init__(self) -> None:
+        super().__init__(0, 1)
+        self._cond = threading.Condition(self._lock)
+
+    def _block(self, req: RecvRequest, timeout: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self._poll(req), timeout)
+
+    def _notify(self) -> None:
+        with self._cond:
+            self._cond.notify_all()

@@ -1,0 +1,193 @@
+"""Point-to-point messages: one framed wire format on every engine, tags, timeouts, async handles.
+
+``send(payload, dst, tag)`` / ``recv(src, tag) -> (src, payload)`` move bytes, numpy arrays, torch
+tensors (dtype and shape kept, bfloat16 included; ``device=`` on receive), JSON values and dicts of
+arrays (replay batches) between **global** ranks. Every payload is one :mod:`popmesh.wire` frame, so
+a message is the same bytes on torch and on MPI. Pickled objects travel only with
+``allow_pickle=True`` on both ends.
+
+Contract (see ``docs/messages.md``):
+
+* Messages from one sender on one tag arrive in order; tags are independent channels. ``src=None``
+  receives from any rank (of ``group``, when one is given) and returns the sender.
+* **Nothing a user sent is lost**: a receive that times out raises CommTimeout and the message it
+  was waiting for goes to the next receive on that channel. An ``irecv`` handle whose ``wait`` timed
+  out stays posted; wait again or drop it.
+* A truncated, corrupt or foreign frame raises :class:`FrameError` (a MessageError) on the receiver,
+  which consumed the bad message and keeps working.
+* Tags: user tags are ``0 <= tag < INTERNAL_TAG_BASE``; the top of the tag space is reserved for
+  popmesh's own services (:func:`internal_tag`) and rejected with ConfigError when passed as a
+  plain int.
+* Every blocking call has a timeout (the world's default when None).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Collection
+from typing import Any
+
+from .engines.p2p_base import TAG_LIMIT
+from .errors import ConfigError, MessageError
+from .wire import decode, encode
+from .world import Comm, resolve_group
+
+__all__ = [
+    "INTERNAL_TAG_BASE", "TAG_LIMIT", "BUFFERS_TAGS", "POPULATION_TAGS", "InternalTag", "internal_tag",
+    "FrameError", "SendHandle", "RecvHandle", "send", "recv", "isend", "irecv",
+]
+
+INTERNAL_TAG_BASE = TAG_LIMIT - 1024
+BUFFERS_TAGS = range(INTERNAL_TAG_BASE, INTERNAL_TAG_BASE + 64)
+POPULATION_TAGS = range(INTERNAL_TAG_BASE + 64, INTERNAL_TAG_BASE + 128)
+
+
+class InternalTag(int):
+    """A tag in popmesh's reserved range; made only by :func:`internal_tag` for popmesh's services."""
+
+
+def internal_tag(offset: int) -> InternalTag:
+    """The reserved tag ``INTERNAL_TAG_BASE + offset`` (0 <= offset < 1024), accepted by send/recv.
+
+    Offsets 0-63 belong to the replay-buffer service (:data:`BUFFERS_TAGS`), 64-127 to population
+    policies (:data:`POPULATION_TAGS`); the rest is free for future services.
+    """
+    if not 0 <= offset < TAG_LIMIT - INTERNAL_TAG_BASE:
+        raise ConfigError(f"internal tag offset {offset} is outside [0, {TAG_LIMIT - INTERNAL_TAG_BASE})")
+    return InternalTag(INTERNAL_TAG_BASE + offset)
+
+
+class FrameError(MessageError):
+    """A received message could not be decoded; ``src`` and ``tag`` say where it came from."""
+
+    def __init__(self, message: str, src: int, tag: int) -> None:
+        super().__init__(message)
+        self.src, self.tag = src, tag
+
+
+def _tag(tag: Any) -> int:
+    if isinstance(tag, InternalTag):
+        return int(tag)
+    try:
+        value = operator.index(tag)
+    except TypeError:
+        raise ConfigError(f"tag={tag!r} must be an integer in [0, {INTERNAL_TAG_BASE})") from None
+    if isinstance(tag, bool) or not 0 <= value < INTERNAL_TAG_BASE:
+        reserved = INTERNAL_TAG_BASE <= value < TAG_LIMIT
+        raise ConfigError(f"tag={tag!r} " + (
+            f"is reserved for popmesh's own services ([{INTERNAL_TAG_BASE}, {TAG_LIMIT})): pick a tag below "
+            f"{INTERNAL_TAG_BASE}" if reserved else f"must be an integer in [0, {INTERNAL_TAG_BASE})"))
+    return value
+
+
+def _setup(group: Comm | None, timeout: float | None, what: str) -> tuple[Comm, Any, float]:
+    comm = resolve_group(group)
+    comm.require_member(what)
+    seconds = comm.timeout if timeout is None else float(timeout)
+    if not seconds > 0:
+        raise ConfigError(f"{what}: timeout={timeout} must be positive")
+    engine = comm.world.engine
+    if not hasattr(engine, "p2p"):
+        raise ConfigError(f"the {engine.name} engine has no point-to-point messages: use the torch or mpi engine")
+    return comm, engine.p2p(), seconds
+
+
+def _member(comm: Comm, rank: Any, what: str) -> int:
+    try:
+        value = operator.index(rank)
+    except TypeError:
+        raise ConfigError(f"{what}={rank!r} must be an integer global rank") from None
+    if value not in comm.ranks:
+        raise ConfigError(f"{what}={rank} is not a rank of {comm!r}: pass the global rank of a member")
+    return value
+
+
+def _sources(comm: Comm, src: int | Collection[int] | None) -> int | frozenset[int] | None:
+    if src is None:
+        return None if comm.size == comm.world.size else frozenset(comm.ranks)
+    if isinstance(src, Collection):
+        return frozenset(_member(comm, r, "src") for r in src)
+    return _member(comm, src, "src")
+
+
+def _decode(src: int, tag: int, frame: Any, allow_pickle: bool, device: Any) -> Any:
+    try:
+        return decode(frame, allow_pickle=allow_pickle, device=device)
+    except MessageError as e:
+        raise FrameError(f"message from rank {src} on tag {tag}: {e}", src, tag) from e
+
+
+def send(payload: Any, dst: int, tag: int = 0, *, group: Comm | None = None, timeout: float | None = None,
+         allow_pickle: bool = False) -> None:
+    """Send ``payload`` to global rank ``dst``; returns once ``payload`` may be changed again.
+
+    ``dst`` must be a member of ``group`` (default: the world). Raises MessageError if the payload
+    needs pickle and ``allow_pickle`` is False, CommTimeout/PeerFailure if it cannot be delivered.
+    """
+    isend(payload, dst, tag, group=group, allow_pickle=allow_pickle, timeout=timeout).wait()
+
+
+def recv(src: int | Collection[int] | None = None, tag: int = 0, *, group: Comm | None = None,
+         timeout: float | None = None, allow_pickle: bool = False, device: Any = None) -> tuple[int, Any]:
+    """The next message on ``tag`` from global rank ``src`` (None: any member of ``group``): ``(src, payload)``.
+
+    Tensors come back on ``device`` (None: CPU; ``"same"``: the sender's device type). CommTimeout
+    after ``timeout`` seconds, the message staying queued for the next receive; FrameError if it
+    cannot be decoded.
+    """
+    comm, p2p, seconds = _setup(group, timeout, "recv")
+    value = _tag(tag)
+    sender, frame = p2p.recv(_sources(comm, src), value, seconds)
+    return sender, _decode(sender, value, frame, allow_pickle, device)
+
+
+class SendHandle:
+    """A send in flight: ``done()`` polls; ``wait(timeout)`` blocks until ``payload`` may be changed."""
+
+    def __init__(self, request: Any, timeout: float) -> None:
+        self._request, self._timeout = request, timeout
+
+    def done(self) -> bool:
+        return bool(self._request.done())
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the send completed (CommTimeout after ``timeout`` s, default the world's)."""
+        self._request.wait(self._timeout if timeout is None else float(timeout))
+
+
+class RecvHandle:
+    """A posted receive: ``done()`` polls; ``wait(timeout)`` returns ``(src, payload)``.
+
+    Receives are matched in the order they were posted. After a timed-out ``wait`` the receive stays
+    posted; dropping the handle withdraws it.
+    """
+
+    def __init__(self, request: Any, timeout: float, allow_pickle: bool, device: Any) -> None:
+        self._request, self._timeout = request, timeout
+        self._allow_pickle, self._device = allow_pickle, device
+        self._result: tuple[int, Any] | None = None
+
+    def done(self) -> bool:
+        return self._result is not None or bool(self._request.done())
+
+    def wait(self, timeout: float | None = None) -> tuple[int, Any]:
+        """Block until a message arrives (CommTimeout after ``timeout`` s) and return ``(src, payload)``."""
+        if self._result is None:
+            src, frame = self._request.wait(self._timeout if timeout is None else float(timeout))
+            self._result = src, _decode(src, self._request.tag, frame, self._allow_pickle, self._device)
+        return self._result
+
+
+def isend(payload: Any, dst: int, tag: int = 0, *, group: Comm | None = None, timeout: float | None = None,
+          allow_pickle: bool = False) -> SendHandle:
+    """Start sending ``payload``; leave its arrays unchanged until the handle is done."""
+    comm, p2p, seconds = _setup(group, timeout, "isend")
+    frame = encode(payload, allow_pickle=allow_pickle)
+    return SendHandle(p2p.isend(frame, _member(comm, dst, "dst"), _tag(tag)), seconds)
+
+
+def irecv(src: int | Collection[int] | None = None, tag: int = 0, *, group: Comm | None = None,
+          timeout: float | None = None, allow_pickle: bool = False, device: Any = None) -> RecvHandle:
+    """Post a receive; ``wait()`` returns ``(src, payload)`` like :func:`recv`."""
+    comm, p2p, seconds = _setup(group, timeout, "irecv")
+    return RecvHandle(p2p.irecv(_sources(comm, src), _tag(tag)), seconds, allow_pickle, device)

@@ -1,0 +1,143 @@
+"""The coordinator side of the asynchronous policy: collect metrics, decide, dispatch, say FIN.
+
+Runs inside a trainer's background thread (the group's first rank by default) or in the calling
+thread of a dedicated coordinator rank (:meth:`AsyncSelectiveAveraging.coordinate`). Like the
+trainer side it only polls, and only uses :mod:`popmesh.messages` on internal tags.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from popmesh.errors import CommTimeout, PeerFailure
+from popmesh.messages import irecv, isend
+from popmesh.population.async_protocol import Channels, CoordinatorBook, decision_message, parse_up
+from popmesh.population.decision import Decision
+from popmesh.population.options import SelectiveOptions
+from popmesh.population.selection import update_state
+from popmesh.world import World
+
+__all__ = ["CoordinatorLink", "involved"]
+
+
+def involved(decision: Decision) -> list[int]:
+    """Group ranks a decision is sent to: the replaced and their donors."""
+    return sorted(set(decision.replaced) | set(decision.donor_ranks))
+
+
+class CoordinatorLink:
+    """Coordinate the training ranks ``ranks`` (global, group order) from global rank ``world.rank``."""
+
+    def __init__(self, world: World, ranks: Sequence[int], tags: Channels, options: SelectiveOptions,
+                 timeout: float) -> None:
+        self.world, self.ranks, self.tags, self.options = world, list(ranks), tags, options
+        self.timeout = timeout
+        self.book = CoordinatorBook(len(self.ranks))
+        self.state = options.init_state(len(self.ranks))
+        self._up = irecv(self.ranks, tags.up, group=world)
+        self._sends: list[Any] = []
+        self._dispatched_at = 0.0
+        self.decisions = 0
+        self.finished = False
+
+    def poll(self) -> bool:
+        """Take every up message that arrived, decide if a complete iteration is ready, FIN at the end."""
+        progress = self._reap()
+        while self._up.done():
+            src, row = self._up.wait()
+            self._up = irecv(self.ranks, self.tags.up, group=self.world)
+            kind, iteration, metric, fingerprint = parse_up(row)
+            self.book.record(kind, self.ranks.index(src), iteration, metric, fingerprint)
+            progress = True
+        ready = self.book.next_decision()
+        if ready is not None:
+            self._dispatch(*ready)
+            progress = True
+        if not self.finished and self.book.finished():
+            for dst in self.ranks:
+                self._sends.append(isend({"kind": "fin"}, dst, self.tags.down, group=self.world))
+            self.finished = True
+            progress = True
+        self._check_liveness()
+        return progress
+
+    def _reap(self) -> bool:
+        before = len(self._sends)
+        still = []
+        for handle in self._sends:
+            if handle.done():
+                handle.wait(self.timeout)
+            else:
+                still.append(handle)
+        self._sends = still
+        return len(still) != before
+
+    def _dispatch(self, iteration: int, metrics: list[float]) -> None:
+        decision = self.options.decide(metrics, iteration, self.state)
+        self.state = update_state(self.state, decision.replaced, iteration)
+        if not decision.replaced:
+            return
+        message = decision_message(decision, self.ranks, metrics)
+        for g in involved(decision):
+            self._sends.append(isend(message, self.ranks[g], self.tags.down, group=self.world))
+        self.book.dispatched(decision.replaced)
+        self._dispatched_at = time.monotonic()
+        self.decisions += 1
+
+    def _check_liveness(self) -> None:
+        now = time.monotonic()
+        stalled = self.book.stalled(now, self.timeout)
+        if stalled is not None:
+            it, missing = stalled
+            self._raise_missing([self.ranks[r] for r in missing],
+                                f"ranks {[self.ranks[r] for r in missing]} sent no metric for iteration {it} "
+                                f"within {self.timeout:g} s while the others did")
+        if self.book.in_flight and now - self._dispatched_at > 2 * self.timeout:
+            late = [self.ranks[r] for r in self.book.missing_acks()]
+            self._raise_missing(late, f"replaced ranks {late} did not finish their replacement within "
+                                      f"{2 * self.timeout:g} s")
+
+    def _raise_missing(self, ranks: list[int], what: str) -> None:
+        probe = irecv(ranks, self.tags.up, group=self.world)
+        try:
+            probe.wait(0.05)  # the engine names dead ranks (PeerFailure) when it can tell
+        except PeerFailure as e:
+            raise PeerFailure(f"population coordinator: {what}; {e}", e.ranks) from e
+        except CommTimeout:
+            pass
+        raise CommTimeout(f"population coordinator: {what}. Did they die, or do they call the policy with "
+                          "other iterations?", tuple(ranks))
+
+    def missing_byes(self) -> list[int]:
+        """Global ranks that have not said BYE yet."""
+        return [g for i, g in enumerate(self.ranks) if i not in self.book.byes]
+
+    def check_shutdown(self, since: float, timeout: float) -> None:
+        """Raise if the trainers have not all said BYE within ``timeout`` seconds of ``since``."""
+        if not self.finished and time.monotonic() - since > timeout:
+            missing = self.missing_byes()
+            if missing:
+                self._raise_missing(missing, f"ranks {missing} did not shut the policy down within {timeout:g} s")
+            late = [self.ranks[r] for r in self.book.missing_acks()]
+            raise CommTimeout(f"population coordinator: replaced ranks {late} did not finish their replacement "
+                              f"within {timeout:g} s of shutdown", tuple(late))
+
+    def abort(self, reason: str) -> None:
+        """Tell every trainer that coordination stopped (best effort, no waiting)."""
+        for dst in self.ranks:
+            try:
+                isend({"kind": "abort", "reason": reason}, dst, self.tags.down, group=self.world)
+            except Exception:  # noqa: BLE001 - a dead peer cannot be told anything
+                pass
+
+    def drain(self, timeout: float) -> None:
+        """Wait for every send in flight to complete."""
+        for handle in self._sends:
+            handle.wait(timeout)
+        self._sends = []
+
+    def close(self) -> None:
+        """Withdraw the posted receive."""
+        self._up = None

@@ -1,0 +1,162 @@
+"""The asynchronous policy's messages and the coordinator's bookkeeping: pure, no communication.
+
+Three channels per policy instance, on popmesh-internal tags (:data:`popmesh.messages.POPULATION_TAGS`):
+
+* **up** (trainer → coordinator), one float64 row ``[kind, iteration, metric, fingerprint]`` where
+  kind is METRIC, ACK (a replaced rank has combined its donors' weights for a decision) or BYE
+  (the rank is shutting down: it sends nothing more but keeps serving until FIN);
+* **down** (coordinator → trainer), JSON: a decision (``Decision.to_dict()`` over group ranks plus
+  the global ``ranks`` and the metrics), ``fin`` (everyone said BYE: stop) or ``abort`` (the
+  coordinator failed: the reason);
+* **data** (donor → replaced), a dict of arrays: ``meta`` ``[snapshot iteration, decision
+  iteration]``, ``p/<dtype>`` flat weights, ``o/<index>/<key>`` optimizer state.
+
+One channel carries each direction, so per-sender order holds: a rank's metrics always precede
+its BYE, and a decision always precedes FIN.
+
+:class:`CoordinatorBook` decides *when* to decide: at most one decision in flight (until every
+replaced rank acknowledged), always on the newest iteration whose metrics are complete (older
+complete ones are skipped), FIN once every rank said BYE and nothing is in flight.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from popmesh.errors import ConfigError
+from popmesh.messages import INTERNAL_TAG_BASE, POPULATION_TAGS, internal_tag
+
+__all__ = [
+    "METRIC", "ACK", "BYE", "MAX_INSTANCES", "Channels", "channels", "up_row", "parse_up", "decision_message",
+    "metrics_by_rank", "CoordinatorBook",
+]
+
+METRIC, ACK, BYE = 0, 1, 2
+_PER_INSTANCE = 3
+MAX_INSTANCES = len(POPULATION_TAGS) // _PER_INSTANCE
+
+
+@dataclass(frozen=True)
+class Channels:
+    """The three internal tags of one policy instance."""
+
+    up: int
+    down: int
+    data: int
+
+
+def channels(instance: int) -> Channels:
+    """Tags of policy instance ``instance`` (0 ≤ instance < MAX_INSTANCES)."""
+    if isinstance(instance, bool) or not isinstance(instance, int) or not 0 <= instance < MAX_INSTANCES:
+        raise ConfigError(f"channel={instance!r}: asynchronous policies use channels 0..{MAX_INSTANCES - 1}; "
+                          "pass channel= explicitly (the same on every rank) when creating more policies")
+    base = POPULATION_TAGS.start - INTERNAL_TAG_BASE + _PER_INSTANCE * instance
+    return Channels(*(internal_tag(base + i) for i in range(_PER_INSTANCE)))
+
+
+def up_row(kind: int, iteration: int, metric: float = math.nan, fingerprint: int = 0) -> np.ndarray:
+    """The float64 row a trainer sends up (fingerprints are 52-bit, exact in float64)."""
+    return np.array([kind, iteration, metric, fingerprint], dtype=np.float64)
+
+
+def parse_up(row: Any) -> tuple[int, int, float, int]:
+    """``(kind, iteration, metric, fingerprint)`` from an up row; ConfigError for anything else."""
+    a = np.asarray(row, dtype=np.float64).reshape(-1)
+    if a.size != 4 or int(a[0]) not in (METRIC, ACK, BYE):
+        raise ConfigError(f"not an asynchronous-policy message: {a[:8].tolist()}")
+    return int(a[0]), int(a[1]), float(a[2]), int(a[3])
+
+
+def decision_message(decision: Any, ranks: Sequence[int], metrics: Sequence[float]) -> dict[str, Any]:
+    """The JSON sent down to the ranks a decision involves (non-finite metrics as null)."""
+    return {"kind": "decision", "decision": decision.to_dict(), "ranks": [int(r) for r in ranks],
+            "metrics": [m if math.isfinite(m) else None for m in metrics]}
+
+
+@dataclass
+class CoordinatorBook:
+    """Metrics per iteration, the decision in flight and who said BYE, for a group of ``n`` (group ranks)."""
+
+    n: int
+    max_pending: int = 64
+    buckets: dict[int, dict[int, float]] = field(default_factory=dict)
+    opened: dict[int, float] = field(default_factory=dict)
+    fingerprints: dict[int, int] = field(default_factory=dict)
+    in_flight: set[int] = field(default_factory=set)
+    byes: set[int] = field(default_factory=set)
+    decided_upto: int = -1
+    skipped: int = 0
+
+    def record(self, kind: int, rank: int, iteration: int, metric: float, fingerprint: int,
+               now: float | None = None) -> None:
+        """Book one up message from group rank ``rank``."""
+        if kind == METRIC:
+            self._metric(rank, iteration, metric, fingerprint, time.monotonic() if now is None else now)
+        elif kind == ACK:
+            self.in_flight.discard(rank)
+        else:
+            self.byes.add(rank)
+
+    def _metric(self, rank: int, iteration: int, metric: float, fingerprint: int, now: float) -> None:
+        known = self.fingerprints.setdefault(rank, fingerprint)
+        if known != fingerprint or len(set(self.fingerprints.values())) > 1:
+            per_rank = ", ".join(f"group rank {r}: {p:#x}" for r, p in sorted(self.fingerprints.items()))
+            raise ConfigError(f"model layouts differ across the group ({per_rank}; now {fingerprint:#x} from "
+                              f"group rank {rank}): every agent must have the same architecture")
+        if iteration <= self.decided_upto:
+            return
+        self.buckets.setdefault(iteration, {})[rank] = metric
+        self.opened.setdefault(iteration, now)
+        while len(self.buckets) > self.max_pending:
+            oldest = min(self.buckets)
+            del self.buckets[oldest]
+            self.opened.pop(oldest, None)
+
+    def next_decision(self) -> tuple[int, list[float]] | None:
+        """The newest complete iteration and its metrics (index = group rank) if one may be decided now;
+        older complete iterations are dropped and counted in ``skipped``."""
+        if self.in_flight:
+            return None
+        complete = [it for it, b in self.buckets.items() if len(b) == self.n]
+        if not complete:
+            return None
+        newest = max(complete)
+        self.skipped += len(complete) - 1
+        metrics = [self.buckets[newest][r] for r in range(self.n)]
+        for it in [it for it in self.buckets if it <= newest]:
+            del self.buckets[it]
+            self.opened.pop(it, None)
+        self.decided_upto = newest
+        return newest, metrics
+
+    def dispatched(self, replaced: Sequence[int]) -> None:
+        """A decision went out: wait for an ACK from each of ``replaced``."""
+        self.in_flight = set(int(r) for r in replaced)
+
+    def finished(self) -> bool:
+        """Every rank said BYE and no decision is in flight: send FIN."""
+        return len(self.byes) == self.n and not self.in_flight
+
+    def stalled(self, now: float, timeout: float) -> tuple[int, list[int]] | None:
+        """``(iteration, missing group ranks)`` of the oldest incomplete iteration older than ``timeout``
+        seconds, if any: those ranks stopped reporting (died, or are far behind)."""
+        for it in sorted(self.opened):
+            missing = [r for r in range(self.n) if r not in self.buckets[it] and r not in self.byes]
+            if now - self.opened[it] > timeout and missing:
+                return it, missing
+        return None
+
+    def missing_acks(self) -> list[int]:
+        """Replaced group ranks that have not acknowledged the decision in flight."""
+        return sorted(self.in_flight)
+
+
+def metrics_by_rank(ranks: Sequence[int], metrics: Sequence[float | None]) -> Mapping[int, float]:
+    """Global rank → metric, null (JSON) back to NaN."""
+    return {int(g): (math.nan if m is None else float(m)) for g, m in zip(ranks, metrics)}

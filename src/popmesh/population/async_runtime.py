@@ -1,0 +1,174 @@
+"""The background thread of an asynchronous policy, and what it shares with the main thread.
+
+The main thread only touches in-process state under a lock: it queues metric rows, hands over
+weight snapshots, and takes combined replacements. All communication (point-to-point messages
+on internal tags) happens in the background thread, which polls and sleeps with a back-off
+between 0.5 ms and ``poll_interval`` when idle.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+import numpy as np
+
+from popmesh.errors import CommTimeout, PopmeshError
+from popmesh.population.async_coordinator import CoordinatorLink
+from popmesh.population.async_protocol import BYE, Channels, up_row
+from popmesh.population.async_trainer import Pending, Snapshot, TrainerLink
+from popmesh.population.options import SelectiveOptions
+from popmesh.world import World
+
+__all__ = ["Runtime", "surface"]
+
+_MIN_PAUSE = 5e-4
+_GRACE = 2.0
+
+
+class Runtime:
+    """One policy instance's background thread for the training ranks ``ranks`` (global)."""
+
+    def __init__(self, world: World, ranks: Sequence[int], coordinator: int, tags: Channels,
+                 options: SelectiveOptions, timeout: float, poll_interval: float) -> None:
+        self.timeout, self.poll_interval = timeout, poll_interval
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._abort = threading.Event()
+        self.done = threading.Event()
+        self._outbox: deque[np.ndarray] = deque()
+        self._snapshot: Snapshot | None = None
+        self._pending: Pending | None = None
+        self.error: BaseException | None = None
+        self._shutdown_at: float | None = None
+        self._shutdown_s = timeout
+        self._bye_sent = False
+        self.trainer = TrainerLink(world, coordinator, tags, timeout, self.latest, self._deliver)
+        self.coordinator = (CoordinatorLink(world, ranks, tags, options, timeout)
+                            if world.rank == coordinator else None)
+        self._thread = threading.Thread(target=self._run, name=f"popmesh-population-{world.rank}", daemon=True)
+        self._thread.start()
+
+    # ---- main thread ---------------------------------------------------------------------------
+    def post(self, row: np.ndarray, snapshot: Snapshot) -> None:
+        """Hand over this cadence's snapshot, then queue its metric row."""
+        with self._lock:
+            self._snapshot = snapshot
+            self._outbox.append(row)
+
+    def take_pending(self) -> Pending | None:
+        """The replacement combined since the last call, if any (each is returned once)."""
+        with self._lock:
+            pending, self._pending = self._pending, None
+        return pending
+
+    def request_shutdown(self, timeout: float) -> None:
+        """Say BYE (after every queued metric) and keep serving until the coordinator's FIN; the
+        coordinator gives up on missing ranks after ``timeout`` s, the others ``_GRACE`` s later
+        (so they hear the coordinator's reason)."""
+        with self._lock:
+            if self._shutdown_at is None:
+                self._shutdown_at, self._shutdown_s = time.monotonic(), float(timeout)
+        self._wake.set()
+
+    def join(self, timeout: float) -> None:
+        """Wait for the thread to finish (``timeout`` plus grace for its own, more precise errors); if it
+        still runs, stop it and raise CommTimeout saying what it waited for."""
+        if not self.done.wait(timeout + 2 * _GRACE):
+            waiting = self.waiting_for()
+            self._abort.set()
+            self._wake.set()
+            self._thread.join(1.0)
+            raise CommTimeout(f"the asynchronous population policy did not shut down within {timeout:g} s: "
+                              f"still waiting for {waiting}. Every training rank must call shutdown() (or exit)")
+        self._thread.join(1.0)
+
+    def waiting_for(self) -> str:
+        parts = [self.trainer.waiting_for()]
+        if self.coordinator is not None and not self.coordinator.finished:
+            parts.append(f"BYE from ranks {self.coordinator.missing_byes()}")
+        return "; ".join(parts)
+
+    # ---- background thread ---------------------------------------------------------------------
+    def latest(self) -> Snapshot | None:
+        with self._lock:
+            return self._snapshot
+
+    def _deliver(self, pending: Pending) -> None:
+        with self._lock:
+            self._pending = pending
+
+    def _run(self) -> None:
+        pause = _MIN_PAUSE
+        try:
+            while not self._abort.is_set():
+                if self._step():
+                    pause = _MIN_PAUSE
+                else:
+                    pause = min(pause * 2, self.poll_interval)
+                if self._finished():
+                    self._drain()
+                    break
+                self._wake.wait(pause)
+                self._wake.clear()
+        except BaseException as e:  # noqa: BLE001 - surfaced to the main thread
+            self.error = e
+            if self.coordinator is not None:
+                self.coordinator.abort(f"{type(e).__name__}: {e}")
+        finally:
+            self.trainer.close()
+            if self.coordinator is not None:
+                self.coordinator.close()
+            self.done.set()
+
+    def _step(self) -> bool:
+        progress = self._flush_outbox()
+        progress |= self.trainer.poll()
+        if self.coordinator is not None:
+            progress |= self.coordinator.poll()
+        self._check_shutdown()
+        return progress
+
+    def _flush_outbox(self) -> bool:
+        with self._lock:
+            rows = list(self._outbox)
+            self._outbox.clear()
+            say_bye = self._shutdown_at is not None and not self._bye_sent
+            self._bye_sent |= say_bye
+        for row in rows:
+            self.trainer.send_up(row)
+        if say_bye:
+            self.trainer.send_up(up_row(BYE, -1))
+        return bool(rows) or say_bye
+
+    def _check_shutdown(self) -> None:
+        since = self._shutdown_at
+        if since is None:
+            return
+        if self.coordinator is not None:
+            self.coordinator.check_shutdown(since, self._shutdown_s)
+        elif not self.trainer.finished and time.monotonic() - since > self._shutdown_s + _GRACE:
+            raise CommTimeout(f"shutdown: no FIN from the population coordinator (rank {self.trainer.coordinator}) "
+                              f"within {self._shutdown_s + _GRACE:g} s: still waiting for "
+                              f"{self.trainer.waiting_for()}", (self.trainer.coordinator,))
+
+    def _drain(self) -> None:
+        """Let the last sends (FIN, ACK, BYE) complete before the thread ends."""
+        self.trainer.drain(self.timeout)
+        if self.coordinator is not None:
+            self.coordinator.drain(self.timeout)
+
+    def _finished(self) -> bool:
+        return self.trainer.finished and (self.coordinator is None or self.coordinator.finished)
+
+
+def surface(error: BaseException | None) -> None:
+    """Re-raise a background failure in the main thread as a popmesh error."""
+    if error is None:
+        return
+    if isinstance(error, PopmeshError):
+        raise error
+    raise PopmeshError(f"the asynchronous population policy's background thread failed: "
+                       f"{type(error).__name__}: {error}") from error
+

@@ -1,0 +1,203 @@
+"""AsyncSelectiveAveraging: selective averaging where training never waits.
+
+At a decision point each rank snapshots its weights (a copy taken between optimizer steps, so a
+donor never streams a tensor the optimizer is modifying) and queues its metric for the
+coordinator. The coordinator decides with the same pure :func:`~popmesh.population.decide` as the
+synchronous policy and instructs the ranks involved; donors stream their snapshot; the replaced
+rank combines in its background thread, and its main thread swaps the result in at its next
+policy call. All of it runs over :mod:`popmesh.messages` on popmesh-internal tags, from one
+background thread per rank; no collective is issued from that thread.
+
+Fixes over torchgfn's ``AsyncSelectiveAveragingPolicy``: combined weights are actually applied;
+the coordinator (rank 0 by default) may itself donate or be replaced; momentum and the group are
+honoured (group ranks, group size); ``weighted_mean`` favours better donors; one decision at a
+time, so parameter streams never interleave; shutdown is a handshake with a timeout, and a dead
+peer surfaces as PeerFailure/CommTimeout instead of a hang.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+import weakref
+from typing import Any
+
+from popmesh.errors import ConfigError, PopmeshError
+from popmesh.population.async_coordinator import CoordinatorLink
+from popmesh.population.async_protocol import METRIC, Channels, channels, up_row
+from popmesh.population.async_runtime import Runtime, surface
+from popmesh.population.async_trainer import Pending, Snapshot
+from popmesh.population.combine import OptimizerPolicy
+from popmesh.population.events import EventLog, replacement_event
+from popmesh.population.info import Clock, PolicyInfo
+from popmesh.population.model_state import layout_of, model_tensors, optimizer_tensors, snapshot
+from popmesh.population.options import SelectiveOptions, check_metric, due
+from popmesh.population.replace import apply_replacement
+from popmesh.world import Comm, resolve_group
+
+__all__ = ["AsyncSelectiveAveraging"]
+
+_INSTANCES = itertools.count()
+
+
+class AsyncSelectiveAveraging:
+    """Asynchronous selective averaging (same options as :class:`SelectiveAveraging`), plus:
+
+    * ``coordinator``: global rank that decides. Default: the group's first rank, which also trains
+      (and may donate or be replaced). A rank outside the group (a topology's coordinator rank)
+      must call :meth:`coordinate` with the training group instead of training.
+    * ``channel``: which of popmesh's internal tag sets this instance uses; by default instances
+      take channels in creation order, so create policies in the same order on every rank.
+    * ``poll_interval``: the background thread's longest idle sleep (seconds).
+
+    A replacement decided at iteration ``t`` is applied at a later call of the replaced rank;
+    ``info.decision_iteration`` says which. Cross-rank contract: every rank of the group calls the
+    policy with metrics at the same decision iterations (it may get there at its own pace) and
+    calls :meth:`shutdown` at the end (also run at exit). Errors of the background thread (a dead
+    peer: PeerFailure / CommTimeout) are raised at the next call or at shutdown.
+    """
+
+    name = "async_selective"
+
+    def __init__(self, every: int, *, coordinator: int | None = None, channel: int | None = None,
+                 poll_interval: float = 0.02, **options: Any) -> None:
+        self.options = SelectiveOptions.build(every, options, "AsyncSelectiveAveraging")
+        if coordinator is not None and (isinstance(coordinator, bool) or not isinstance(coordinator, int)
+                                        or coordinator < 0):
+            raise ConfigError(f"coordinator must be a global rank (int >= 0) or None, got {coordinator!r}")
+        if not 0 < float(poll_interval) <= 1.0:
+            raise ConfigError(f"poll_interval must be in (0, 1] seconds, got {poll_interval!r}")
+        self.coordinator = coordinator
+        self.tags: Channels = channels(next(_INSTANCES) if channel is None else channel)
+        self.poll_interval = float(poll_interval)
+        self._slot: dict[str, Any] = {"runtime": None, "ranks": None}
+        self._events: EventLog | None = None
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _shutdown_at_exit, self._slot)
+
+    def __call__(self, iteration: int, model: Any, optimizer: Any = None, local_metric: float | None = None,
+                 group: Comm | None = None) -> tuple[Any, Any, PolicyInfo]:
+        """Swap in a finished replacement, and on decision points report the metric and a snapshot."""
+        is_due = due(iteration, self.options.every)
+        comm = resolve_group(group)
+        comm.require_member("AsyncSelectiveAveraging")
+        iteration = int(iteration)
+        info = PolicyInfo(iteration, self.name, acted=is_due)
+        if comm.size == 1:
+            info.summary = "a group of one" if is_due else ""
+            return model, optimizer, info
+        runtime = self._runtime(comm)
+        surface(runtime.error)
+        clock = Clock()
+        pending = runtime.take_pending()
+        if pending is not None:
+            optimizer = self._apply(comm, pending, model, optimizer, info)
+            clock.lap("apply")
+        if is_due:
+            self._report(runtime, iteration, model, optimizer, check_metric(local_metric, iteration))
+            clock.lap("report")
+        info.timings = clock.laps
+        return model, optimizer, info
+
+    def _runtime(self, comm: Comm) -> Runtime:
+        if self._closed:
+            raise PopmeshError("this AsyncSelectiveAveraging was shut down; create a new policy")
+        runtime = self._slot["runtime"]
+        if runtime is not None:
+            if self._slot["ranks"] != comm.ranks:
+                raise ConfigError(f"this policy runs over group {list(self._slot['ranks'])}; create one policy "
+                                  f"per group (called with {list(comm.ranks)})")
+            return runtime
+        coordinator = comm.ranks[0] if self.coordinator is None else self.coordinator
+        if not 0 <= coordinator < comm.world.size:
+            raise ConfigError(f"coordinator={coordinator} is not a rank of this world of {comm.world.size}")
+        timeout = comm.timeout if self.options.timeout is None else float(self.options.timeout)
+        runtime = Runtime(comm.world, comm.ranks, coordinator, self.tags, self.options, timeout, self.poll_interval)
+        self._slot.update(runtime=runtime, ranks=comm.ranks)
+        return runtime
+
+    def _report(self, runtime: Runtime, iteration: int, model: Any, optimizer: Any, metric: float) -> None:
+        tensors = model_tensors(model, self.options.include_buffers)
+        layout = layout_of(tensors)
+        state = optimizer_tensors(optimizer) if self._copies_optimizer(optimizer) else {}
+        snap = Snapshot(iteration, snapshot(tensors, layout).buffers, state)
+        runtime.post(up_row(METRIC, iteration, metric, layout.fingerprint()), snap)
+
+    def _copies_optimizer(self, optimizer: Any) -> bool:
+        return self.options.optimizer_policy is OptimizerPolicy.COPY and optimizer is not None
+
+    def _apply(self, comm: Comm, pending: Pending, model: Any, optimizer: Any, info: PolicyInfo) -> Any:
+        applied = apply_replacement(self.options, model, optimizer, pending.combined, iteration=info.iteration,
+                                    rank=comm.rank, donor_state=pending.donor_state, source=pending.source)
+        info.replaced, info.donors, info.weights = True, pending.donors, pending.weights
+        info.strategy, info.summary, info.metrics = pending.strategy, pending.summary, pending.metrics
+        info.decision_iteration, info.optimizer, info.hparams = (pending.decision_iteration,
+                                                                 applied.optimizer_text, applied.hparams)
+        if self.options.events_path is not None:
+            if self._events is None:
+                self._events = EventLog(self.options.events_path, comm.rank)
+            self._events.write(replacement_event(self.name, info.iteration, info.decision_iteration, comm.rank,
+                                                 info.donors, info.weights, info.metrics, info.strategy,
+                                                 info.optimizer, pending.reason))
+        return applied.optimizer
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop the background thread after a handshake with the coordinator; idempotent.
+
+        Every training rank must call it (or exit, which calls it). Raises CommTimeout naming what
+        it still waited for after ``timeout`` seconds (default: the policy's, else the world's), and
+        any error the background thread met (PeerFailure for a dead peer).
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._finalizer.detach()
+        runtime = self._slot["runtime"]
+        if runtime is None:
+            return
+        seconds = runtime.timeout if timeout is None else float(timeout)
+        runtime.request_shutdown(seconds)
+        runtime.join(seconds)
+        surface(runtime.error)
+
+    def coordinate(self, group: Comm | None = None, timeout: float | None = None) -> int:
+        """Run the coordinator for the training ``group`` on this dedicated rank until every training
+        rank has shut down; returns the number of decisions dispatched. Not for training ranks."""
+        comm = resolve_group(group)
+        me = comm.world.rank
+        if me in comm.ranks or (self.coordinator is not None and self.coordinator != me):
+            raise ConfigError(f"coordinate() runs on the dedicated coordinator rank {self.coordinator}, outside "
+                              f"the training group {list(comm.ranks)}; rank {me} should train instead")
+        seconds = comm.timeout if timeout is None else float(timeout)
+        link = CoordinatorLink(comm.world, comm.ranks, self.tags, self.options, seconds)
+        try:
+            _serve(link, self.poll_interval)
+        except BaseException as e:
+            link.abort(f"{type(e).__name__}: {e}")
+            raise
+        finally:
+            link.close()
+        return link.decisions
+
+
+def _serve(link: CoordinatorLink, poll_interval: float) -> None:
+    import time
+
+    pause = 5e-4
+    while not link.finished:
+        pause = 5e-4 if link.poll() else min(pause * 2, poll_interval)
+        time.sleep(pause)
+    link.drain(link.timeout)
+
+
+def _shutdown_at_exit(slot: dict[str, Any]) -> None:
+    """Finalizer: the shutdown handshake when the policy is collected or the interpreter exits."""
+    runtime = slot.get("runtime")
+    if runtime is None or runtime.done.is_set():
+        return
+    try:
+        runtime.request_shutdown(runtime.timeout)
+        runtime.join(runtime.timeout)
+        surface(runtime.error)
+    except Exception as e:  # noqa: BLE001 - never raise from a finalizer
+        warnings.warn(f"AsyncSelectiveAveraging shut down with an error: {e}", RuntimeWarning, stacklevel=1)

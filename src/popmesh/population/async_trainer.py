@@ -1,0 +1,200 @@
+"""The trainer side of the asynchronous policy, driven by its background thread.
+
+Every step is a poll (``done()`` on posted receives and sends), never a blocking receive, so one
+thread can also run the coordinator and a rank can be coordinator, donor and replaced at once
+without deadlock. Only :mod:`popmesh.messages` point-to-point calls on internal tags are used here:
+no collective is ever issued from this thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from popmesh.errors import CommTimeout, PeerFailure, PopmeshError
+from popmesh.messages import irecv, isend
+from popmesh.population.async_protocol import ACK, Channels, metrics_by_rank, up_row
+from popmesh.population.combine import combine
+from popmesh.population.decision import Decision
+from popmesh.world import World
+
+__all__ = ["Pending", "Snapshot", "TrainerLink"]
+
+
+@dataclass
+class Snapshot:
+    """A copy of this rank's weights (per-dtype flat tensors) and optimizer state at ``iteration``."""
+
+    iteration: int
+    weights: dict[str, Any]
+    optimizer: dict[str, Any] = field(default_factory=dict)
+
+    def payload(self, decision_iteration: int) -> dict[str, Any]:
+        out: dict[str, Any] = {"meta": np.array([self.iteration, decision_iteration], dtype=np.int64)}
+        out.update({f"p/{dt}": t.detach().cpu() for dt, t in self.weights.items()})
+        out.update({f"o/{name}": t for name, t in self.optimizer.items()})
+        return out
+
+
+@dataclass
+class Pending:
+    """A replacement combined in the background, waiting for the main thread to swap it in."""
+
+    decision_iteration: int
+    donors: tuple[int, ...]
+    weights: tuple[float, ...]
+    combined: dict[str, np.ndarray] | None
+    donor_state: dict[str, Any] | None
+    source: int | None
+    strategy: str
+    summary: str
+    reason: str
+    metrics: dict[int, float]
+    snapshot_iterations: tuple[int, ...] = ()
+
+
+def _as_numpy(t: Any) -> np.ndarray:
+    import torch
+
+    return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
+
+
+@dataclass
+class _Job:
+    """A replacement in progress: the donors' data still to arrive."""
+
+    decision: Decision
+    ranks: list[int]
+    metrics: dict[int, float]
+    handles: dict[int, Any]
+    deadline: float
+    received: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+
+class TrainerLink:
+    """Serve decisions for global rank ``me``: stream snapshots as a donor, combine as a replaced rank."""
+
+    def __init__(self, world: World, coordinator: int, tags: Channels, timeout: float,
+                 latest: Callable[[], Snapshot | None], deliver: Callable[[Pending], None]) -> None:
+        self.world, self.me, self.coordinator, self.tags = world, world.rank, coordinator, tags
+        self.timeout, self._latest, self._deliver = timeout, latest, deliver
+        self._down = irecv(coordinator, tags.down, group=world)
+        self._sends: list[Any] = []
+        self._job: _Job | None = None
+        self.finished = False
+
+    def send_up(self, row: np.ndarray) -> None:
+        """Queue one up row to the coordinator (metric, ACK or BYE)."""
+        self._sends.append(isend(row, self.coordinator, self.tags.up, group=self.world, timeout=self.timeout))
+
+    def poll(self) -> bool:
+        """Advance everything that can advance; True if anything did."""
+        progress = self._reap_sends()
+        if self._down.done():
+            _, message = self._down.wait()
+            self._down = irecv(self.coordinator, self.tags.down, group=self.world)
+            self._handle(message)
+            progress = True
+        if self._job is not None:
+            progress |= self._advance_job(self._job)
+        return progress
+
+    def _reap_sends(self) -> bool:
+        before = len(self._sends)
+        still = []
+        for handle in self._sends:
+            if handle.done():
+                handle.wait(self.timeout)  # re-raises a failed send (PeerFailure)
+            else:
+                still.append(handle)
+        self._sends = still
+        return len(still) != before
+
+    def _handle(self, message: dict[str, Any]) -> None:
+        kind = message.get("kind")
+        if kind == "fin":
+            self.finished = True
+        elif kind == "abort":
+            raise PeerFailure(f"the population coordinator (rank {self.coordinator}) stopped: {message.get('reason')}",
+                              (self.coordinator,))
+        elif kind == "decision":
+            self._decision(Decision.from_dict(message["decision"]), [int(r) for r in message["ranks"]],
+                           metrics_by_rank(message["ranks"], message["metrics"]))
+        else:
+            raise PopmeshError(f"unknown message {kind!r} from the population coordinator: mixed popmesh versions?")
+
+    def _decision(self, decision: Decision, ranks: list[int], metrics: dict[int, float]) -> None:
+        me = ranks.index(self.me)
+        recipients = [ranks[r] for r in decision.recipients(me)]
+        if recipients:
+            snap = self._latest()
+            if snap is None:
+                raise PopmeshError(f"rank {self.me} was asked to donate before taking any snapshot")
+            payload = snap.payload(int(decision.iteration))
+            for dst in recipients:
+                self._sends.append(isend(payload, dst, self.tags.data, group=self.world, timeout=self.timeout))
+        if me in decision.replaced:
+            handles = {ranks[d]: irecv(ranks[d], self.tags.data, group=self.world) for d in decision.donors[me]}
+            self._job = _Job(decision, ranks, metrics, handles, time.monotonic() + self.timeout)
+
+    def _advance_job(self, job: _Job) -> bool:
+        progress = False
+        for donor, handle in list(job.handles.items()):
+            if handle.done():
+                job.received[donor] = handle.wait()[1]
+                del job.handles[donor]
+                progress = True
+        if job.handles and time.monotonic() > job.deadline:
+            self._fail_job(job)
+        if not job.handles:
+            self._deliver(self._combine(job))
+            self.send_up(up_row(ACK, int(job.decision.iteration)))
+            self._job = None
+            progress = True
+        return progress
+
+    def _fail_job(self, job: _Job) -> None:
+        donor, handle = next(iter(job.handles.items()))
+        try:
+            handle.wait(0.05)  # the engine tells a dead donor (PeerFailure) from a silent one
+        except (PeerFailure, CommTimeout) as e:
+            raise type(e)(f"rank {self.me} was replaced at iteration {job.decision.iteration} but donor(s) "
+                          f"{sorted(job.handles)} sent nothing within {self.timeout:g} s: {e}",
+                          (donor,)) from e
+
+    def _combine(self, job: _Job) -> Pending:
+        d, me = job.decision, job.ranks.index(self.me)
+        donors = [job.ranks[x] for x in d.donors[me]]
+        combined = None
+        if donors:
+            per_donor = [{k[2:]: _as_numpy(v) for k, v in job.received[g].items() if k.startswith("p/")}
+                         for g in donors]
+            combined = combine(per_donor, d.weights[me])
+        source = d.copy_optimizer_from[me]
+        src = None if source is None else job.ranks[source]
+        state = None if src is None else {k[2:]: v for k, v in job.received[src].items() if k.startswith("o/")}
+        seen = tuple(int(job.received[g]["meta"][0]) for g in donors)
+        return Pending(int(d.iteration), tuple(donors), d.weights[me], combined, state, src, d.strategy,
+                       d.summary, d.reasons.get(me, ""), job.metrics, seen)
+
+    def waiting_for(self) -> str:
+        """What this side still waits for, for timeout messages."""
+        if self._job is not None:
+            return f"weights from donor(s) {sorted(self._job.handles)}"
+        return f"FIN from the coordinator (rank {self.coordinator})" if not self.finished else "nothing"
+
+    def drain(self, timeout: float) -> None:
+        """Wait for every send in flight to complete."""
+        for handle in self._sends:
+            handle.wait(timeout)
+        self._sends = []
+
+    def close(self) -> None:
+        """Withdraw the posted receives (dropping the handles withdraws them)."""
+        self._down = None
+        self._job = None
+

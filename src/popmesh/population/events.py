@@ -1,0 +1,69 @@
+"""A JSONL event log of replacements: one line per replaced agent, appended atomically.
+
+Several ranks may share one file: each line is written with a single ``write`` on a file opened
+with ``O_APPEND``, so lines from different processes never interleave on a local file system. Put
+``{rank}`` in the path to get one file per rank instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from popmesh.errors import ConfigError
+from popmesh.population.info import json_number
+
+__all__ = ["EventLog", "replacement_event"]
+
+
+class EventLog:
+    """Append-only JSONL writer; ``path`` may contain ``{rank}``. Thread-safe; closes itself."""
+
+    def __init__(self, path: str | os.PathLike[str], rank: int) -> None:
+        text = os.fspath(path)
+        try:
+            self.path = text.format(rank=rank)
+        except (KeyError, IndexError, ValueError) as e:
+            raise ConfigError(f"events_path {text!r} may only contain the placeholder {{rank}}") from e
+        parent = os.path.dirname(self.path)
+        if parent:
+            os.makedirs(parent, exist_ok=True)
+        self._lock = threading.Lock()
+        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        """Append ``record`` as one JSON line (``time`` is added if missing)."""
+        line = json.dumps({"time": time.time(), **record}, allow_nan=False, separators=(",", ":")) + "\n"
+        with self._lock:
+            if self._fd is None:
+                raise ConfigError(f"event log {self.path} is closed")
+            os.write(self._fd, line.encode())
+
+    def close(self) -> None:
+        """Close the file; idempotent."""
+        with self._lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - never raise from a finalizer
+            pass
+
+
+def replacement_event(policy: str, iteration: int, decision_iteration: int | None, rank: int,
+                      donors: Sequence[int], weights: Sequence[float], metrics: Mapping[int, float],
+                      strategy: str | None, optimizer: str | None, reason: str = "") -> dict[str, Any]:
+    """The record of one replaced agent (global ranks; non-finite metrics as null)."""
+    return {
+        "event": "replace", "policy": policy, "iteration": int(iteration),
+        "decision_iteration": decision_iteration, "rank": int(rank), "donors": [int(d) for d in donors],
+        "weights": [float(w) for w in weights], "strategy": strategy, "optimizer": optimizer,
+        "metrics": {str(r): json_number(m) for r, m in sorted(metrics.items())}, "reason": reason,
+    }

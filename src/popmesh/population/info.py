@@ -1,0 +1,72 @@
+"""What a population policy call did on this rank: :class:`PolicyInfo`, returned by every call."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["PolicyInfo", "Clock", "json_number"]
+
+
+def json_number(x: float | None) -> float | None:
+    """``x`` as a JSON-safe number: non-finite values (NaN, ±inf) become None."""
+    if x is None:
+        return None
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+@dataclass
+class PolicyInfo:
+    """The outcome of one policy call on one rank. Ranks are global.
+
+    * ``acted``: this call was a decision or averaging point (the cadence hit) for this rank.
+    * ``averaged``: this rank's weights became the group average (:class:`AverageAll`).
+    * ``replaced``: this rank's weights were replaced during this call; ``donors`` / ``weights``
+      say by whom, ``strategy`` how, ``optimizer`` what happened to its optimizer state
+      (``"reset"``, ``"rebuilt"``, ``"keep"``, ``"copied from <rank>"``).
+    * ``decision_iteration``: the iteration whose metrics the applied decision came from (equal to
+      ``iteration`` for synchronous policies, earlier for asynchronous ones).
+    * ``summary``: the decision in one line; ``metrics``: the metrics it was based on, by global rank.
+    * ``hparams``: hyper-parameters changed by exploration, ``{name: [old, new]}``.
+    * ``timings``: seconds spent in each phase of this call on this rank.
+    """
+
+    iteration: int
+    policy: str
+    acted: bool = False
+    averaged: bool = False
+    replaced: bool = False
+    donors: tuple[int, ...] = ()
+    weights: tuple[float, ...] = ()
+    strategy: str | None = None
+    optimizer: str | None = None
+    decision_iteration: int | None = None
+    summary: str = ""
+    metrics: dict[int, float] = field(default_factory=dict)
+    hparams: dict[str, list[Any]] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able dict (non-finite metrics become None, rank keys strings)."""
+        out = asdict(self)
+        out["donors"] = list(self.donors)
+        out["weights"] = list(self.weights)
+        out["metrics"] = {str(r): json_number(m) for r, m in self.metrics.items()}
+        return out
+
+
+class Clock:
+    """Seconds per phase of one call, for :attr:`PolicyInfo.timings`."""
+
+    def __init__(self) -> None:
+        self.laps: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        """Record the time since the previous lap (or creation) under ``name``."""
+        now = time.perf_counter()
+        self.laps[name] = self.laps.get(name, 0.0) + now - self._last
+        self._last = now

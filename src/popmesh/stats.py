@@ -1,0 +1,275 @@
+"""Distributed statistics: element-wise reductions, global mean/std/min/max, and ragged gathers.
+
+OmniSafe's helpers (``dist_sum``, ``dist_avg``, ``dist_max``, ``dist_min``, ``dist_op``,
+``dist_statistics_scalar``, ``avg_tensor``, ``setup_distributed``) and torchgfn's
+``gather_distributed_data``, with their bugs fixed:
+
+- results keep the input's kind, dtype and device (OmniSafe cast everything to float32), and the
+  caller's tensor is never overwritten (OmniSafe's ``dist_op`` reduced float32 tensors in place);
+- ``dist_statistics_scalar`` returns the true global min and max as scalars (OmniSafe's were
+  element-wise across ranks) and accepts different lengths per rank, zero included;
+- ``gather_distributed_data`` carries sizes as int64 (torchgfn used the data's dtype, so uint8 or
+  float16 data corrupted sizes above 255 or 2048), takes any trailing shape and any group.
+
+Cross-rank contract: every rank of ``group`` calls the same function in the same order; element-wise
+functions need the same shape on every rank. Importing this module imports neither torch nor numpy
+extensions; torch is used only when the input is a tensor.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+from typing import Any
+
+import numpy as np
+
+from .agreement import exchange_shapes
+from .arrays import flatten, is_torch, unflatten
+from .asynchronous import all_reduce_async_
+from .collectives import all_reduce, all_reduce_, gather
+from .errors import ConfigError
+from .ops import ReduceOp
+from .world import Comm, current_world, resolve_group
+
+__all__ = [
+    "dist_op",
+    "dist_sum",
+    "dist_avg",
+    "dist_max",
+    "dist_min",
+    "dist_statistics_scalar",
+    "avg_tensor",
+    "gather_distributed_data",
+    "setup_distributed",
+]
+
+
+# ---- element-wise -------------------------------------------------------------------------------
+def dist_op(value: Any, operation: Any, *, group: Comm | None = None, timeout: float | None = None) -> Any:
+    """Element-wise ``operation`` across ranks: a new value of the input's kind, dtype and device.
+
+    ``operation``: a :class:`~popmesh.ReduceOp`, a name (``"sum"``, ``"max"``…) or
+    ``torch.distributed.ReduceOp.X``. Python and numpy scalars come back as scalars of the same type,
+    0-d tensors as 0-d tensors. AVG of integers or booleans is a float (the exact integer sum
+    divided by the group size), not a floored integer.
+    """
+    op = ReduceOp.parse(operation)
+    if op is ReduceOp.AVG and _is_integral(value):
+        return _integer_average(value, group, timeout)
+    result = all_reduce(value, op, group=group, timeout=timeout)
+    return _fresh(value) if result is value else result  # a world of one returns its input: copy it
+
+
+def _fresh(value: Any) -> Any:
+    leaves, tree = flatten(value)
+    return unflatten(tree, [_copy(v) if is_torch(v) or isinstance(v, np.ndarray) else v for v in leaves])
+
+
+def dist_sum(value: Any, *, group: Comm | None = None, timeout: float | None = None) -> Any:
+    """Element-wise sum across ranks (booleans: any)."""
+    return dist_op(value, ReduceOp.SUM, group=group, timeout=timeout)
+
+
+def dist_avg(value: Any, *, group: Comm | None = None, timeout: float | None = None) -> Any:
+    """Element-wise average across ranks: the sum divided by the size of ``group``."""
+    return dist_op(value, ReduceOp.AVG, group=group, timeout=timeout)
+
+
+def dist_max(value: Any, *, group: Comm | None = None, timeout: float | None = None) -> Any:
+    """Element-wise maximum across ranks."""
+    return dist_op(value, ReduceOp.MAX, group=group, timeout=timeout)
+
+
+def dist_min(value: Any, *, group: Comm | None = None, timeout: float | None = None) -> Any:
+    """Element-wise minimum across ranks."""
+    return dist_op(value, ReduceOp.MIN, group=group, timeout=timeout)
+
+
+def _is_integral(value: Any) -> bool:
+    if is_torch(value):
+        return not (value.is_floating_point() or value.is_complex())
+    if isinstance(value, (bool, int, np.integer, np.bool_)):
+        return True
+    return isinstance(value, np.ndarray) and value.dtype.kind in "biu"
+
+
+def _integer_average(value: Any, group: Comm | None, timeout: float | None) -> Any:
+    size = resolve_group(group).size
+    if is_torch(value):
+        import torch
+
+        total = all_reduce(value.to(torch.int64), "sum", group=group, timeout=timeout)
+        return torch.true_divide(total, size)
+    if isinstance(value, np.ndarray):
+        return np.true_divide(all_reduce(value.astype(np.int64), "sum", group=group, timeout=timeout), size)
+    total = all_reduce(np.int64(value), "sum", group=group, timeout=timeout)
+    return np.float64(total / size) if isinstance(value, np.generic) else float(total) / size
+
+
+def avg_tensor(value: Any, *, group: Comm | None = None, timeout: float | None = None) -> Any:
+    """Average a floating tensor or array across ranks **in place** (0-d included); returns it."""
+    if not (is_torch(value) or isinstance(value, np.ndarray)):
+        raise TypeError(f"avg_tensor writes in place: pass a tensor or array, not {type(value).__name__} "
+                        "(dist_avg returns a new value)")
+    if _is_integral(value):
+        raise ConfigError(f"avg_tensor needs a floating dtype to hold an average in place, got {value.dtype}: "
+                          "use dist_avg, which returns a float")
+    return all_reduce_(value, "avg", group=group, timeout=timeout)
+
+
+# ---- global statistics --------------------------------------------------------------------------
+def dist_statistics_scalar(value: Any, with_min_and_max: bool = False, *, group: Comm | None = None,
+                           timeout: float | None = None) -> tuple[Any, ...]:
+    """Global mean and population std (and min, max) over every element on every rank.
+
+    Ranks may hold different numbers of elements, zero included (a rank with none contributes
+    nothing; to min/max it contributes +inf/-inf). Sums run in float64 in two passes (sum and count,
+    then squared deviations from the global mean), so large offsets do not cancel. With no element
+    anywhere every statistic is nan. Torch input gives 0-d tensors (the input's floating dtype, else
+    torch's default float) on its device; numpy input numpy scalars; anything else Python floats.
+    Costs two collectives latency-wise (min/max travel alongside the first one).
+    """
+    comm = resolve_group(group)
+    local = _Local(value)
+    totals = np.array([local.sum, float(local.count)], dtype=np.float64)
+    first = all_reduce_async_(totals, "sum", group=comm, timeout=timeout)
+    extremes = np.array([local.max, -local.min], dtype=np.float64)
+    second = all_reduce_async_(extremes, "max", group=comm, timeout=timeout) if with_min_and_max else None
+    first.wait()
+    if second is not None:
+        second.wait()
+    count = totals[1]
+    mean = totals[0] / count if count else math.nan
+    squares = all_reduce(np.array([local.squared_deviation(mean)]), "sum", group=comm, timeout=timeout)
+    std = math.sqrt(squares[0] / count) if count else math.nan
+    stats = [mean, std]
+    if with_min_and_max:
+        stats += [-extremes[1], extremes[0]] if count else [math.nan, math.nan]
+    return tuple(local.wrap(s) for s in stats)
+
+
+class _Local:
+    """One rank's share of the statistics, computed where the data lives (GPU tensors stay there)."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+        if is_torch(value):
+            import torch
+
+            self.data = value.detach().reshape(-1).to(torch.float64)
+        else:
+            self.data = np.asarray(value, dtype=np.float64).reshape(-1)
+        self.count = int(self.data.numel() if is_torch(self.data) else self.data.size)
+        self.sum = float(self.data.sum()) if self.count else 0.0
+        self.max = float(self.data.max()) if self.count else -math.inf
+        self.min = float(self.data.min()) if self.count else math.inf
+
+    def squared_deviation(self, mean: float) -> float:
+        if not self.count or math.isnan(mean):
+            return 0.0
+        return float(((self.data - mean) ** 2).sum())
+
+    def wrap(self, x: float) -> Any:
+        """``x`` as the kind of result the input calls for."""
+        if is_torch(self.value):
+            import torch
+
+            dtype = self.value.dtype if self.value.is_floating_point() else torch.get_default_dtype()
+            return torch.tensor(x, dtype=dtype, device=self.value.device)
+        if isinstance(self.value, (np.ndarray, np.generic)):
+            dtype = self.value.dtype if self.value.dtype.kind == "f" else np.dtype(np.float64)
+            return dtype.type(x)
+        return float(x)
+
+
+# ---- ragged gather ------------------------------------------------------------------------------
+def gather_distributed_data(local: Any, group: Comm | None = None, dst: int | None = None, *,
+                            timeout: float | None = None) -> Any:
+    """Concatenate every rank's rows (dim 0) on global rank ``dst``; None on the other ranks.
+
+    ``local``: a tensor or array of any dtype and trailing shape (row counts may differ, zero
+    included), or a list whose entries are rows (numbers, or tensors/arrays of equal shape, stacked).
+    ``dst`` defaults to the group's first rank. dtypes and trailing shapes must match across ranks
+    (CollectiveMismatch on every rank otherwise). Row counts travel as int64, whatever the dtype.
+    """
+    comm = resolve_group(group)
+    comm.require_member("gather_distributed_data")
+    root = comm.ranks[0] if dst is None else int(dst)
+    comm.to_group_rank(root)  # ConfigError if dst is not a member
+    data = _rows(local)
+    seconds = comm.timeout if timeout is None else float(timeout)
+    if comm.size == 1:
+        return _copy(data)
+    shapes = exchange_shapes(comm, data, "gather_distributed_data", seconds, same_leading=False)
+    rows = [s[0] for s in shapes]
+    if max(rows) == 0:
+        return _copy(data) if comm.rank == root else None
+    padded = _pad_rows(data, max(rows))
+    stacked = gather(padded, dst=root, group=comm, timeout=seconds)
+    if stacked is None:
+        return None
+    pieces = [stacked[i, :n] for i, n in enumerate(rows)]
+    if is_torch(data):
+        import torch
+
+        return torch.cat(pieces)
+    return np.concatenate(pieces)
+
+
+def _rows(local: Any) -> Any:
+    if isinstance(local, (list, tuple)):
+        if local and all(is_torch(x) for x in local):
+            import torch
+
+            return torch.stack(list(local))
+        if local and any(is_torch(x) for x in local):
+            raise TypeError("gather_distributed_data: a list must hold only tensors or only numbers/arrays")
+        return np.asarray(local)
+    if not (is_torch(local) or isinstance(local, np.ndarray)):
+        raise TypeError(f"gather_distributed_data takes a tensor, an array or a list, not {type(local).__name__}")
+    if local.ndim == 0:
+        raise ConfigError("gather_distributed_data gathers rows along dim 0: pass at least a 1-d tensor")
+    return local
+
+
+def _pad_rows(data: Any, rows: int) -> Any:
+    shape = (rows,) + tuple(data.shape[1:])
+    if is_torch(data):
+        import torch
+
+        out = torch.zeros(shape, dtype=data.dtype, device=data.device)
+    else:
+        out = np.zeros(shape, dtype=data.dtype)
+    out[: data.shape[0]] = data
+    return out
+
+
+def _copy(data: Any) -> Any:
+    return data.clone() if is_torch(data) else np.array(data, copy=True)
+
+
+# ---- threads ------------------------------------------------------------------------------------
+_ANNOUNCED = False
+
+
+def setup_distributed() -> int:
+    """Share this node's CPU cores fairly among its local ranks: torch uses
+    ``max(1, cores // local_size)`` threads, where cores counts this process's CPU affinity.
+
+    Prints the decision once, on the world's main rank. Returns the thread count.
+    """
+    global _ANNOUNCED
+    world = current_world()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, cores // max(1, world.local_size))
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+    if world.is_main and not _ANNOUNCED:
+        print(f"popmesh: {world.local_size} local rank(s) share {cores} core(s): {threads} torch thread(s) per rank",
+              flush=True)
+    _ANNOUNCED = True
+    return threads

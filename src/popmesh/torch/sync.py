@@ -1,0 +1,277 @@
+"""Bucketed gradient averaging for torch modules: one collective per bucket, overlapped with backward.
+
+:class:`GradientSync` plans buckets once (per dtype and device, ``popmesh.bucketing``), keeps every
+gradient as a view into a persistent flat buffer (no flatten/unflatten copy per step) and averages
+each bucket with one non-blocking all-reduce. With ``overlap=True`` a bucket's reduction starts
+during backward, as soon as all its gradients are ready; :meth:`GradientSync.wait` (or calling the
+object) finishes. Buckets are always started in plan order, so every rank issues the same
+collectives in the same order whatever order its gradients arrive in.
+
+Cross-rank contract: every rank of ``group`` builds its GradientSync over the same model structure
+(names, shapes, dtypes, in the same order) and calls :meth:`~GradientSync.wait` once per step.
+Ranks may differ in *which* parameters received a gradient: a missing gradient counts as zeros and
+every rank ends with the average (divided by the group's size); a parameter that no rank has a
+gradient for keeps ``grad = None``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Callable
+
+import torch
+
+from ..agreement import agree
+from ..asynchronous import AsyncHandle, all_reduce_async_
+from ..bucketing import DEFAULT_CAP_BYTES, BucketPlan, plan_buckets, plan_differs
+from ..errors import ConfigError
+from ..ops import ReduceOp
+from ..world import Comm, resolve_group
+from .layout import FlatGrads, Named, ParamSource, signature_of, specs_of
+
+__all__ = ["GradientSync", "default_cap_bytes", "CPU_CAP_BYTES", "IN_FLIGHT"]
+
+CPU_CAP_BYTES = {"torch": 16 << 20, "mpi": 4 << 20}
+"""Bucket caps for CPU tensors, measured on a 2-vCPU box with 2 ranks and a 40 MB model
+(benchmarks/grad_sync.py --sweep, docs/performance.md). gloo: 16 MiB buckets, all in flight, came
+closest to one flat call; below 4 MiB its ~0.3 ms per call shows. MPICH: 4 MiB pieces one after
+another took 0.4x the time of one 40 MB call; larger pieces lose that, smaller ones pay per call.
+Accelerator tensors and other engines use DDP's 25 MiB."""
+
+IN_FLIGHT = {"mpi": 1}
+"""How many bucket reductions may run at once, per engine (default: all). MPI progresses only inside
+MPI calls, and MPICH ran several concurrent non-blocking all-reduces 1.2-1.3x slower than the same
+reductions one after another; gloo's background threads gain from having all of them queued."""
+
+
+def default_cap_bytes(group: Comm | None = None, device: str = "cpu") -> int:
+    """The bucket cap GradientSync uses for parameters on ``device`` over ``group``'s engine."""
+    if str(device).split(":", 1)[0] != "cpu":
+        return DEFAULT_CAP_BYTES
+    return CPU_CAP_BYTES.get(resolve_group(group).world.engine_name, DEFAULT_CAP_BYTES)
+
+
+class GradientSync:
+    """Average the gradients of ``module`` across ``group`` with one collective per bucket.
+
+    ``module``: an ``nn.Module`` (its parameters with ``requires_grad``), a tensor, or a sequence
+    of tensors. ``cap_bytes``: bucket size; None picks a tuned default (:func:`default_cap_bytes`:
+    for CPU parameters 16 MiB on gloo and 4 MiB on MPI, else 25 MiB). ``overlap``: start each
+    bucket's reduction during backward.
+    ``weak``: hold the module by a weak reference (for caches keyed by the module).
+
+    Use::
+
+        sync = GradientSync(model)
+        loss.backward()
+        sync()              # every param.grad now holds the group average
+        optimizer.step()
+
+    ``optimizer.zero_grad()`` works with either ``set_to_none``: views are kept (and zeroed) with
+    ``False``; with ``True`` (torch's default) autograd allocates fresh gradients, which are copied
+    into the buckets once and replaced by the views again. For gradient accumulation over several
+    backward passes, run all but the last inside ``with sync.no_sync():``.
+    """
+
+    def __init__(self, module: Any, group: Comm | None = None, cap_bytes: int | None = None,
+                 overlap: bool = True, *, timeout: float | None = None, weak: bool = False) -> None:
+        self._comm = resolve_group(group)
+        self._comm.require_member("GradientSync")
+        self._source = ParamSource(module, weak)
+        if cap_bytes is not None and (isinstance(cap_bytes, bool) or not isinstance(cap_bytes, int)
+                                      or cap_bytes <= 0):
+            raise ConfigError(f"cap_bytes must be a positive int or None (engine default), got {cap_bytes!r}")
+        self._cap = cap_bytes if cap_bytes is not None else self._default_cap()
+        self._in_flight = IN_FLIGHT.get(self._comm.world.engine_name, 0)
+        self._overlap = bool(overlap)
+        self._timeout = timeout
+        self._grads: FlatGrads | None = None
+        self._signature: tuple[Any, ...] = ()
+        self._hooks: list[Any] = []
+        self._paused = 0
+        self._rebuild(self._source.current())
+
+    # ---- public -----------------------------------------------------------------------------
+    @property
+    def plan(self) -> BucketPlan:
+        """The bucket layout in use."""
+        return self._layout().plan
+
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        """The flat gradients, one tensor per bucket of :attr:`plan`; every ``param.grad`` is a view
+        into one of them (after its first sync), so e.g. a gradient norm can be taken over a few
+        large tensors instead of hundreds of small ones."""
+        return list(self._layout().grad_parts)
+
+    @property
+    def group(self) -> Comm:
+        return self._comm
+
+    @property
+    def cap_bytes(self) -> int:
+        return self._cap
+
+    @property
+    def overlap(self) -> bool:
+        return self._overlap
+
+    def __call__(self, timeout: float | None = None) -> None:
+        """Same as :meth:`wait`."""
+        self.wait(timeout)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Finish averaging: start the buckets backward did not start, wait for all, in order.
+
+        Re-plans first if the parameters changed (added, removed, reshaped, new dtype or device).
+        Every rank of the group must call this once per step.
+        """
+        seconds = self._timeout if timeout is None else timeout
+        try:
+            params = self._source.current()
+            changed = signature_of(params) != self._signature
+            if changed and self._next:
+                self._finish_all(seconds)
+                raise ConfigError(
+                    "GradientSync: the parameters changed between backward and sync, after reductions had "
+                    "started: change the model before forward (the next sync re-plans)")
+            if changed:
+                self._rebuild(params)
+            self._finish_all(seconds)
+        finally:
+            self._reset_pass()
+
+    @contextmanager
+    def no_sync(self) -> Iterator["GradientSync"]:
+        """Backward passes inside only accumulate (no reduction starts): for gradient accumulation."""
+        self._paused += 1
+        try:
+            yield self
+        finally:
+            self._paused -= 1
+
+    def close(self) -> None:
+        """Remove the backward hooks. The gradients stay valid tensors."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    def __repr__(self) -> str:
+        plan = self._layout().plan
+        return (f"GradientSync({len(plan.specs)} params, {len(plan.buckets)} buckets, cap={self._cap} B, "
+                f"overlap={self._overlap}, group={list(self._comm.ranks)})")
+
+    # ---- one step ---------------------------------------------------------------------------
+    def _default_cap(self) -> int:
+        kinds = {p.device.type for _, p in self._source.current()}
+        return default_cap_bytes(self._comm, next((k for k in sorted(kinds) if k != "cpu"), "cpu"))
+
+    def _layout(self) -> FlatGrads:
+        if self._grads is None:
+            raise ConfigError("GradientSync is not built: construct it again")
+        return self._grads
+
+    def _reset_pass(self) -> None:
+        plan = self._layout().plan
+        self._handles: list[AsyncHandle | None] = [None] * len(plan.buckets)
+        self._missing = [False] * len(plan.buckets)
+        self._left = [len(b.indices) for b in plan.buckets]
+        self._ready = [False] * len(plan.specs)
+        self._next = 0
+        self._done = 0
+        self._armed = False
+        self._stale = False
+
+    def _launch(self, b: int, timeout: float | None) -> None:
+        """Start bucket ``b``'s reduction (after the oldest one, if the engine allows only so many)."""
+        if self._in_flight and b - self._done >= self._in_flight:
+            self._complete(timeout)
+        grads = self._layout()
+        self._missing[b] = grads.prepare(b)
+        self._handles[b] = all_reduce_async_(grads.buffers[b], ReduceOp.AVG, group=self._comm,
+                                             timeout=self._timeout)
+        self._next = b + 1
+
+    def _complete(self, timeout: float | None) -> None:
+        """Wait for the oldest unfinished bucket and give its parameters their averaged gradients."""
+        b = self._done
+        handle = self._handles[b]
+        assert handle is not None, "buckets complete in the order they started"
+        handle.wait(timeout)
+        if self._missing[b]:
+            self._layout().materialise(b)
+        self._done = b + 1
+
+    def _finish_all(self, timeout: float | None) -> None:
+        for b in range(self._next, len(self._handles)):
+            self._launch(b, timeout)
+        while self._done < len(self._handles):
+            self._complete(timeout)
+
+    def _on_grad(self, i: int) -> None:
+        """Backward hook: parameter ``i``'s gradient is complete; start every bucket now ready."""
+        if self._paused:
+            return
+        if not self._armed:  # first hook of this pass: a changed model waits for wait() to re-plan
+            self._armed = True
+            self._stale = signature_of(self._source.current()) != self._signature
+        if self._stale:
+            return
+        grads = self._layout()
+        b = grads.bucket_of[i]
+        if self._ready[i]:
+            if self._handles[b] is not None:
+                raise ConfigError(
+                    f"GradientSync: a second backward pass reached {grads.names[i]!r} while its bucket was being "
+                    "reduced: call sync() after each backward, or run accumulation passes in sync.no_sync()")
+            return
+        self._ready[i] = True
+        grads.attach(i)
+        self._left[b] -= 1
+        while self._next < len(self._left) and self._left[self._next] == 0:
+            self._launch(self._next, self._timeout)
+
+    # ---- (re)planning -------------------------------------------------------------------------
+    def _rebuild(self, params: Named) -> None:
+        specs = specs_of(params)
+        if self._grads is not None and not plan_differs(self._grads.plan, specs):
+            self._grads.rebind(params)
+        else:
+            plan = plan_buckets(specs, cap_bytes=self._cap, order="reverse")
+            if self._comm.check and self._comm.size > 1:
+                self._agree(plan)
+            self._grads = FlatGrads(plan, params)
+        self._signature = signature_of(params)
+        self._install_hooks()
+        for i in range(len(params)):
+            self._grads.attach(i)
+        self._reset_pass()
+
+    def _agree(self, plan: BucketPlan) -> None:
+        numel = sum(s.numel for s in plan.specs)
+        kinds = sorted({f"{b.dtype}@{b.device.split(':', 1)[0]}" for b in plan.buckets})
+        text = (f"layout {plan.fingerprint()}: {len(plan.specs)} params, {numel} elements, "
+                f"{len(plan.buckets)} buckets of {','.join(kinds) or 'nothing'}, cap {plan.cap_bytes} B")
+        seconds = self._comm.timeout if self._timeout is None else self._timeout
+        agree(self._comm, text, "GradientSync (every rank must sync the same model structure)", seconds)
+
+    def _install_hooks(self) -> None:
+        self.close()
+        if not self._overlap:
+            return
+        ref = weakref.ref(self)
+        for i, p in enumerate(self._layout().params):
+            self._hooks.append(p.register_post_accumulate_grad_hook(_hook(ref, i)))
+
+
+def _hook(ref: "weakref.ref[GradientSync]", i: int) -> Callable[[torch.Tensor], None]:
+    """A hook that does not keep the GradientSync alive (the parameters outlive it)."""
+
+    def on_grad(_: torch.Tensor) -> None:
+        sync = ref()
+        if sync is not None:
+            sync._on_grad(i)
+
+    return on_grad

@@ -1,0 +1,214 @@
+"""Messages without processes: a world of one (loopback), the gloo envelope, tags, and bad frames."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import popmesh
+from popmesh import CommTimeout, ConfigError, MessageError
+from popmesh import messages as m
+from popmesh.engines.p2p_base import LoopbackP2P, P2PBase, frame_parts, join_parts
+from popmesh.engines.envelope import ENVELOPE_NBYTES, INLINE_NBYTES, MAX_SEGMENTS, parse_envelope, plan_frame
+from popmesh.wire import encode, join_frame
+
+
+@pytest.fixture(scope="module")
+def world():
+    w = popmesh.init("local")
+    yield w
+
+
+def test_world_of_one_sends_to_itself(world):
+    m.send({"a": np.arange(3)}, 0, tag=1)
+    m.send(b"two", 0, tag=1)
+    src, batch = m.recv(0, tag=1)
+    assert src == 0 and batch["a"].tolist() == [0, 1, 2]
+    assert m.recv(None, tag=1) == (0, b"two")
+
+
+def test_a_sent_array_is_a_copy(world):
+    a = np.zeros(4)
+    m.send(a, 0, tag=2)
+    a[:] = 7
+    assert m.recv(0, tag=2)[1].tolist() == [0, 0, 0, 0]
+
+
+def test_receive_timeout_then_late_message(world):
+    start = time.monotonic()
+    with pytest.raises(CommTimeout, match="not lost"):
+        m.recv(0, tag=3, timeout=0.2)
+    assert time.monotonic() - start < 2
+    m.send("late", 0, tag=3)
+    assert m.recv(0, tag=3, timeout=1) == (0, "late")
+
+
+def test_irecv_posting_order_and_withdraw_on_drop(world):
+    first, second = m.irecv(0, tag=4), m.irecv(0, tag=4)
+    dropped = m.irecv(0, tag=5)
+    del dropped  # a dropped handle withdraws: it must not swallow the next message
+    m.send("a", 0, tag=4)
+    m.send("b", 0, tag=4)
+    m.send("c", 0, tag=5)
+    assert second.wait(1) == (0, "b") and first.done() and first.wait() == (0, "a")
+    assert m.recv(0, tag=5, timeout=1) == (0, "c")
+
+
+def test_timed_out_irecv_stays_posted(world):
+    h = m.irecv(0, tag=6)
+    with pytest.raises(CommTimeout):
+        h.wait(0.05)
+    m.send(5, 0, tag=6)
+    assert h.wait(1) == (0, 5)
+
+
+def test_isend_handle(world):
+    h = m.isend(np.ones(3), 0, tag=7)
+    assert h.done()
+    h.wait()
+    assert m.recv(0, 7)[1].tolist() == [1, 1, 1]
+
+
+@pytest.mark.parametrize("tag", [m.INTERNAL_TAG_BASE, m.TAG_LIMIT - 1, -1, m.TAG_LIMIT, 2.0, True, "1"])
+def test_bad_and_reserved_tags(world, tag):
+    with pytest.raises(ConfigError):
+        m.send(1, 0, tag)
+    with pytest.raises(ConfigError):
+        m.irecv(0, tag)
+
+
+def test_internal_tags_are_accepted_and_bounded(world):
+    tag = m.internal_tag(5)
+    assert tag == m.INTERNAL_TAG_BASE + 5 and tag in m.BUFFERS_TAGS
+    m.send("svc", 0, tag)
+    assert m.recv(0, tag) == (0, "svc")
+    with pytest.raises(ConfigError):
+        m.internal_tag(1024)
+
+
+def test_bad_ranks_and_timeouts(world):
+    for dst in (1, -1, None, "0"):
+        with pytest.raises(ConfigError):
+            m.send(1, dst)
+    with pytest.raises(ConfigError):
+        m.recv(0, timeout=0)
+    with pytest.raises(MessageError):
+        m.send(object(), 0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=600))
+def test_any_bytes_received_give_a_frame_error_or_a_payload(world, garbage):
+    world.engine.p2p().send(garbage, 0, 8, 1.0)
+    try:
+        m.recv(0, 8, timeout=1)
+    except m.FrameError as e:
+        assert e.src == 0 and e.tag == 8
+    m.send("next", 0, 8)
+    assert m.recv(0, 8, timeout=1) == (0, "next")  # the receiver keeps working
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 40), st.integers(0, 3))
+def test_mutated_frames_never_crash_the_receiver(world, position, flips):
+    frame = join_frame(encode({"x": np.arange(5.0)}))
+    for i in range(flips):
+        frame[(position * 7 + i * 31) % frame.size] ^= 0x5A
+    world.engine.p2p().send(frame, 0, 9, 1.0)
+    try:
+        src, payload = m.recv(0, 9, timeout=1)
+    except m.FrameError:
+        return
+    assert flips == 0 and payload["x"].tolist() == [0, 1, 2, 3, 4]
+
+
+# ---- the gloo envelope (pure) ------------------------------------------------------------------
+
+def reassemble(env: np.ndarray, segments: list[np.ndarray]) -> np.ndarray:
+    total, inline, lengths = parse_envelope(env)
+    assert lengths == [s.size for s in segments] and len(lengths) <= MAX_SEGMENTS
+    out = np.concatenate([inline, *segments]) if segments else inline.copy()
+    assert out.size == total
+    return out
+
+
+part_sizes = st.lists(st.one_of(st.integers(0, 400), st.sampled_from([65535, 65536, 70000, 200000])), max_size=40)
+
+
+@settings(max_examples=150, deadline=None)
+@given(part_sizes)
+def test_envelope_plan_round_trips(sizes):
+    parts = [np.full(n, i % 251, dtype=np.uint8) for i, n in enumerate(sizes)]
+    env, segments = plan_frame(parts)
+    assert env.size == ENVELOPE_NBYTES
+    assert np.array_equal(reassemble(env, segments), join_parts(parts) if parts else np.empty(0, np.uint8))
+
+
+def test_small_frames_travel_inline_and_big_parts_without_copy():
+    env, segments = plan_frame([np.ones(INLINE_NBYTES, np.uint8)])
+    assert segments == []
+    header, big = np.ones(40, np.uint8), np.arange(1 << 20, dtype=np.uint8)
+    env, segments = plan_frame([header, big])
+    assert len(segments) == 1 and np.shares_memory(segments[0], big)
+    assert parse_envelope(env)[1].size == 40
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(min_size=ENVELOPE_NBYTES, max_size=ENVELOPE_NBYTES), st.booleans())
+def test_parse_envelope_raises_only_message_error(raw, keep_magic):
+    env = np.frombuffer(raw, np.uint8).copy()
+    if keep_magic:
+        env[:6] = np.frombuffer(b"PMTE\x01\x00", np.uint8)
+    try:
+        total, inline, lengths = parse_envelope(env)
+    except MessageError:
+        return
+    assert inline.size + sum(lengths) == total
+
+
+def test_parse_envelope_rejects_wrong_sizes():
+    with pytest.raises(MessageError):
+        parse_envelope(np.zeros(10, np.uint8))
+
+
+def test_frame_parts_accepts_every_buffer_kind():
+    parts = frame_parts([b"ab", bytearray(b"c"), memoryview(b"de"), np.arange(2, dtype=np.int16),
+                         np.arange(6, dtype=np.uint8).reshape(2, 3)[:, ::2]])
+    assert join_parts(parts).tobytes() == b"abcde" + np.arange(2, dtype=np.int16).tobytes() + bytes([0, 2, 3, 5])
+
+
+def test_loopback_refuses_other_ranks():
+    p2p = LoopbackP2P()
+    with pytest.raises(ConfigError):
+        p2p.send(b"x", 1, 0, 1.0)
+    with pytest.raises(ConfigError):
+        p2p.recv([], 0, 1.0)
+
+
+class ScriptedArrivals(P2PBase):
+    """A transport whose messages arrive exactly when the script says (no engine, no threads)."""
+
+    def __init__(self, arrivals):
+        super().__init__(0, 4)
+        self.arrivals = list(arrivals)  # one entry per _fetch call: an (src, data) item or None
+
+    def _fetch(self, sources, tag):
+        item = self.arrivals.pop(0) if self.arrivals else None
+        assert item is None or sources is None or item[0] in sources, "fetched a message the receive cannot take"
+        return item
+
+
+def test_a_message_arriving_mid_poll_goes_to_the_earliest_receive():
+    first_arrives_late = ScriptedArrivals([None, (1, "first"), None, (1, "second")])
+    first, second = first_arrives_late.irecv(None, 0), first_arrives_late.irecv(None, 0)
+    assert second.wait(1) == (1, "second") and first.done() and first.wait(1) == (1, "first")
+
+
+def test_a_specific_receive_lets_other_sources_pass():
+    transport = ScriptedArrivals([None, (2, "from 2"), (1, "from 1")])
+    only_one, anyone = transport.irecv(1, 0), transport.irecv(None, 0)
+    assert anyone.wait(1) == (2, "from 2") and only_one.wait(1) == (1, "from 1")

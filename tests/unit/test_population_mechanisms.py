@@ -1,0 +1,331 @@
+"""Unit tests of the population mechanisms' local and pure parts: model state, options, replacement,
+the async protocol's bookkeeping, event logs, and every policy in a world of one."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from popmesh.errors import ConfigError
+from popmesh.messages import POPULATION_TAGS
+from popmesh.population import (
+    AsyncSelectiveAveraging,
+    AverageAll,
+    Decision,
+    DonorRule,
+    EventLog,
+    Explore,
+    OneSidedAveraging,
+    PolicyInfo,
+    ReplacementRule,
+    SelectiveAveraging,
+    SelectiveOptions,
+    decide,
+)
+from popmesh.population.async_protocol import (
+    ACK,
+    BYE,
+    MAX_INSTANCES,
+    METRIC,
+    CoordinatorBook,
+    channels,
+    parse_up,
+    up_row,
+)
+from popmesh.population.model_state import (
+    Layout,
+    layout_of,
+    load_,
+    load_optimizer_tensors_,
+    model_tensors,
+    optimizer_tensors,
+    pack_bytes,
+    snapshot,
+    to_numpy,
+    unpack_bytes,
+)
+from popmesh.population.replace import apply_replacement
+from popmesh.population.selective import combination_groups
+
+SPECS = st.lists(st.tuples(st.sampled_from(["float32", "float64", "float16", "bfloat16", "int64"]),
+                           st.lists(st.integers(0, 4), max_size=3)), min_size=1, max_size=8)
+
+
+class Mixed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(3, 2)
+        self.b = nn.Parameter(torch.arange(4, dtype=torch.float64))
+        self.c = nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
+        self.norm = nn.BatchNorm1d(2)
+
+
+# ---- layouts and model state ------------------------------------------------------------------
+@settings(max_examples=50, deadline=None)
+@given(SPECS)
+def test_layout_packs_each_dtype_contiguously_and_aligned(specs):
+    layout = Layout.from_specs([(f"t{i}", dt, shape) for i, (dt, shape) in enumerate(specs)])
+    table = layout.byte_table()
+    spans = sorted(table.values())
+    assert all(start % 8 == 0 for start, _ in spans)
+    assert all(a[0] + a[1] <= b[0] for a, b in zip(spans, spans[1:])), "buffers must not overlap"
+    for dt in layout.dtypes:
+        entries = [e for e in layout.entries if e.dtype == dt]
+        assert [e.offset for e in entries] == list(np.cumsum([0] + [e.numel for e in entries])[:-1])
+    assert layout.nbytes >= sum(n for _, n in spans)
+
+
+def test_fingerprint_tells_layouts_apart_and_fits_a_float64():
+    one = Layout.from_specs([("w", "float32", (2, 3))])
+    assert one.fingerprint() == Layout.from_specs([("w", "float32", (2, 3))]).fingerprint()
+    assert one.fingerprint() != Layout.from_specs([("w", "float32", (3, 2))]).fingerprint()
+    assert one.fingerprint() != Layout.from_specs([("w", "float64", (2, 3))]).fingerprint()
+    assert float(one.fingerprint()) == one.fingerprint() and one.fingerprint() < 2**52
+    with pytest.raises(ConfigError, match="cannot move"):
+        Layout.from_specs([("s", "str", ())])
+
+
+def test_snapshot_is_a_copy_and_load_writes_back_in_place():
+    model = Mixed()
+    tensors = model_tensors(model, include_buffers=True)
+    assert "buffer:norm.running_mean" in tensors and "buffer:norm.num_batches_tracked" not in tensors
+    flat = snapshot(tensors)
+    assert set(flat.buffers) == {"float32", "float64", "bfloat16"}
+    with torch.no_grad():
+        model.b.add_(10)
+    assert float(flat.buffers["float64"][0]) == 0.0, "a snapshot must not follow the live tensor"
+    ident = id(model.b)
+    load_(tensors, flat)
+    assert id(model.b) == ident and torch.equal(model.b, torch.arange(4, dtype=torch.float64))
+
+
+def test_pack_and_unpack_bytes_round_trip_mixed_dtypes():
+    model = Mixed()
+    flat = snapshot(model_tensors(model))
+    raw = np.zeros(flat.layout.nbytes, dtype=np.uint8)
+    pack_bytes(flat, raw)
+    back = unpack_bytes(flat.layout, raw)
+    ref = to_numpy(flat)
+    assert set(back) == set(ref)
+    for dt in ref:
+        assert np.array_equal(back[dt], ref[dt]), dt
+    assert back["bfloat16"].dtype == np.float32
+
+
+def test_optimizer_state_round_trip_keeps_own_hyper_parameters():
+    model = Mixed()
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    state = optimizer_tensors(opt)
+    assert "0/exp_avg" in state and "0/step" in state
+    other = torch.optim.Adam(Mixed().parameters(), lr=0.5)
+    load_optimizer_tensors_(other, state)
+    assert other.param_groups[0]["lr"] == 0.5
+    assert torch.allclose(other.state_dict()["state"][0]["exp_avg"], state["0/exp_avg"])
+    with pytest.raises(ConfigError, match="index"):
+        load_optimizer_tensors_(other, {"bad": torch.zeros(1)})
+
+
+# ---- options and local replacement -----------------------------------------------------------
+def test_options_are_checked_at_construction():
+    with pytest.raises(ConfigError, match="model_builder"):
+        SelectiveOptions(5, strategy="reset_weights")
+    with pytest.raises(ConfigError, match="momentum"):
+        SelectiveOptions(5, momentum=1.0)
+    with pytest.raises(ConfigError, match="every"):
+        SelectiveOptions(0)
+    with pytest.raises(ConfigError, match="strategy"):
+        SelectiveOptions(5, strategy="median")
+    with pytest.raises(ConfigError, match="ReplacementRule"):
+        SelectiveOptions(5, rule=0.25)
+    with pytest.raises(ConfigError, match="Explore"):
+        Explore(keys=())
+    assert SelectiveOptions(5).rule == ReplacementRule(ratio=0.25)
+    with pytest.raises(ConfigError, match=r"unknown options \['ratio'\]; valid: \['rule'"):
+        SelectiveAveraging(every=5, ratio=0.2)
+
+
+def test_explore_is_deterministic_per_rank_and_iteration():
+    def lr_after(rank, iteration):
+        opt = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=1.0)
+        Explore(resample_prob=0.0).apply(opt, seed=1, iteration=iteration, rank=rank)
+        return opt.param_groups[0]["lr"]
+
+    assert lr_after(3, 10) == lr_after(3, 10) and lr_after(3, 10) in (0.8, 1.2)
+    assert len({lr_after(r, it) for r in range(6) for it in range(4)}) == 2
+    with pytest.raises(ConfigError, match="not optimizer hyper-parameters"):
+        Explore(keys=("beta9",)).apply(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=1.0), 0, 0, 0)
+
+
+def _filled(value):
+    model = nn.Linear(2, 2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(value)
+    return model
+
+
+def test_apply_replacement_momentum_and_optimizer_policies():
+    model = _filled(1.0)
+    layout = layout_of(model_tensors(model))
+    combined = {"float32": np.full(layout.numel("float32"), 5.0, dtype=np.float32)}
+    opt = torch.optim.Adam(model.parameters())
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(1.0)
+    applied = apply_replacement(SelectiveOptions(1, momentum=0.25, optimizer_policy="keep"), model, opt, combined,
+                                iteration=0, rank=0)
+    assert applied.optimizer_text == "keep" and opt.state_dict()["state"]
+    assert all(torch.allclose(p, torch.full_like(p, 0.25 + 0.75 * 5)) for p in model.parameters())
+    applied = apply_replacement(SelectiveOptions(1), model, opt, combined, iteration=0, rank=0)
+    assert applied.optimizer is opt and applied.optimizer_text == "reset" and not opt.state_dict()["state"]
+    empty = apply_replacement(SelectiveOptions(1, optimizer_policy="copy"), model, opt, combined, iteration=0,
+                              rank=0, donor_state={}, source=2)
+    assert empty.optimizer_text == "reset (rank 2 had no optimizer state to copy)"
+    built = apply_replacement(SelectiveOptions(1, optimizer_builder=lambda m: torch.optim.SGD(m.parameters(), 0.1)),
+                              model, opt, combined, iteration=0, rank=0)
+    assert isinstance(built.optimizer, torch.optim.SGD) and built.optimizer_text == "rebuilt"
+    fresh = apply_replacement(SelectiveOptions(1, strategy="reset_weights", model_builder=lambda: _filled(-3.0)),
+                              model, None, None, iteration=0, rank=0)
+    assert fresh.optimizer is None and all(torch.all(p == -3.0) for p in model.parameters())
+    with pytest.raises(ConfigError, match="same architecture"):
+        apply_replacement(SelectiveOptions(1, strategy="reset_weights", model_builder=lambda: nn.Linear(3, 3)),
+                          model, None, None, iteration=0, rank=0)
+
+
+# ---- synchronous plan --------------------------------------------------------------------------
+def test_replaced_ranks_with_the_same_donors_share_one_transfer():
+    metrics = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    d = decide(metrics, ReplacementRule(ratio=0.5))
+    assert combination_groups(d) == [((3, 4, 5), (1 / 3, 1 / 3, 1 / 3), (0, 1, 2))]
+    rnd = decide(metrics, ReplacementRule(ratio=0.5), DonorRule("random", k=1), rng=3)
+    groups = combination_groups(rnd)
+    assert sorted(r for g in groups for r in g[2]) == [0, 1, 2]
+    assert all(len(g[0]) == 1 for g in groups)
+    assert combination_groups(decide(metrics, ReplacementRule(ratio=0.5), strategy="reset_weights")) == []
+
+
+# ---- asynchronous protocol ---------------------------------------------------------------------
+def test_channels_are_distinct_internal_tags():
+    tags = [t for i in range(MAX_INSTANCES) for t in vars(channels(i)).values()]
+    assert len(set(tags)) == len(tags) and all(t in POPULATION_TAGS for t in tags)
+    with pytest.raises(ConfigError, match="channel"):
+        channels(MAX_INSTANCES)
+
+
+def test_up_rows_round_trip_with_nan():
+    kind, it, metric, fp = parse_up(up_row(METRIC, 40, math.nan, 2**51 + 3))
+    assert (kind, it, fp) == (METRIC, 40, 2**51 + 3) and math.isnan(metric)
+    with pytest.raises(ConfigError):
+        parse_up(np.zeros(3))
+
+
+def _book_with(n, iteration, metrics, book=None, now=0.0):
+    book = CoordinatorBook(n) if book is None else book
+    for r, m in enumerate(metrics):
+        book.record(METRIC, r, iteration, m, 7, now=now)
+    return book
+
+
+def test_book_decides_the_newest_complete_iteration_once():
+    book = _book_with(3, 0, [1.0, 2.0])
+    assert book.next_decision() is None, "incomplete"
+    _book_with(3, 0, [1.0, 2.0, 3.0], book)
+    _book_with(3, 10, [4.0, 5.0, 6.0], book)
+    assert book.next_decision() == (10, [4.0, 5.0, 6.0]) and book.skipped == 1
+    assert book.next_decision() is None and not book.buckets
+    book.record(METRIC, 0, 10, 9.0, 7)  # a late metric of a decided iteration is ignored
+    assert not book.buckets
+
+
+def test_book_holds_decisions_while_one_is_in_flight_and_fins_after_all_byes():
+    book = _book_with(2, 0, [1.0, 2.0])
+    book.next_decision()
+    book.dispatched([0])
+    _book_with(2, 5, [1.0, 2.0], book)
+    assert book.next_decision() is None, "one decision in flight at a time"
+    book.record(ACK, 0, 0, math.nan, 0)
+    assert book.next_decision() == (5, [1.0, 2.0])
+    book.record(BYE, 0, -1, math.nan, 0)
+    assert not book.finished()
+    book.record(BYE, 1, -1, math.nan, 0)
+    assert book.finished()
+
+
+def test_book_reports_stalled_ranks_but_not_ranks_that_said_bye():
+    book = _book_with(3, 0, [1.0, 2.0], now=0.0)
+    assert book.stalled(now=5.0, timeout=10.0) is None
+    assert book.stalled(now=11.0, timeout=10.0) == (0, [2])
+    book.record(BYE, 2, -1, math.nan, 0)
+    assert book.stalled(now=11.0, timeout=10.0) is None
+
+
+def test_book_refuses_different_layouts_and_bounds_memory():
+    book = CoordinatorBook(2, max_pending=4)
+    book.record(METRIC, 0, 0, 1.0, 7)
+    with pytest.raises(ConfigError, match="layouts differ"):
+        book.record(METRIC, 1, 0, 1.0, 8)
+    book = CoordinatorBook(2, max_pending=4)
+    for it in range(10):
+        book.record(METRIC, 0, it, 1.0, 7)
+    assert sorted(book.buckets) == [6, 7, 8, 9]
+
+
+# ---- records -----------------------------------------------------------------------------------
+def test_event_log_writes_json_lines_per_rank(tmp_path):
+    log = EventLog(tmp_path / "sub" / "ev-{rank}.jsonl", rank=3)
+    log.write({"event": "replace", "metric": None})
+    log.write({"event": "replace", "n": 2})
+    log.close()
+    log.close()
+    lines = [json.loads(x) for x in (tmp_path / "sub" / "ev-3.jsonl").read_text().splitlines()]
+    assert [x["event"] for x in lines] == ["replace", "replace"] and "time" in lines[0]
+    with pytest.raises(ConfigError, match="placeholder"):
+        EventLog(tmp_path / "{host}.jsonl", rank=0)
+    with pytest.raises(ConfigError, match="closed"):
+        log.write({})
+
+
+def test_policy_info_is_json_safe():
+    info = PolicyInfo(3, "selective", acted=True, metrics={0: math.nan, 1: 2.0}, donors=(1,), weights=(1.0,))
+    out = json.loads(json.dumps(info.to_dict(), allow_nan=False))
+    assert out["metrics"] == {"0": None, "1": 2.0} and out["donors"] == [1]
+
+
+# ---- a world of one is the identity ------------------------------------------------------------
+@pytest.mark.parametrize("make", [
+    lambda: AverageAll(every=2),
+    lambda: SelectiveAveraging(every=2),
+    lambda: AsyncSelectiveAveraging(every=2),
+    lambda: OneSidedAveraging(every=2),
+])
+def test_every_policy_is_the_identity_in_a_world_of_one(make):
+    policy = make()
+    model = _filled(2.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for it in range(4):
+        model2, opt2, info = policy(it, model, opt, 1.0)
+        assert model2 is model and opt2 is opt and not info.replaced and info.acted == (it % 2 == 0)
+    assert all(torch.all(p == 2.0) for p in model.parameters())
+    if hasattr(policy, "shutdown"):
+        policy.shutdown()
+
+
+def test_decision_points_need_a_metric_and_a_valid_iteration():
+    with pytest.raises(ConfigError, match="local_metric"):
+        SelectiveAveraging(every=1)(0, _filled(1.0), None, None)
+    with pytest.raises(ConfigError, match="iteration"):
+        AverageAll(every=1)(-1, _filled(1.0))
+    assert isinstance(Decision.from_dict(decide([1.0, 2.0], ReplacementRule(ratio=0.5)).to_dict()), Decision)

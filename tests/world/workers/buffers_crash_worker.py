@@ -1,0 +1,55 @@
+"""A crashed manager or coordinator is an error on its client, never a hang: trainer 0, manager 1,
+coordinator 2. The coordinator dies at once; the manager answers one DATA, then dies."""
+
+import math
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import popmesh  # noqa: E402
+from popmesh import CommTimeout, PeerFailure  # noqa: E402
+from popmesh import messages as m  # noqa: E402
+from popmesh.buffers import ReplayBufferClient, ReplayBufferManager  # noqa: E402
+from popmesh.buffers.manager import send_outgoing  # noqa: E402
+from popmesh.buffers.protocol import REQUEST_TAG, from_payload  # noqa: E402
+from worldlib import check, main  # noqa: E402
+
+BATCH = {"states": np.ones((4, 8), np.float32), "log_rewards": np.zeros(4)}
+
+
+def expect_failure(call, limit):
+    start = time.monotonic()
+    try:
+        call()
+    except (PeerFailure, CommTimeout) as e:
+        assert time.monotonic() - start < limit, time.monotonic() - start
+        return type(e).__name__
+    raise AssertionError("talking to a dead rank must fail")
+
+
+@check
+def dead_service_ranks_surface_as_errors(w):
+    ctx = popmesh.make_context(w, num_buffers=1, use_coordinator=True)
+    popmesh.barrier()
+    if ctx.is_coordinator_rank():
+        os._exit(3)
+    if ctx.is_buffer_rank():
+        manager = ReplayBufferManager.from_context(ctx, coordinator_rank=None)  # its coordinator is dead
+        src, payload = m.recv(None, REQUEST_TAG, timeout=30)
+        for out in manager.handle(src, from_payload(payload)):
+            send_outgoing(out, None, 30).wait()
+        time.sleep(1.0)  # let the reply leave before dying
+        os._exit(3)
+    client = ReplayBufferClient.from_context(ctx, timeout=5)
+    assert client.add(BATCH)["score"] == math.inf
+    time.sleep(2.0)  # both service ranks are gone now
+    kinds = [expect_failure(lambda: client.add(BATCH), 20), expect_failure(client.population_stats, 20)]
+    print("failures seen:", kinds, flush=True)
+
+
+if __name__ == "__main__":
+    main()

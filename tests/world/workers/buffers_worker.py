@@ -1,0 +1,196 @@
+"""Roles and the replay-buffer service on 4 ranks: trainers 0 and 1, manager 2, coordinator 3.
+
+Trainer r's states lie near 100 * r, so a batch's novelty against the other trainer's rows is large,
+and a batch sent twice scores exactly 0 the second time (the manager scores before inserting).
+Rewards: trainer 0's batch minima are -2, trainer 1's -3, so every baseline (an EMA of minima, or
+the coordinator's min of it) lies in [-3, -2] and the rows filtering keeps are known in advance.
+"""
+
+import math
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import popmesh  # noqa: E402
+from popmesh import ConfigError, PopmeshError  # noqa: E402
+from popmesh import messages as m  # noqa: E402
+from popmesh.buffers import Coordinator, ReplayBufferClient, ReplayBufferManager, novelty_score  # noqa: E402
+from popmesh.buffers.protocol import REQUEST_TAG, SCORE_TAG, Message, MessageType, from_payload, to_payload  # noqa: E402
+from popmesh.topology import RankLayout  # noqa: E402
+from worldlib import check, main  # noqa: E402
+
+CTX = {}
+
+
+def batch(states, rewards):
+    return {"states": np.asarray(states, np.float32), "log_rewards": np.asarray(rewards, np.float64)}
+
+
+def scoring(b, store):
+    return {"score": novelty_score("states")(b, store), "modes": [str(int(x)) for x in b["states"][:, 0]]}
+
+
+@check
+def context_roles_and_groups(w):
+    assert w.size == 4
+    ctx = CTX["ctx"] = popmesh.make_context(w, num_buffers=1, use_coordinator=True)
+    r = w.rank
+    assert ctx.training_ranks == [0, 1] and ctx.buffer_rank_set == {2} and ctx.coordinator_rank == 3
+    assert (ctx.is_training_rank(), ctx.is_buffer_rank(), ctx.is_coordinator_rank()) == (r < 2, r == 2, r == 3)
+    assert ctx.assigned_buffer == (2 if r < 2 else None)
+    assert ctx.assigned_training_ranks == ([0, 1] if r == 2 else None)
+    assert ctx.num_training_ranks == 2 and ctx.agent_group_size == 2 and ctx.agent_group_id == 0
+    assert [g.ranks for g in ctx.agent_groups] == [(0, 1)] and ctx.train_global_group is ctx.agent_groups[0]
+    assert ctx.buffer_group.ranks == (2,) and ctx.buffer_group.is_member == (r == 2)
+    if ctx.is_training_rank():
+        assert popmesh.all_reduce(r + 1, group=ctx.train_global_group) == 3
+        assert ctx.agent_group is ctx.agent_groups[0]
+    if ctx.is_buffer_rank():
+        assert popmesh.all_reduce(r + 1, group=ctx.buffer_group) == 3
+
+
+@check
+def context_from_an_explicit_layout(w):
+    layout = RankLayout.build(4, num_buffers=1, use_coordinator=True)
+    ctx = popmesh.make_context(w, layout)
+    assert ctx.layout == layout and ctx.assigned_buffer == (2 if w.rank < 2 else None)
+    ctx.cleanup()
+    ctx.cleanup()
+    assert not w.finalized
+    other = RankLayout.build(4, num_buffers=0) if w.rank == 0 else layout
+    try:
+        popmesh.make_context(w, other)
+    except ConfigError as e:
+        assert "different RankLayout" in str(e)
+    else:
+        raise AssertionError("ranks passing different layouts must all get ConfigError")
+
+
+def trainer_sync_with_filtering(ctx):
+    c = ReplayBufferClient.from_context(ctx, capacity=16, mode="sync", baseline_filtering=True)
+    a = batch([[0, 0], [1, 1]], [-1.0, -2.0])
+    first = c.add(a)
+    assert first["score"] > 50 and first["rows"] == 2, first  # novel against trainer 1's rows (or an empty store)
+    assert -3 <= c.baseline <= -2, c.baseline
+    assert c.add(a)["score"] == 0.0  # scored before inserting: the earlier copy is what it is compared with
+    assert c.add(batch([[5, 5], [6, 6], [7, 7]], [-100.0, -1.5, 0.0]))["rows"] == 2  # the -100 row is filtered
+    assert c.add(batch([[8, 8]], [-100.0])) is None and c.skipped == 1
+    return c
+
+
+def trainer_async_comm(ctx):
+    c = ReplayBufferClient.from_context(ctx, capacity=16, mode="async-comm")
+    b1 = batch([[100, 100], [101, 101]], [-3.0, -3.0])
+    assert c.add(b1) is None
+    assert c.add(batch([[102, 102]], [-3.0]))["score"] > 50  # b1's score arrives one step late
+    assert math.isclose(c.add(b1)["score"], math.sqrt(2), rel_tol=1e-6)  # (102, 102) vs the stored (101, 101)
+    return c
+
+
+def bad_requests_get_error_replies(w):
+    raw = Message(MessageType.MODE_REPORT, {"modes": ["x"]})
+    m.send(to_payload(raw), 2, REQUEST_TAG)  # a type managers do not handle
+    m.send({"not": "a service message"}, 2, REQUEST_TAG)
+    w.engine.p2p().send(b"\x00garbage frame", 2, int(REQUEST_TAG), 30)
+    for _ in range(3):
+        src, payload = m.recv(2, SCORE_TAG, timeout=30)
+        assert from_payload(payload).type is MessageType.ERROR
+
+
+def wait_for_modes(c, expected):
+    deadline = time.monotonic() + 30
+    while True:
+        stats = c.population_stats()
+        if stats["modes_found"] == expected or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.05)
+
+
+@check
+def service_round_trip(w):
+    ctx = CTX["ctx"]
+    if ctx.is_buffer_rank():
+        mgr = ReplayBufferManager.from_context(ctx, capacity=64, scoring_function=scoring)
+        stats = mgr.run(idle_timeout=90)
+        assert stats.messages["DATA"] == 6 and stats.messages["EXIT"] == 2 and stats.messages["GET_METADATA"] == 1
+        assert dict(stats.rows_from) == {0: 6, 1: 5}, stats.rows_from
+        assert stats.errors == 3 and mgr.done
+        result = {"synced": mgr._synced, "stored": len(mgr.store)}
+    elif ctx.is_coordinator_rank():
+        final = Coordinator.from_context(ctx).run(idle_timeout=90)
+        assert final["modes_found"] == 7 and final["modes_by_rank"] == {"0": 4, "1": 3}, final
+        assert final["active_managers"] == []
+        result = {"global": final["global_baseline"]}
+    else:
+        c = trainer_sync_with_filtering(ctx) if w.rank == 0 else trainer_async_comm(ctx)
+        if w.rank == 0:
+            bad_requests_get_error_replies(w)
+            meta = c.get_metadata()
+            assert meta["capacity"] == 64 and meta["stored"] >= 6, meta
+        popmesh.barrier(group=ctx.train_global_group)
+        stats = wait_for_modes(c, 7)
+        assert stats["modes_found"] == 7 and -3 <= stats["global_baseline"] <= -2, stats
+        last = c.drain()
+        assert c.drain() is last
+        if w.rank == 1:
+            assert last["score"] == 0.0  # the re-sent b1, collected by drain()
+        try:
+            c.add(batch([[0, 0]], [0.0]))
+        except ConfigError:
+            pass
+        else:
+            raise AssertionError("add() after drain() must fail")
+        result = {}
+    everyone = popmesh.all_gather_object(result)
+    # the manager adopted a global baseline (the last sync may still be in flight when it exits)
+    assert -3 <= everyone[2]["synced"] <= -2 and -3 <= everyone[3]["global"] <= -2, everyone
+
+
+@check
+def manager_errors_are_not_fatal_but_misuse_is_refused(w):
+    ctx = CTX["ctx"]
+    for make in (lambda: ReplayBufferManager.from_context(ctx) if not ctx.is_buffer_rank() else None,
+                 lambda: Coordinator.from_context(ctx) if not ctx.is_coordinator_rank() else None,
+                 lambda: ReplayBufferClient.from_context(ctx) if not ctx.is_training_rank() else None):
+        try:
+            made = make()
+        except ConfigError:
+            continue
+        assert made is None
+    if ctx.is_training_rank():
+        try:
+            ReplayBufferClient(None, baseline_filtering=True)
+        except ConfigError:
+            pass
+        else:
+            raise AssertionError("filtering without a manager must be refused")
+
+
+@check
+def timing_reports_across_ranks(w):
+    from popmesh.reports import Timer
+
+    timer = Timer()
+    for _ in range(3):
+        timer.record("step", 0.1 * (w.rank + 1))
+    everyone = popmesh.gather_timings(timer)
+    assert (everyone == [{"step": [0.1 * (r + 1)] * 3} for r in range(w.size)]) if w.rank == 0 else everyone is None
+    ctx = CTX["ctx"]
+    if ctx.is_training_rank():
+        report = popmesh.report_time_info(timer, group=ctx.train_global_group, dst=1, show=False)
+        assert (report is None) if w.rank == 0 else report.stragglers == (1,)
+        imbalance = popmesh.report_load_imbalance(timer, group=ctx.train_global_group, dst=None, show=False)
+        assert abs(imbalance.waiting_total - 3 * 0.05) < 1e-9
+
+
+@check
+def zz_all_done(w):
+    popmesh.barrier(timeout=60)
+
+
+if __name__ == "__main__":
+    main()

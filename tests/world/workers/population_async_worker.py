@@ -1,0 +1,199 @@
+"""AsyncSelectiveAveraging on a real world (torch/gloo and MPI): closed forms, conformance with the
+synchronous policy, the coordinator as donor and as replaced, a dedicated coordinator, sub-groups."""
+
+import json
+import math
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import popmesh  # noqa: E402
+from popmesh import ConfigError, PopmeshError  # noqa: E402
+from popmesh.population import (  # noqa: E402
+    AsyncSelectiveAveraging,
+    ReplacementRule,
+    SelectiveAveraging,
+    decide,
+)
+from worldlib import check, main  # noqa: E402
+from workers.population_common import adam_for, assert_all, exp_avg_of, make_agent, mean, values  # noqa: E402
+
+QUARTER = ReplacementRule(ratio=0.25)
+WORST_FIRST = {1: [1.0], 2: [1.0, 2.0], 3: [1.0, 3.0, 2.0], 4: [1.0, 4.0, 2.0, 3.0]}
+WAIT_S = 30.0
+
+
+def until_applied(policy, model, optimizer=None, iteration=1, group=None):
+    """Call the policy off-cadence until it swaps a replacement in; return that call's result."""
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        model, optimizer, info = policy(iteration, model, optimizer, None, group=group)
+        if info.replaced:
+            return model, optimizer, info
+        time.sleep(0.005)
+    raise AssertionError(f"no replacement was applied within {WAIT_S} s")
+
+
+def one_round(w, policy, metrics, model=None, optimizer=None, replaced=(), group=None):
+    model = make_agent(w.rank + 1) if model is None else model
+    _, optimizer, info = policy(0, model, optimizer, metrics[w.rank], group=group)
+    assert not info.replaced and info.acted
+    if w.rank in replaced:
+        before = values(model).copy()
+        model, optimizer, info = until_applied(policy, model, optimizer, group=group)
+        assert not np.array_equal(before, values(model)), "the applied weights must differ from the old ones"
+    policy.shutdown(timeout=WAIT_S)
+    return model, optimizer, info
+
+
+@check
+def averaged_weights_are_applied(w):
+    """Regression for torchgfn's bug: after the applying call, weights are the expected combination."""
+    n = w.size
+    policy = AsyncSelectiveAveraging(every=10, rule=QUARTER)
+    model, _, info = one_round(w, policy, WORST_FIRST[n], replaced=(0,) if n > 1 else ())
+    if w.rank == 0 and n > 1:
+        assert_all(model, mean([r + 1 for r in range(1, n)]), what="coordinator replaced by the others' mean")
+        assert info.donors == tuple(range(1, n)) and info.decision_iteration == 0 and info.optimizer == "reset"
+        assert info.metrics == {r: WORST_FIRST[n][r] for r in range(n)}
+    else:
+        assert_all(model, w.rank + 1, what="not replaced")
+
+
+@check
+def coordinator_donates_best_only(w):
+    n = w.size
+    if n < 2:
+        return
+    metrics = [float(n - r) for r in range(n)]  # rank 0 (the coordinator) is the best
+    policy = AsyncSelectiveAveraging(every=10, rule=QUARTER, strategy="best_only")
+    model, _, info = one_round(w, policy, metrics, replaced=(n - 1,))
+    assert_all(model, 1.0 if w.rank == n - 1 else w.rank + 1, what="best_only from the coordinator")
+
+
+@check
+def conforms_to_the_synchronous_policy(w):
+    """Three rounds with training in between: async and sync end with the same weights on every rank."""
+    n = w.size
+    if n < 3:
+        return
+    opts = dict(rule=ReplacementRule(ratio=0.5), strategy="weighted_mean", momentum=0.3)
+    asyn, sync = AsyncSelectiveAveraging(every=5, **opts), SelectiveAveraging(every=5, **opts)
+    model_a, model_s = make_agent(w.rank + 1), make_agent(w.rank + 1)
+    rng = np.random.default_rng(11)
+    for round_ in range(3):
+        metrics = [float(x) for x in rng.permutation(n) + 1]
+        if round_ == 2:
+            metrics[1] = math.nan
+        for m in (model_a, model_s):
+            with torch.no_grad():
+                for p in m.parameters():
+                    p.add_(0.25 * (w.rank + 1) * (round_ + 1))
+        it = 5 * round_
+        expected = decide(metrics, opts["rule"], strategy="weighted_mean", iteration=it)
+        asyn(it, model_a, None, metrics[w.rank])
+        if w.rank in expected.replaced:
+            _, _, info = until_applied(asyn, model_a, iteration=it + 1)
+            assert info.decision_iteration == it
+        sync(it, model_s, None, metrics[w.rank])
+        popmesh.barrier()
+        for (name, pa), ps in zip(model_a.named_parameters(), model_s.parameters()):
+            tol = 2e-3 if pa.dtype == torch.float16 else 1e-5
+            assert torch.allclose(pa.double(), ps.double(), rtol=tol, atol=tol), (round_, name, pa, ps)
+    asyn.shutdown(timeout=WAIT_S)
+
+
+@check
+def optimizer_state_is_copied_from_the_best_donor(w):
+    n = w.size
+    if n < 2:
+        return
+    model = make_agent(w.rank + 1)
+    opt = adam_for(model, grad=w.rank + 1)
+    best = int(np.argmax(WORST_FIRST[n]))
+    policy = AsyncSelectiveAveraging(every=10, rule=QUARTER, optimizer_policy="copy")
+    model, opt, info = one_round(w, policy, WORST_FIRST[n], model=model, optimizer=opt, replaced=(0,))
+    assert math.isclose(exp_avg_of(opt), 0.1 * ((best if w.rank == 0 else w.rank) + 1), rel_tol=1e-5)
+    if w.rank == 0:
+        assert info.optimizer == f"copied from {best}"
+
+
+@check
+def events_and_reset_weights(w):
+    n = w.size
+    if n < 2:
+        return
+    path = os.path.join(os.environ["POPMESH_TEST_OUT"], "async-events-{rank}.jsonl")
+    policy = AsyncSelectiveAveraging(every=10, rule=QUARTER, strategy="reset_weights",
+                                     model_builder=lambda: make_agent(-1.0), events_path=path)
+    model, _, info = one_round(w, policy, WORST_FIRST[n], replaced=(0,))
+    assert_all(model, -1.0 if w.rank == 0 else w.rank + 1, what="reset_weights")
+    mine = path.format(rank=w.rank)
+    if w.rank == 0:
+        with open(mine) as f:
+            (event,) = [json.loads(line) for line in f]
+        assert event["policy"] == "async_selective" and event["decision_iteration"] == 0 and event["donors"] == []
+    else:
+        assert not os.path.exists(mine)
+
+
+@check
+def dedicated_coordinator_rank(w):
+    n = w.size
+    if n < 3:
+        return
+    trainers = list(range(n - 1))
+    group = w.new_group(trainers)
+    policy = AsyncSelectiveAveraging(every=10, rule=QUARTER, coordinator=n - 1)
+    if w.rank == n - 1:
+        assert policy.coordinate(group, timeout=WAIT_S) == 1
+        return
+    model, _, info = one_round(w, policy, WORST_FIRST[n - 1], replaced=(0,), group=group)
+    assert_all(model, mean([r + 1 for r in range(1, n - 1)]) if w.rank == 0 else w.rank + 1, what="dedicated")
+
+
+@check
+def sub_group_with_an_idle_rank(w):
+    n = w.size
+    if n < 3:
+        return
+    group = w.new_group(range(1, n))  # rank 0 idles; rank 1 coordinates and is replaced
+    policy = AsyncSelectiveAveraging(every=10, rule=QUARTER)
+    if w.rank == 0:
+        return
+    metrics = {g: float(g + 1) for g in range(1, n)}
+    model, _, info = one_round(w, policy, metrics, replaced=(1,), group=group)
+    assert_all(model, mean([g + 1 for g in range(2, n)]) if w.rank == 1 else w.rank + 1, what="sub-group")
+    if w.rank == 1:
+        assert set(info.metrics) == set(range(1, n))
+
+
+@check
+def shutdown_is_idempotent_and_final(w):
+    policy = AsyncSelectiveAveraging(every=10, rule=QUARTER)
+    model = make_agent(1.0)
+    policy(3, model, None, None)
+    policy.shutdown(timeout=WAIT_S)
+    policy.shutdown(timeout=WAIT_S)
+    if w.size > 1:
+        try:
+            policy(4, model, None, None)
+        except PopmeshError as e:
+            assert "shut down" in str(e)
+        else:
+            raise AssertionError("a shut-down policy must refuse further calls")
+    try:
+        AsyncSelectiveAveraging(every=10, poll_interval=0)
+    except ConfigError:
+        pass
+    else:
+        raise AssertionError("poll_interval=0 must be refused")
+
+
+if __name__ == "__main__":
+    main()
