@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/popmesh launch -n 4 examples/collectives_tour.py
+	$(BIN)/popmesh demo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
