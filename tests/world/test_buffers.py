@@ -4,35 +4,14 @@ from pathlib import Path
 
 import pytest
 
-from harness import mpiexec, run_world
-from worldlib import checks_of
-from workers import buffers_crash_worker, buffers_worker as worker
+from harness import run_world
+from workers import buffers_crash_worker
+from workers import buffers_worker as worker
+from worldtests import world_tests
 
-SCRIPT = Path(worker.__file__)
-WORLDS = [("torch", 4), ("mpi", 4)]
-
-
-@pytest.fixture(scope="module", params=WORLDS, ids=[f"{e}-{n}" for e, n in WORLDS])
-def world_run(request):
-    engine, size = request.param
-    if engine == "mpi" and mpiexec() is None:
-        pytest.skip("mpiexec not installed")
-    run = run_world(SCRIPT, engine, size, timeout=240)
-    assert not run.timed_out, f"world timed out:\n{run.output[-4000:]}"
-    return run
-
-
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", checks_of(worker))
-def test_service(world_run, name):
-    outcome = world_run.outcome(name)
-    failures = {r: o for r, o in outcome.items() if o != "ok"}
-    assert not failures, f"{name} on {world_run.engine}-{world_run.size}: {failures}\n{world_run.output[-3000:]}"
-
-
-@pytest.mark.timeout(300)
-def test_world_exits_cleanly(world_run):
-    assert world_run.returncodes == [0] * len(world_run.returncodes), world_run.output[-3000:]
+world_run, test_check, test_world_exits_cleanly = world_tests(
+    worker, [("torch", 4), ("mpi", 4)], timeout=240
+)
 
 
 @pytest.mark.timeout(120)

@@ -1,0 +1,75 @@
+"""popmesh.compat.omnisafe: the seed document's signatures, and its examples on a real 2-rank torch world."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness import run_world
+from worldlib import checks_of
+from workers import compat_omnisafe_worker as worker
+
+pytest.importorskip("torch")
+sys.path.append(str(Path(__file__).resolve().parents[1] / "unit"))  # the seed-document parser
+from seed_signatures import facade_mismatches, require_seed  # noqa: E402
+
+import popmesh.compat.omnisafe as omnisafe  # noqa: E402
+
+SEED = "omnisafe.utils.distributed"
+# Each function whose documentation has an example, and the worker check that runs it.
+EXAMPLES = {
+    "get_rank": "rank_and_size_inside_a_launched_world",
+    "avg_tensor": "avg_tensor_example",
+    "avg_grads": "avg_grads_example",
+    "sync_params": "sync_params_example",
+    "avg_params": "avg_params_example",
+    "dist_avg": "dist_examples",
+    "dist_sum": "dist_examples",
+    "dist_max": "dist_examples",
+    "dist_min": "dist_examples",
+    "dist_statistics_scalar": "dist_statistics_scalar_example",
+}
+
+
+def test_facade_matches_the_seed_document():
+    seed = require_seed(SEED)
+    assert facade_mismatches(omnisafe, seed) == []
+
+
+def test_every_documented_example_is_run():
+    seed = require_seed(SEED)
+    assert {name for name, entry in seed.entries.items() if entry.examples} == set(EXAMPLES)
+    assert set(EXAMPLES.values()) <= set(checks_of(worker))
+
+
+def test_a_world_of_one_without_init():
+    code = ("import torch, popmesh.compat.omnisafe as o\n"
+            "assert (o.get_rank(), o.world_size(), o.is_master()) == (0, 1, True)\n"
+            "x = torch.tensor(2.0); o.avg_tensor(x); assert x.item() == 2.0\n"
+            "assert o.dist_statistics_scalar(torch.tensor([1.0, 3.0]), True) == "
+            "(torch.tensor(2.0), torch.tensor(1.0), torch.tensor(1.0), torch.tensor(3.0))\n"
+            "assert o.fork(1) is False\n")
+    env = {k: v for k, v in __import__("os").environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "POPMESH_ENGINE", "PMI_RANK", "OMPI_COMM_WORLD_RANK")}
+    env["MASTER_ADDR"] = "127.0.0.1"  # a stray MASTER_ADDR is not a launched world (OmniSafe crashed)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60, env=env)
+
+
+@pytest.fixture(scope="module")
+def world_run():
+    run = run_world(Path(worker.__file__), "torch", 2, timeout=90)
+    assert not run.timed_out, f"world timed out:\n{run.output[-4000:]}"
+    return run
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", checks_of(worker))
+def test_on_two_ranks(world_run, name):
+    failures = {r: o for r, o in world_run.outcome(name).items() if o != "ok"}
+    assert not failures, f"{name}: {failures}\n{world_run.output[-3000:]}"
+
+
+@pytest.mark.timeout(120)
+def test_world_exits_cleanly(world_run):
+    assert world_run.returncodes == [0, 0], world_run.output[-3000:]

@@ -1,0 +1,112 @@
+"""popmesh.compat.omnisafe on a real world: the seed document's examples, on 2 ranks (rank r holds r + 1)."""
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import popmesh.compat.omnisafe as omnisafe  # noqa: E402
+from worldlib import check, main  # noqa: E402
+
+torch.set_num_threads(1)
+RANK_BEFORE_INIT = omnisafe.get_rank()  # the facade initialises the launched world itself
+
+
+def value(w):
+    return float(w.rank + 1)  # 1.0 on process 0, 2.0 on process 1: the document's numbers
+
+
+@check
+def rank_and_size_inside_a_launched_world(w):
+    assert RANK_BEFORE_INIT == w.rank == omnisafe.get_rank()
+    assert omnisafe.world_size() == w.size
+    assert omnisafe.is_master() is (w.rank == 0)
+    assert omnisafe.fork(w.size) is False  # inside the ranks fork only says "already forked"
+    assert omnisafe.fork(w.size, manual_args=["train.py"]) is False
+
+
+@check
+def avg_tensor_example(w):
+    x = torch.tensor(value(w))
+    assert omnisafe.avg_tensor(x) is None
+    assert torch.equal(x, torch.tensor(1.5)), x
+
+
+@check
+def avg_grads_example(w):
+    x = torch.tensor(value(w), requires_grad=True)
+    y = x ** 2
+    y.backward()
+    assert torch.equal(x.grad, torch.tensor(2.0 * value(w)))
+    assert omnisafe.avg_grads(x) is None
+    assert torch.equal(x.grad, torch.tensor(3.0)), x.grad
+
+
+def linear(w):
+    torch.manual_seed(w.rank)
+    model = torch.nn.Linear(1, 1)
+    model.weight.data = torch.tensor([[value(w)]])
+    return model
+
+
+@check
+def sync_params_example(w):
+    model = linear(w)
+    assert omnisafe.sync_params(model) is None
+    assert torch.equal(model.weight.data, torch.tensor([[1.0]])), model.weight
+    zero = linear(w) if w.rank == 0 else None
+    if zero is not None:
+        assert torch.equal(model.bias.data, zero.bias.data)  # every parameter is rank 0's
+
+
+@check
+def avg_params_example(w):
+    model = linear(w)
+    assert omnisafe.avg_params(model) is None
+    assert torch.equal(model.weight.data, torch.tensor([[1.5]])), model.weight
+
+
+@check
+def dist_examples(w):
+    x = torch.tensor(value(w))
+    assert torch.equal(omnisafe.dist_avg(x), torch.tensor(1.5))
+    assert torch.equal(omnisafe.dist_sum(x), torch.tensor(3.0))
+    assert torch.equal(omnisafe.dist_max(x), torch.tensor(2.0))
+    assert torch.equal(omnisafe.dist_min(x), torch.tensor(1.0))
+    assert x.item() == value(w), "the caller's tensor is not overwritten (OmniSafe's dist_op aliased it)"
+
+
+@check
+def dist_op_takes_torch_reduce_ops(w):
+    x = torch.tensor([value(w), -value(w)], dtype=torch.float64)
+    ops = torch.distributed.ReduceOp
+    assert omnisafe.dist_op(x, ops.SUM).tolist() == [3.0, -3.0]
+    assert omnisafe.dist_op(x, ops.MAX).tolist() == [2.0, -1.0]
+    assert omnisafe.dist_op(x, ops.MIN).tolist() == [1.0, -2.0]
+    assert omnisafe.dist_op(x, "avg").dtype == torch.float64, "dtype kept (OmniSafe cast to float32)"
+
+
+@check
+def dist_statistics_scalar_example(w):
+    mean, std = omnisafe.dist_statistics_scalar(torch.tensor(value(w)).reshape(1))
+    assert (mean, std) == (torch.tensor(1.5), torch.tensor(0.5)), (mean, std)
+
+
+@check
+def dist_statistics_scalar_min_max_are_global_scalars(w):
+    data = torch.tensor([1.0, 5.0, 3.0]) if w.rank == 0 else torch.tensor([-2.0])  # different lengths
+    mean, std, low, high = omnisafe.dist_statistics_scalar(data, with_min_and_max=True)
+    assert (mean.item(), low.item(), high.item()) == (1.75, -2.0, 5.0), (mean, low, high)
+    assert abs(std.item() - torch.tensor([1.0, 5.0, 3.0, -2.0]).std(unbiased=False).item()) < 1e-6
+
+
+@check
+def setup_distributed_shares_cores(w):
+    assert omnisafe.setup_distributed() is None
+    assert torch.get_num_threads() >= 1
+
+
+if __name__ == "__main__":
+    main()
