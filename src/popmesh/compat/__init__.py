@@ -11,7 +11,6 @@ original has a bug, the facade behaves correctly and its docstring says what dif
 * ``popmesh.compat.gfn``: ``gfn.utils.distributed`` (torchgfn); ``[torch]`` / ``[mpi]``
 * ``popmesh.compat.spawn_policy``: ``spawn_policy`` (torchgfn's multinode example); ``[torch]`` / ``[mpi]``
 
-The omnisafe, gfn and spawn_policy facades follow once their popmesh capabilities land.
 Importing ``popmesh.compat`` imports none of them; import the facade module itself.
 """
 

@@ -1,0 +1,301 @@
+"""``gfn.utils.distributed`` (torchgfn) over popmesh's world, collectives, messages and contexts.
+
+Same names, parameters, order and defaults as the original. torchgfn ran a torch process group and
+an mpi4py communicator side by side and picked one per call with ``backend="torch"|"mpi"``; in
+popmesh one world runs on one engine. The facade maps ``"torch"`` to the torch engine and ``"mpi"``
+to the MPI engine: a collective whose ``backend`` names another engine than the running world's
+raises ``ConfigError`` (pass the other name, or launch under the other launcher) instead of quietly
+using another engine. A world of one (nothing launched) accepts either name. ``group`` is a popmesh
+``Group``/``World`` (e.g. ``ctx.train_global_group``); None means the whole world.
+
+Where popmesh deliberately behaves differently from torchgfn:
+
+* ``send``/``isend`` reinterpret the tensor's bytes as uint8 (torchgfn's torch path *value*-cast
+  floats to uint8, and its MPI path failed for bfloat16); ``recv`` returns exactly those bytes.
+  Both backends use popmesh's one wire format, so the ``backend`` name of a point-to-point call
+  only has to be valid: a sender using ``"torch"`` and a receiver using ``"mpi"`` interoperate, on
+  whatever engine the world runs. Every blocking call has the world's timeout (CommTimeout).
+* ``broadcast``'s ``src`` is a global rank on both backends (torchgfn's MPI path read it as a rank
+  within the communicator).
+* ``all_reduce`` also accepts ``"AVG"`` (divides by the group's size) and ``"PROD"``.
+* ``average_models`` divides by the size of ``training_group`` (torchgfn divided by the global world
+  size, shrinking the weights whenever buffer or coordinator ranks existed), in place;
+  ``average_gradients`` is bucketed and treats a missing gradient as zeros.
+* ``gather_distributed_data`` carries sizes as int64 (torchgfn used the data's dtype, corrupting
+  counts above 255 for uint8), takes any trailing shape, gathers on the group's first rank (torchgfn
+  required global rank 0 to belong to the group), and ``world_size``/``rank`` default to the
+  group's size and group rank (torchgfn used global values even for a sub-group).
+* ``get_rank`` returns the rank within ``group`` (-1 for non-members, as torch did) on both backends.
+* ``report_time_info``/``report_load_imbalance`` tolerate ranks with fewer iterations (torchgfn
+  raised IndexError) and log to ``logger``.
+* ``initialize_distributed_compute*`` build one popmesh context (:func:`popmesh.make_context`);
+  no second mpi4py world is created, ``dc_mpi4py`` is a view of the same groups on an MPI world
+  (None on torch), ``dist_backend="ccl"`` is not supported, and ``cleanup()`` does not finalize MPI
+  behind other users' backs (torchgfn called ``MPI.Finalize``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+import popmesh
+import popmesh.context as _context
+import popmesh.stats as _stats
+import popmesh.torch as _pt
+from popmesh.errors import ConfigError
+from popmesh.reports import format_report
+from popmesh.timing import report_load_imbalance as _imbalance, report_time_info as _time_info
+from popmesh.world import Comm, World
+
+__all__ = [
+    "Group",
+    "default_backend",
+    "logger",
+    "AsyncSendHandle",
+    "DistributedContext",
+    "DistributedContextMPI4Py",
+    "all_gather",
+    "all_reduce",
+    "average_gradients",
+    "average_models",
+    "barrier",
+    "broadcast",
+    "gather_distributed_data",
+    "get_rank",
+    "get_world_size",
+    "initialize_distributed_compute",
+    "initialize_distributed_compute_mpi4py",
+    "isend",
+    "recv",
+    "report_load_imbalance",
+    "report_time_info",
+    "send",
+]
+
+Group = Comm
+"""A popmesh ``World`` or ``Group``: the one communicator type on every engine."""
+
+default_backend = "mpi"
+logger = logging.getLogger(__name__)
+
+_ENGINES = {"torch": "torch", "mpi": "mpi"}
+_DIST_BACKENDS = {"gloo": "torch", "mpi": "mpi"}
+
+
+def _world(engine: str | None = None) -> World:
+    """The current world (a world of one when nothing was launched); init a launched one if needed."""
+    try:
+        world = popmesh.current_world()
+    except ConfigError:
+        world = popmesh.init() if engine is None else popmesh.init(engine)
+    return world
+
+
+def _engine(backend: str) -> str:
+    if backend not in _ENGINES:
+        raise ConfigError(f"backend={backend!r}: use 'torch' or 'mpi'")
+    return _ENGINES[backend]
+
+
+def _comm(backend: str, group: Comm | None, what: str, *, strict: bool = True) -> Comm:
+    """The communicator ``backend``/``group`` name, checked against the running world's engine."""
+    engine = _engine(backend)
+    comm = _world() if group is None else group
+    if not isinstance(comm, Comm):
+        raise ConfigError(f"{what}: group must be a popmesh Group or World (e.g. ctx.train_global_group), "
+                          f"not {type(comm).__name__}")
+    running = comm.world.engine_name
+    if strict and running != engine and comm.world.size > 1:
+        other = "torch" if running == "torch" else "mpi"
+        raise ConfigError(f"{what}(backend={backend!r}) on a world running the {running} engine: pass "
+                          f"backend={other!r}, or launch under {'mpiexec' if engine == 'mpi' else 'torchrun'}")
+    return comm
+
+
+@dataclass
+class AsyncSendHandle:
+    """Handle for a non-blocking send operation. The underlying buffer must remain alive until the
+    send completes. Call :meth:`is_complete` to poll or :meth:`wait` to block."""
+
+    _request: Any
+    _buffer: Any
+
+    def is_complete(self) -> bool:
+        """Check if the send has completed without blocking."""
+        return self._request.done()
+
+    def wait(self) -> None:
+        """Block until the send completes (CommTimeout after the world's timeout)."""
+        self._request.wait()
+
+
+def _as_bytes(data: Any) -> torch.Tensor:
+    """``data``'s bytes as a flat uint8 CPU tensor: reinterpreted, never value-cast."""
+    tensor = data if isinstance(data, torch.Tensor) else torch.as_tensor(data)
+    return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
+def send(data: Any, dst_rank: int, backend: str = default_backend, tag: int = 0) -> None:
+    """Send a byte tensor to global rank ``dst_rank``: the raw bytes of ``data``, any dtype.
+
+    ``recv`` on the other end returns an identical uint8 tensor, whatever backend name either side
+    passes. Use distinct tags to multiplex independent channels on the same rank pair.
+    """
+    _comm(backend, None, "send", strict=False)
+    popmesh.send(_as_bytes(data), dst_rank, tag)
+
+
+def isend(data: Any, dst_rank: int, backend: str = default_backend, tag: int = 0) -> AsyncSendHandle:
+    """Non-blocking send of a byte tensor to ``dst_rank``; keep the handle until it is complete."""
+    _comm(backend, None, "isend", strict=False)
+    buffer = _as_bytes(data)
+    return AsyncSendHandle(popmesh.isend(buffer, dst_rank, tag), buffer)
+
+
+def recv(src_rank: int | None = None, backend: str = default_backend, tag: int = 0) -> tuple[int, torch.Tensor]:
+    """Receive a byte tensor from ``src_rank`` (or any rank if None): ``(source rank, uint8 tensor)``."""
+    _comm(backend, None, "recv", strict=False)
+    source, payload = popmesh.recv(src_rank, tag)
+    return source, torch.as_tensor(payload)
+
+
+def barrier(backend: str = default_backend, group: Comm | None = None) -> None:
+    """Backend-agnostic barrier synchronization over ``group`` (default: the world)."""
+    popmesh.barrier(group=_comm(backend, group, "barrier"))
+
+
+def get_rank(backend: str = default_backend, group: Comm | None = None) -> int:
+    """This process's rank within ``group`` (default: the world); -1 if it is not a member."""
+    comm = _comm(backend, group, "get_rank")
+    return comm.group_rank if comm.is_member else -1
+
+
+def get_world_size(backend: str = default_backend, group: Comm | None = None) -> int:
+    """The number of ranks in ``group`` (default: the world)."""
+    return _comm(backend, group, "get_world_size").size
+
+
+def all_reduce(tensor: torch.Tensor, op: str = "SUM", backend: str = default_backend,
+               group: Comm | None = None) -> None:
+    """In-place all-reduce of ``tensor`` over ``group``: ``"SUM"``, ``"MAX"``, ``"MIN"`` (also
+    ``"AVG"``, ``"PROD"``). Every member calls it with a tensor of the same shape and dtype."""
+    popmesh.all_reduce_(tensor, op, group=_comm(backend, group, "all_reduce"))
+
+
+def all_gather(output_list: list[torch.Tensor], tensor: torch.Tensor, backend: str = default_backend,
+               group: Comm | None = None) -> None:
+    """All-gather ``tensor`` into ``output_list`` (one pre-allocated tensor per group rank, whose
+    devices are kept). Every member passes a tensor of the same shape."""
+    comm = _comm(backend, group, "all_gather")
+    if len(output_list) != comm.size:
+        raise ConfigError(f"all_gather: output_list has {len(output_list)} tensors for a group of {comm.size}")
+    gathered = popmesh.all_gather(tensor, group=comm)
+    for out, row in zip(output_list, gathered):
+        out.copy_(row)
+
+
+def broadcast(tensor: torch.Tensor, src: int, backend: str = default_backend, group: Comm | None = None) -> None:
+    """Broadcast ``tensor`` in place from **global** rank ``src`` (a member of ``group``)."""
+    popmesh.broadcast_(tensor, src, group=_comm(backend, group, "broadcast"))
+
+
+def gather_distributed_data(local_tensor: Any, world_size: int | None = None, rank: int | None = None,
+                            training_group: Comm | None = None) -> torch.Tensor | None:
+    """Gather data from all processes: the rows (dim 0) of every rank concatenated on the group's
+    first rank, None on the others. ``local_tensor`` is a tensor or a list of rows; row counts may
+    differ. ``world_size``/``rank``, when given, must be the group's size and this group rank."""
+    comm = _world() if training_group is None else training_group
+    if world_size is not None and world_size != comm.size:
+        raise ConfigError(f"gather_distributed_data: world_size={world_size} but the group has {comm.size} ranks")
+    if rank is not None and comm.is_member and rank != comm.group_rank:
+        raise ConfigError(f"gather_distributed_data: rank={rank} but this is rank {comm.group_rank} of the group")
+    return _stats.gather_distributed_data(local_tensor, group=comm)
+
+
+def average_gradients(model: torch.nn.Module) -> None:
+    """All-reduce gradients across all models: each becomes the world's average, in place."""
+    _world()
+    _pt.average_gradients(model)
+
+
+def average_models(model: torch.nn.Module, training_group: Comm | None = None) -> None:
+    """Averages model weights across the ranks of ``training_group`` (default: the world), in
+    place, dividing by the group's size."""
+    _world()
+    _pt.average_models(model, training_group)
+
+
+def report_time_info(all_timing_dict: list[dict[str, Any]], world_size: int) -> None:
+    """Log per-rank average and total time per step, then the maximum and mean of the totals.
+    ``all_timing_dict``: ``[rank0_dict, rank1_dict, ...]``, each ``{"step": [iter0_time, ...]}``."""
+    report = _time_info(all_timing_dict, world_size, show=False)
+    if report is not None:
+        logger.info("%s", format_report(report))
+
+
+def report_load_imbalance(all_timing_dict: list[dict[str, Any]], world_size: int) -> None:
+    """Log useful (mean over ranks) and waiting (max - mean) time per step, summed over iterations."""
+    report = _imbalance(all_timing_dict, world_size, show=False)
+    if report is not None:
+        logger.info("%s", format_report(report))
+
+
+@dataclass(eq=False)
+class DistributedContextMPI4Py(_context.DistributedContext):
+    """Holds all distributed training/replay buffer groups and ranks (on an MPI world)."""
+
+
+@dataclass(eq=False)
+class DistributedContext(_context.DistributedContext):
+    """Holds all distributed training/replay buffer groups and ranks."""
+
+    dc_mpi4py: DistributedContextMPI4Py | None = None
+
+    def get_train_group(self, backend: str = "mpi") -> Comm:
+        """The training group; ``backend`` must name the world's engine."""
+        _comm(backend, self.train_global_group, "get_train_group")
+        return self.train_global_group
+
+    def cleanup(self) -> None:
+        """Cleans up the distributed groups (the world stays up: finalize it with ``popmesh.finalize()``)."""
+        super().cleanup()
+
+
+def _fields_of(ctx: _context.DistributedContext) -> dict[str, Any]:
+    return {f.name: getattr(ctx, f.name) for f in fields(_context.DistributedContext)}
+
+
+def initialize_distributed_compute(dist_backend: str, num_remote_buffers: int, num_agent_groups: int,
+                                   use_coordinator: bool = False) -> DistributedContext:
+    """Initializes distributed compute: ``"gloo"`` → the torch engine, ``"mpi"`` → the MPI engine.
+
+    Collective over the world; every rank passes the same arguments. With ``use_coordinator`` the
+    last rank becomes the coordinator. A world of one gives a single-process context.
+    """
+    if dist_backend not in _DIST_BACKENDS:
+        raise ConfigError(f"dist_backend={dist_backend!r}: use 'gloo' (torch engine) or 'mpi' (MPI engine)")
+    world = _world(_DIST_BACKENDS[dist_backend])
+    _comm(_DIST_BACKENDS[dist_backend], world, "initialize_distributed_compute")
+    ctx = _context.make_context(world, num_buffers=num_remote_buffers, num_agent_groups=num_agent_groups,
+                                use_coordinator=use_coordinator)
+    view = DistributedContextMPI4Py(**_fields_of(ctx)) if world.engine_name == "mpi" else None
+    return DistributedContext(**_fields_of(ctx), dc_mpi4py=view)
+
+
+def initialize_distributed_compute_mpi4py(num_remote_buffers: int, num_agent_groups: int,
+                                          num_coordinators: int = 0) -> DistributedContextMPI4Py:
+    """Initializes distributed compute on the MPI engine (no torch process group needed).
+
+    ``num_coordinators`` is 0 or 1 (the last rank). Collective over the world.
+    """
+    if num_coordinators not in (0, 1):
+        raise ConfigError(f"num_coordinators={num_coordinators}: use 0 or 1")
+    world = _world("mpi")
+    _comm("mpi", world, "initialize_distributed_compute_mpi4py")
+    ctx = _context.make_context(world, num_buffers=num_remote_buffers, num_agent_groups=num_agent_groups,
+                                use_coordinator=bool(num_coordinators))
+    return DistributedContextMPI4Py(**_fields_of(ctx))

@@ -1,0 +1,67 @@
+"""popmesh.compat.gfn: the seed document's signatures, and its behaviours on real 2-rank worlds (torch, MPI)."""
+
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness import mpiexec, run_world
+from worldlib import checks_of
+from workers import compat_gfn_worker as worker
+
+pytest.importorskip("torch")
+sys.path.append(str(Path(__file__).resolve().parents[1] / "unit"))  # the seed-document parser
+from seed_signatures import attribute_mismatches, facade_mismatches, require_seed  # noqa: E402
+
+import popmesh.compat.gfn as gfn  # noqa: E402
+
+SEED = "gfn.utils.distributed"
+
+
+def test_facade_matches_the_seed_document():
+    seed = require_seed(SEED)
+    assert facade_mismatches(gfn, seed) == []
+    assert not any(entry.examples for entry in seed.entries.values())  # behaviours are checked one by one
+
+
+def test_context_classes_have_the_documented_attributes():
+    seed = require_seed(SEED)
+    for cls in ("DistributedContext", "DistributedContextMPI4Py"):
+        fields = set(getattr(gfn, cls).__dataclass_fields__)
+        missing = [m for m in attribute_mismatches(object(), seed, cls) if m.split(".")[1].split(":")[0] not in fields]
+        assert missing == [], missing
+
+
+def test_reports_tolerate_ragged_iterations(caplog):
+    timings = [{"step": [1.0, 1.0, 1.0], "only0": [0.5]}, {"step": [2.0]}]  # rank 1 ran fewer iterations
+    with caplog.at_level(logging.INFO, logger="popmesh.compat.gfn"):
+        assert gfn.report_time_info(timings, 2) is None
+        assert gfn.report_load_imbalance(timings, 2) is None
+    text = caplog.text
+    assert "step" in text and len(caplog.records) == 2, text
+
+
+WORLDS = [("torch", 2), ("mpi", 2)]
+
+
+@pytest.fixture(scope="module", params=WORLDS, ids=[f"{e}-{n}" for e, n in WORLDS])
+def world_run(request):
+    engine, size = request.param
+    if engine == "mpi" and mpiexec() is None:
+        pytest.skip("mpiexec not installed")
+    run = run_world(Path(worker.__file__), engine, size, timeout=90)
+    assert not run.timed_out, f"world timed out:\n{run.output[-4000:]}"
+    return run
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", checks_of(worker))
+def test_on_two_ranks(world_run, name):
+    failures = {r: o for r, o in world_run.outcome(name).items() if o != "ok"}
+    assert not failures, f"{name} on {world_run.engine}: {failures}\n{world_run.output[-3000:]}"
+
+
+@pytest.mark.timeout(120)
+def test_world_exits_cleanly(world_run):
+    assert world_run.returncodes == [0] * len(world_run.returncodes), world_run.output[-3000:]
