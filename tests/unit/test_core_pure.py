@@ -104,3 +104,21 @@ def test_import_starts_no_engine():
     code = "import sys, popmesh; print(sorted(m for m in ('torch', 'mpi4py', 'jax') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_world_finalize_is_idempotent_and_a_context_manager():
+    import subprocess
+    import sys
+
+    code = (
+        "import popmesh\n"
+        "with popmesh.init(engine='local') as w:\n"
+        "    assert w.rank == 0 and w.size == 1 and w.is_main and w.local_size == 1\n"
+        "w.finalize(); w.finalize(); popmesh.finalize()\n"
+        "assert w.finalized\n"
+        "w2 = popmesh.init(engine='local'); assert w2 is not w and popmesh.init() is w2\n"
+        "print('ok')\n"
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("RANK", "WORLD_SIZE", "POPMESH_ENGINE")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.strip() == "ok"

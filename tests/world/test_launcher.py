@@ -257,3 +257,15 @@ def test_mpi_engine_success_and_failure() -> None:
     assert bad.returncode != 0
     assert "root cause: rank 1 exited with code 1 after raising RuntimeError: deliberate MPI failure" in bad.stderr
     assert 'raise RuntimeError("deliberate MPI failure in rank 1")' in bad.stderr
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("engine", ["torch", pytest.param("mpi", marks=pytest.mark.skipif(not HAS_MPI, reason="MPI"))])
+def test_a_rank_hanging_in_a_collective_ends_the_world(piddir: Path, engine: str) -> None:
+    script = str(SCRIPTS / "launch_collective_hang.py")
+    proc = popmesh("launch", "-n", "3", "--engine", engine, script, env={"POPMESH_TEST_PIDDIR": str(piddir)},
+                   timeout=80)
+    assert proc.returncode != 0
+    assert "CommTimeout" in proc.stderr and "ranks [2] did not arrive" in proc.stderr, proc.stderr[-3000:]
+    assert re.search(r"root cause: rank [01]", proc.stderr), proc.stderr[-3000:]
+    assert_all_gone(_pids(piddir, 3, timeout=0))

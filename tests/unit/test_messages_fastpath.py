@@ -1,0 +1,147 @@
+"""The small-message fast paths give the same bytes and the same errors as the general paths."""
+
+from __future__ import annotations
+
+import struct
+import zlib
+
+import numpy as np
+import pytest
+
+from popmesh import MessageError
+from popmesh import wire
+from popmesh.engines.envelope import INLINE_NBYTES, parse_envelope, plan_frame
+from popmesh.engines.p2p_base import frame_parts, join_parts
+from popmesh.wire import SMALL_FRAME_NBYTES, decode, encode, encode_message, join_frame
+
+SMALL = [
+    b"", b"abcd", bytes(range(256)) * 16,  # 4096 bytes: the limit
+    np.ones(1, np.float32), np.arange(6, dtype="<i4").reshape(2, 3), np.array(3.5), np.zeros((0, 4)),
+    np.arange(12.0).reshape(3, 4)[:, ::2],  # non-contiguous: framed in C order
+    np.array([True, False]), np.arange(4, dtype=np.uint64), np.ones(3, np.complex64), np.ones(2, np.float16),
+]
+
+
+def general(payload) -> bytes:
+    return join_frame(encode(payload)).tobytes()
+
+
+@pytest.mark.parametrize("payload", SMALL, ids=lambda p: f"{type(p).__name__}")
+def test_small_frames_are_the_general_frames_bytes(payload):
+    fast = encode_message(payload)
+    assert type(fast) is bytes and fast == general(payload)
+    got = decode(fast)
+    if isinstance(payload, bytes):
+        assert got == payload
+    else:
+        assert got.dtype == payload.dtype and got.shape == payload.shape and np.array_equal(got, payload)
+
+
+def test_golden_frame_through_the_fast_path():
+    frame = encode_message(np.arange(6, dtype="<i4").reshape(2, 3))
+    assert frame.hex().startswith("504d53480102010400020000" "3df80c85" "1800000000000000" "00000000" "24d2f17d")
+
+
+@pytest.mark.parametrize("payload", [
+    bytes(SMALL_FRAME_NBYTES + 1), np.zeros(SMALL_FRAME_NBYTES // 8 + 1), np.arange(3, dtype=">i4"), bytearray(b"ab"),
+    {"a": 1}, [1, 2], np.zeros(2, dtype=[("a", "<i4")]),
+])
+def test_other_payloads_take_the_general_path(payload):
+    if isinstance(payload, np.ndarray) and payload.dtype.names:
+        with pytest.raises(MessageError):
+            encode_message(payload)
+        return
+    fast = encode_message(payload)
+    assert isinstance(fast, list)
+    assert join_frame(fast).tobytes() == general(payload)
+
+
+def test_small_frame_is_a_copy():
+    a = np.zeros(4)
+    frame = encode_message(a)
+    a[:] = 7
+    assert decode(frame).tolist() == [0, 0, 0, 0]
+
+
+def test_decoded_array_shares_a_writable_buffer_and_copies_a_readonly_one():
+    frame = np.frombuffer(encode_message(np.arange(4.0)), np.uint8).copy()
+    got = decode(frame)
+    assert np.shares_memory(got, frame) and got.flags.writeable
+    got = decode(encode_message(np.arange(4.0)))  # bytes: read-only, so a copy
+    assert got.flags.writeable and got.tolist() == [0, 1, 2, 3]
+
+
+def _corrupt(frame: bytes, offset: int, value: int) -> bytes:
+    b = bytearray(frame)
+    b[offset] = value
+    return bytes(b)
+
+
+def _rechecksummed(frame: bytearray) -> bytes:
+    ndim = frame[9]
+    struct.pack_into("<I", frame, 28, zlib.crc32(bytes(frame[32:32 + 8 * ndim]), zlib.crc32(bytes(frame[:28]))))
+    return bytes(frame)
+
+
+@pytest.mark.parametrize("payload", [b"abcd", np.arange(3, dtype=np.int16)])
+def test_corrupt_small_frames_raise_like_the_general_path(payload):
+    frame = encode_message(payload)
+    bad = [
+        frame[:-1], frame + b"\0", frame[:20],
+        _corrupt(frame, 0, ord("X")),  # magic
+        _corrupt(frame, 4, 2),  # version
+        _corrupt(frame, 12, frame[12] ^ 1),  # payload CRC (header CRC still covers it: header mismatch)
+        _corrupt(frame, len(frame) - 1, frame[-1] ^ 0xFF),  # payload byte
+        _corrupt(frame, 33, frame[33] ^ 1),  # shape
+    ]
+    hdr = bytearray(frame)
+    hdr[7] = 12  # a dtype whose size does not match, with a valid header CRC
+    bad.append(_rechecksummed(hdr))
+    hdr = bytearray(frame)
+    hdr[8] = 1  # a device code on a non-TORCH frame
+    bad.append(_rechecksummed(hdr))
+    hdr = bytearray(frame)
+    hdr[5] = 9  # an unknown kind
+    bad.append(_rechecksummed(hdr))
+    for b in bad:
+        with pytest.raises(MessageError):
+            decode(b)
+        with pytest.raises(MessageError):
+            decode(np.frombuffer(b, np.uint8).copy())
+
+
+def test_unchecksummed_small_frames_still_decode():
+    frame = join_frame(encode(np.arange(3.0), checksum=False)).tobytes()
+    assert decode(frame).tolist() == [0, 1, 2]
+    frame = join_frame(encode(b"xyz", checksum=False)).tobytes()
+    assert decode(frame) == b"xyz"
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 40, INLINE_NBYTES])
+def test_small_envelope_matches_the_general_plan(nbytes):
+    data = np.arange(nbytes, dtype=np.uint8)
+    fast_env, fast_segments = plan_frame([data])
+    general_env, general_segments = plan_frame([data[:nbytes // 2], data[nbytes // 2:]])
+    assert fast_segments == general_segments == []
+    assert fast_env.tobytes() == general_env.tobytes()
+    total, inline, lengths = parse_envelope(fast_env)
+    assert (total, lengths) == (nbytes, []) and inline.tobytes() == data.tobytes()
+
+
+def test_corrupt_small_envelope_is_refused():
+    env, _ = plan_frame([np.arange(10, dtype=np.uint8)])
+    bad = env.copy()
+    struct.pack_into("<Q", bad, 8, 11)  # frame length no longer matches the inline bytes
+    with pytest.raises(MessageError):
+        parse_envelope(bad)
+
+
+def test_frame_parts_of_a_small_frame():
+    frame = encode_message(np.ones(2))
+    parts = frame_parts(frame)
+    assert len(parts) == 1 and parts[0].dtype == np.uint8 and join_parts(parts).tobytes() == frame
+
+
+def test_read_header_kinds_are_enum_members():
+    head = wire.read_header(encode_message(b"ab"))
+    assert head.kind is wire.Kind.BYTES and head.shape == (2,)
