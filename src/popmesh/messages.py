@@ -29,7 +29,7 @@ from typing import Any
 
 from .engines.p2p_base import TAG_LIMIT
 from .errors import ConfigError, MessageError
-from .wire import decode, encode
+from .wire import decode, encode_message
 from .world import Comm, resolve_group
 
 __all__ = [
@@ -66,6 +66,8 @@ class FrameError(MessageError):
 
 
 def _tag(tag: Any) -> int:
+    if type(tag) is int and 0 <= tag < INTERNAL_TAG_BASE:  # the common case, checked first
+        return tag
     if isinstance(tag, InternalTag):
         return int(tag)
     try:
@@ -83,16 +85,20 @@ def _tag(tag: Any) -> int:
 def _setup(group: Comm | None, timeout: float | None, what: str) -> tuple[Comm, Any, float]:
     comm = resolve_group(group)
     comm.require_member(what)
-    seconds = comm.timeout if timeout is None else float(timeout)
+    world = comm.world
+    seconds = world.default_timeout if timeout is None else float(timeout)
     if not seconds > 0:
         raise ConfigError(f"{what}: timeout={timeout} must be positive")
-    engine = comm.world.engine
-    if not hasattr(engine, "p2p"):
-        raise ConfigError(f"the {engine.name} engine has no point-to-point messages: use the torch or mpi engine")
-    return comm, engine.p2p(), seconds
+    p2p = getattr(world.engine, "p2p", None)
+    if p2p is None:
+        raise ConfigError(f"the {world.engine.name} engine has no point-to-point messages: use the torch or mpi "
+                          "engine")
+    return comm, p2p(), seconds
 
 
 def _member(comm: Comm, rank: Any, what: str) -> int:
+    if type(rank) is int and comm is comm.world and 0 <= rank < comm.world.size:  # the common case
+        return rank
     try:
         value = operator.index(rank)
     except TypeError:
@@ -182,7 +188,7 @@ def isend(payload: Any, dst: int, tag: int = 0, *, group: Comm | None = None, ti
           allow_pickle: bool = False) -> SendHandle:
     """Start sending ``payload``; leave its arrays unchanged until the handle is done."""
     comm, p2p, seconds = _setup(group, timeout, "isend")
-    frame = encode(payload, allow_pickle=allow_pickle)
+    frame = encode_message(payload, allow_pickle=allow_pickle)
     return SendHandle(p2p.isend(frame, _member(comm, dst, "dst"), _tag(tag)), seconds)
 
 

@@ -37,6 +37,12 @@ def plan_frame(parts: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
     Leading parts that fit go inline; parts of 64 KiB or more become their own segment (no copy);
     runs of smaller parts are joined into one segment; at most :data:`MAX_SEGMENTS` segments.
     """
+    if len(parts) == 1 and parts[0].size <= INLINE_NBYTES:  # the common small frame: the envelope alone
+        part = parts[0]
+        env = np.zeros(ENVELOPE_NBYTES, dtype=np.uint8)
+        _HEAD.pack_into(env, 0, _MAGIC, _VERSION, 0, part.size, part.size, 0)
+        env[_INLINE_AT:_INLINE_AT + part.size] = part
+        return env, []
     total = sum(p.size for p in parts)
     count = len(parts)
     if total > INLINE_NBYTES:
@@ -84,6 +90,8 @@ def parse_envelope(env: np.ndarray) -> tuple[int, np.ndarray, list[int]]:
                            "sent on popmesh's internal gloo tags, or the ranks run different popmesh versions")
     if nseg > MAX_SEGMENTS or inline > INLINE_NBYTES:
         raise MessageError(f"corrupt envelope: {nseg} segments, {inline} inline bytes")
+    if not nseg and inline == total:  # the common small frame: nothing beyond the inline bytes
+        return total, env[_INLINE_AT:_INLINE_AT + inline], []
     lengths = list(struct.unpack_from(f"<{nseg}Q", env, _SEGMENTS_AT))
     if any(n == 0 for n in lengths) or inline + sum(lengths) != total:
         raise MessageError(f"corrupt envelope: {inline} inline bytes and segments {lengths} do not add up to {total}")

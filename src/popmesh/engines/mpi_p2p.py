@@ -10,6 +10,9 @@ the speed). Segment receives are posted non-blocking as soon as the envelope arr
 by polling, so every wait keeps its timeout; a frame still arriving holds back only later frames
 from the same sender on the same tag.
 
+When a receive is the only one posted on its tag (for one source or any) and no frame is half
+received or queued locally, each poll is one matched probe with no matching pass (:meth:`MpiP2P._poll`).
+
 A receive that times out has taken nothing, so the message stays queued for the next one. A send
 that times out stays in flight (MPI delivers it when the receiver receives) and its buffers are kept
 alive until it completes.
@@ -25,7 +28,7 @@ import numpy as np
 from ..errors import CommTimeout, ConfigError, MessageError, PeerFailure
 from .base import poll_until
 from .envelope import parse_envelope, plan_frame
-from .p2p_base import TAG_LIMIT, BufferPool, Item, P2PBase
+from .p2p_base import TAG_LIMIT, BufferPool, Item, P2PBase, RecvRequest
 
 __all__ = ["MpiP2P"]
 
@@ -40,7 +43,8 @@ class _MpiSend:
     def done(self) -> bool:
         if not self._done:
             try:
-                self._done = bool(self._owner.mpi.Request.Testall(self._reqs))
+                reqs = self._reqs
+                self._done = bool(reqs[0].Test() if len(reqs) == 1 else self._owner.mpi.Request.Testall(reqs))
             except self._owner.mpi.Exception as e:
                 raise PeerFailure(f"send to rank {self.dst} on tag {self.tag} failed in MPI: {e}", (self.dst,)) from e
             if self._done:
@@ -81,7 +85,8 @@ class MpiP2P(P2PBase):
         self._pool = BufferPool()
 
     def _post_send(self, parts: list[np.ndarray], dst: int, tag: int) -> _MpiSend:
-        self._orphans = [o for o in self._orphans if not o.done()]
+        if self._orphans:
+            self._orphans = [o for o in self._orphans if not o.done()]
         env, segments = plan_frame(parts)
         try:
             reqs = [self._comm.Isend(env, dest=dst, tag=2 * tag)]
@@ -94,6 +99,31 @@ class MpiP2P(P2PBase):
         """Hold a timed-out send (and its buffers) until it completes."""
         if op not in self._orphans:
             self._orphans.append(op)
+
+    def _poll(self, req: RecvRequest) -> bool:
+        """Fast path of the matching in :meth:`P2PBase._poll` for the common case: ``req`` is the only
+        receive posted on its tag, for one source or any, and no frame is half received or queued
+        locally. Then one matched probe decides, with nothing to match against; else the general path."""
+        with self._lock:
+            if req._item is not None:
+                return True
+            tag, sources = req.tag, req.sources
+            posted = self._posted.get(tag)
+            if (posted is None or len(posted) != 1 or posted[0]() is not req or self._partials.get(tag)
+                    or self._local.get(tag) or (sources is not None and len(sources) != 1)):
+                return super()._poll(req)
+            source = self.mpi.ANY_SOURCE if sources is None else next(iter(sources))
+            if source == self.rank:
+                return super()._poll(req)
+            partial = self._start(source, tag)
+            if partial is None:
+                return False
+            if not self._complete(partial, tag):
+                self._partials.setdefault(tag, []).append(partial)
+                return super()._poll(req)
+            req._item = (partial.src, partial.data)
+            posted.clear()
+            return True
 
     def _fetch(self, sources: frozenset[int] | None, tag: int) -> Item | None:
         partials = self._partials.setdefault(tag, [])

@@ -43,6 +43,8 @@ Item = tuple[int, Any]  # (source rank, uint8 array or the Exception that replac
 
 def frame_parts(frame: Frame) -> list[np.ndarray]:
     """Flat uint8 views over the buffers of ``frame`` (copies only non-contiguous buffers)."""
+    if type(frame) is bytes:  # a small frame from wire.encode_message
+        return [np.frombuffer(frame, np.uint8)]
     buffers = frame if isinstance(frame, (list, tuple)) else [frame]
     parts = []
     for buf in buffers:
