@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import interleaved, launch_json, write_result  # noqa: E402
 
 SIZES = {"4 B": 1, "1 MB": 1 << 18, "16 MB": 1 << 22, "64 MB": 1 << 24}  # float32 elements
-REPS = {"4 B": 2000, "1 MB": 30, "16 MB": 6, "64 MB": 3}
+REPS = {"4 B": 2000, "1 MB": 100, "16 MB": 12, "64 MB": 4}
 
 
 def raw_call(engine: str, buf):
@@ -41,7 +41,7 @@ def worker() -> None:
         else:
             buf = np.ones(numel, dtype=np.float32)
         times = interleaved({"raw": raw_call(world.engine_name, buf), "popmesh": lambda: popmesh.all_reduce_(buf)},
-                            REPS[label], rounds=3 if numel > 1 else 5)
+                            REPS[label], rounds=5)
         rows[label] = times
     if world.is_main:
         write_result({"engine": world.engine_name, "rows": rows})

@@ -98,11 +98,19 @@ def _build(treedef: TreeDef, it: Any, take: Callable[[], Any]) -> Any:
     return values if treedef.kind == "list" else tuple(values)
 
 
+_DTYPE_NAMES: dict[Any, str] = {}
+
+
 def dtype_name(x: Any) -> str:
-    """``float32``, ``bfloat16``… for numpy arrays, torch tensors and scalars alike."""
-    if is_torch(x):
-        return str(x.dtype).removeprefix("torch.")
-    return np.asarray(x).dtype.name
+    """``float32``, ``bfloat16``… for numpy arrays, torch tensors and scalars alike (cached per dtype:
+    numpy computes ``dtype.name`` in Python, which showed up in small-message latency)."""
+    dtype = x.dtype if isinstance(x, np.ndarray) or is_torch(x) else np.asarray(x).dtype
+    key = (type(dtype), dtype)  # numpy and torch dtypes never compare with each other
+    name = _DTYPE_NAMES.get(key)
+    if name is None:
+        name = str(dtype).removeprefix("torch.") if is_torch(x) else dtype.name
+        _DTYPE_NAMES[key] = name
+    return name
 
 
 def leaf_shape(x: Any) -> tuple[int, ...]:

@@ -53,6 +53,7 @@ class MpiEngine:
         self.rank = self._world.Get_rank()
         self.size = self._world.Get_size()
         self._node = self._world.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        self._ops = {ReduceOp.SUM: MPI.SUM, ReduceOp.MAX: MPI.MAX, ReduceOp.MIN: MPI.MIN, ReduceOp.PROD: MPI.PROD}
         self._p2p_comm = self._world.Dup()  # point-to-point messages only (mpi_p2p); collective, so made here
         self._comms: list[Any] = [self._diag, self._node, self._p2p_comm]
         self._p2p: Any = None
@@ -84,6 +85,11 @@ class MpiEngine:
 
     # ---- collectives -------------------------------------------------------------------------
     def all_reduce_(self, buf: Any, op: ReduceOp, group: _Handle, timeout: float) -> None:
+        if type(buf) is np.ndarray and buf.dtype.itemsize != 2:
+            # The common case (no staging, no widening): small-message latency lives here.
+            req = group.comm.Iallreduce(self._mpi.IN_PLACE, buf, op=self._ops[op])
+            self._wait(req, group, timeout, "all_reduce")
+            return
         self.all_reduce_start(buf, op, group).wait(timeout)
 
     def all_reduce_start(self, buf: Any, op: ReduceOp, group: _Handle) -> "_MpiPending":
@@ -131,8 +137,7 @@ class MpiEngine:
 
     # ---- helpers -----------------------------------------------------------------------------
     def _op(self, op: ReduceOp) -> Any:
-        MPI = self._mpi
-        return {ReduceOp.SUM: MPI.SUM, ReduceOp.MAX: MPI.MAX, ReduceOp.MIN: MPI.MIN, ReduceOp.PROD: MPI.PROD}[op]
+        return self._ops[op]
 
     def _reducible(self, buf: Any) -> tuple[np.ndarray, Callable[[np.ndarray], None]]:
         """A numpy array MPI can reduce, and how to write the result back into ``buf``."""

@@ -75,6 +75,9 @@ class TorchEngine:
         self.rank = dist.get_rank()
         self.size = dist.get_world_size()
         self._stage_cuda = "nccl" not in self.backend
+        ops = dist.ReduceOp
+        self._ops = {ReduceOp.SUM: ops.SUM, ReduceOp.MAX: ops.MAX, ReduceOp.MIN: ops.MIN, ReduceOp.PROD: ops.PRODUCT}
+        self._timedeltas: dict[float, timedelta] = {}
         self._all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         self._reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -102,6 +105,11 @@ class TorchEngine:
 
     # ---- collectives -------------------------------------------------------------------------
     def all_reduce_(self, buf: Any, op: ReduceOp, group: _Handle, timeout: float) -> None:
+        if type(buf) is not np.ndarray and buf.dtype not in _NARROW_INTS and not (self._stage_cuda and buf.is_cuda):
+            # The common case, without staging or widening: small-message latency lives here.
+            work = self._dist.all_reduce(buf, op=self._ops[op], group=group.pg, async_op=True)
+            self._wait(work, group, timeout, "all_reduce")
+            return
         self.all_reduce_start(buf, op, group).wait(timeout)
 
     def all_reduce_start(self, buf: Any, op: ReduceOp, group: _Handle) -> "_TorchPending":
@@ -160,8 +168,7 @@ class TorchEngine:
 
     # ---- helpers -----------------------------------------------------------------------------
     def _op(self, op: ReduceOp) -> Any:
-        ops = self._dist.ReduceOp
-        return {ReduceOp.SUM: ops.SUM, ReduceOp.MAX: ops.MAX, ReduceOp.MIN: ops.MIN, ReduceOp.PROD: ops.PRODUCT}[op]
+        return self._ops[op]
 
     def _widen(self, t: Any, op: ReduceOp) -> Any:
         """gloo reduces no 16-bit or unsigned integers beyond uint8: reduce those in int64."""
@@ -186,8 +193,11 @@ class TorchEngine:
 
     def _wait(self, work: Any, group: _Handle, timeout: float, what: str) -> None:
         group.seq += 1
+        span = self._timedeltas.get(timeout)
+        if span is None:
+            span = self._timedeltas[timeout] = timedelta(seconds=timeout)
         try:
-            work.wait(timedelta(seconds=timeout))
+            work.wait(span)
         except RuntimeError as e:
             self._raise(e, group, timeout, what)
 
