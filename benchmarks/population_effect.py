@@ -16,10 +16,10 @@ import tempfile
 from pathlib import Path
 
 
-def run_once(policy: str, seed: int, steps: int, ranks: int) -> dict:
+def run_once(policy: str, seed: int, steps: int, ranks: int, extra: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "-m", "popmesh", "demo", "--policy", policy, "--seed", str(seed), "--steps", str(steps),
-               "--ranks", str(ranks), "--stop-at-target", "--no-live", "--out", out]
+               "--ranks", str(ranks), "--stop-at-target", "--no-live", "--out", out, *extra]
         subprocess.run(cmd, check=True, timeout=900, stdout=subprocess.DEVNULL)
         summary = json.loads(next(Path(out).glob("*/summary.json")).read_text())
     reached = summary["reached_target"]
@@ -41,15 +41,17 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=150_000, help="cap on env steps per agent")
     parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--policies", default="async,none", help="comma-separated demo policies to compare")
+    parser.add_argument("demo_args", nargs="*", help="extra `popmesh demo` options after --, e.g. -- --strategy best_only")
     ns = parser.parse_args()
     rows = []
     for seed in range(ns.seeds):
-        for policy in ("async", "none"):
-            rows.append(run_once(policy, seed, ns.steps, ns.ranks))
+        for policy in ns.policies.split(","):
+            rows.append(run_once(policy, seed, ns.steps, ns.ranks, ns.demo_args))
             print(json.dumps(rows[-1]), flush=True)
     print(f"\n| policy | steps to 475 (best agent, per-agent env steps) | per seed |")
     print("|---|---|---|")
-    for policy in ("async", "none"):
+    for policy in ns.policies.split(","):
         values = [r["steps"] for r in rows if r["policy"] == policy]
         per_seed = ", ".join("—" if v is None else f"{v:,}" for v in values)
         print(f"| {policy} | {describe(values, ns.steps)} | {per_seed} |")

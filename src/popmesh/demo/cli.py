@@ -10,7 +10,7 @@ import json
 import sys
 
 from ..launch.cli import Command
-from .config import POLICIES, DemoConfig
+from .config import POLICIES, STRATEGIES, DemoConfig
 
 __all__ = ["COMMAND", "configure", "run_command"]
 
@@ -23,6 +23,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=defaults.seed, help="base seed; rank r uses seed*1000+r")
     p.add_argument("--steps", type=int, default=defaults.steps, help=f"env steps per agent (default {defaults.steps:,})")
     p.add_argument("--every", type=int, default=defaults.every, help="iterations between population decisions")
+    p.add_argument("--strategy", choices=STRATEGIES, default=defaults.strategy,
+                   help="how donors combine into a replaced agent (default mean)")
+    p.add_argument("--donors", type=int, default=defaults.donors, help="best agents that donate (default 2)")
+    p.add_argument("--warmup", type=int, default=defaults.warmup, help="iterations before the first decision")
     p.add_argument("--out", default=defaults.out_dir, help="where runs/<timestamp>/ goes (default ./runs)")
     p.add_argument("--stop-at-target", action="store_true", help="stop as soon as one agent averages 475")
     p.add_argument("--no-live", action="store_true", help="no live view, only the final summary")
@@ -32,7 +36,7 @@ def run_command(ns: argparse.Namespace) -> int:
     from ..launch.api import launch
 
     config = DemoConfig(ranks=ns.ranks, engine=ns.engine, policy=ns.policy, seed=ns.seed, steps=ns.steps,
-                        every=ns.every, out_dir=ns.out, live=not ns.no_live, stop_at_target=ns.stop_at_target)
+                        every=ns.every, strategy=ns.strategy, donors=ns.donors, warmup=ns.warmup, out_dir=ns.out, live=not ns.no_live, stop_at_target=ns.stop_at_target)
     terminal = config.live and sys.stdout.isatty() and config.engine == "torch"
     result = launch("popmesh.demo.worker", ["--config", json.dumps(config.to_dict())], module=True,
                     nproc=config.ranks, engine=config.engine, quiet_others=True, rank0_terminal=terminal)

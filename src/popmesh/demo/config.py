@@ -11,9 +11,10 @@ import numpy as np
 from ..errors import ConfigError
 from .learner import Hyper
 
-__all__ = ["POLICIES", "DemoConfig", "rank_hyper", "rank_seed"]
+__all__ = ["POLICIES", "STRATEGIES", "DemoConfig", "rank_hyper", "rank_seed"]
 
 POLICIES = ("none", "average-all", "selective", "async")
+STRATEGIES = ("mean", "weighted_mean", "best_only")
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,9 @@ class DemoConfig:
     steps: int = 120_000
     every: int = 10
     ratio: float = 0.25
+    strategy: str = "mean"
+    donors: int = 2
+    warmup: int = 0
     target: float = 475.0
     out_dir: str = "runs"
     live: bool = True
@@ -41,6 +45,10 @@ class DemoConfig:
             raise ConfigError(f"--engine {self.engine!r}: choose torch or mpi")
         if self.steps < 1 or self.every < 1:
             raise ConfigError("--steps and --every must be positive")
+        if self.strategy not in STRATEGIES:
+            raise ConfigError(f"--strategy {self.strategy!r}: choose one of {', '.join(STRATEGIES)}")
+        if self.donors < 1 or self.warmup < 0:
+            raise ConfigError("--donors must be at least 1 and --warmup not negative")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

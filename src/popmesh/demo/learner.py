@@ -45,8 +45,12 @@ class IterationStats:
     loss: float = 0.0
 
 
-def build_policy(hidden: int) -> Any:
-    """Actor-critic MLP for CartPole (4 observations, 2 actions)."""
+def build_policy(hidden: int, lr: float = 2.5e-3) -> Any:
+    """Actor-critic MLP for CartPole (4 observations, 2 actions). The learning rate rides along as a
+    buffer, so a population policy that averages weights and buffers also passes it on."""
+    import math
+
+    import torch
     import torch.nn as nn
 
     class ActorCritic(nn.Module):
@@ -54,6 +58,7 @@ def build_policy(hidden: int) -> Any:
 
         def __init__(self) -> None:
             super().__init__()
+            self.register_buffer("log_lr", torch.tensor(math.log(lr), dtype=torch.float32))
             self.actor = nn.Sequential(nn.Linear(4, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(),
                                        nn.Linear(hidden, 2))
             self.critic = nn.Sequential(nn.Linear(4, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(),
@@ -68,29 +73,44 @@ def build_policy(hidden: int) -> Any:
 class CartPoleLearner:
     """One PPO agent with its own environments, model and optimizer."""
 
-    def __init__(self, seed: int, hyper: Hyper | None = None) -> None:
+    def __init__(self, seed: int, hyper: Hyper | None = None, init_seed: int | None = None) -> None:
+        """``init_seed`` seeds the initial weights (shared across a population, so that averaging
+        agents averages networks from one basin); ``seed`` seeds the environments and sampling."""
         import gymnasium as gym
         import torch
 
         self.hyper = hyper or Hyper()
         self.seed = seed
+        torch.manual_seed(seed if init_seed is None else init_seed)
+        self.model = build_policy(self.hyper.hidden, self.hyper.lr)
         torch.manual_seed(seed)
         self.envs = gym.make_vec(
             "CartPole-v1", num_envs=self.hyper.num_envs, vectorization_mode="sync",
             vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP},
         )
         self.obs, _ = self.envs.reset(seed=seed)
-        self.model = build_policy(self.hyper.hidden)
         self.optimizer = self.make_optimizer(self.model)
         self.running = np.zeros(self.hyper.num_envs)
         self.recent: deque[float] = deque(maxlen=20)
         self.total_steps = 0
 
     def make_optimizer(self, model: Any) -> Any:
-        """A fresh Adam for ``model`` (also the population's optimizer builder)."""
+        """A fresh Adam for ``model`` at the model's own learning rate (the population's builder)."""
         import torch
 
-        return torch.optim.Adam(model.parameters(), lr=self.hyper.lr, eps=1e-5)
+        return torch.optim.Adam(model.parameters(), lr=self.learning_rate(), eps=1e-5)
+
+    def learning_rate(self) -> float:
+        """The learning rate carried by the model (its ``log_lr`` buffer)."""
+        return float(self.model.log_lr.exp())
+
+    def adopt_learning_rate(self) -> None:
+        """After the population replaced this agent's weights (buffers included), train at the
+        learning rate that came with them: PBT's exploit, through the same weight exchange."""
+        lr = self.learning_rate()
+        self.hyper.lr = lr
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
 
     def mean_return(self) -> float:
         """Mean return of the last 20 finished episodes (NaN before the first one)."""

@@ -89,6 +89,8 @@ def describe_event(replaced: int, donors: list[int], weights: list[float], strat
     names = ", ".join(f"rank {d}" for d in donors)
     if not donors:
         return f"rank {replaced} ← re-initialised"
+    if len(donors) == 1:
+        return f"rank {replaced} ← copy(rank {donors[0]})"
     if strategy == "mean" or len(set(round(w, 6) for w in weights)) <= 1:
         return f"rank {replaced} ← mean({names})"
     parts = ", ".join(f"{w:.2f}·rank {d}" for d, w in zip(donors, weights))

@@ -28,10 +28,11 @@ __all__ = ["make_policy", "run", "main"]
 
 def make_policy(config: DemoConfig, learner: CartPoleLearner) -> Any:
     """The population policy named by ``config.policy`` (None for ``none``)."""
-    selective = dict(rule=ReplacementRule(ratio=config.ratio), donor_rule=DonorRule(kind="best_k", k=2),
-                     strategy="mean", optimizer_builder=learner.make_optimizer, seed=config.seed)
+    selective = dict(rule=ReplacementRule(ratio=config.ratio), donor_rule=DonorRule(kind="best_k", k=config.donors),
+                     strategy=config.strategy, optimizer_builder=learner.make_optimizer, include_buffers=True,
+                     seed=config.seed)
     if config.policy == "average-all":
-        return AverageAll(config.every)
+        return AverageAll(config.every, include_buffers=True)
     if config.policy == "selective":
         return SelectiveAveraging(config.every, **selective)
     if config.policy == "async":
@@ -45,7 +46,8 @@ def run(config: DemoConfig) -> dict[str, Any] | None:
 
     torch.set_num_threads(1)
     world = popmesh.init(engine=config.engine)
-    learner = CartPoleLearner(rank_seed(config.seed, world.rank), rank_hyper(config.seed, world.rank))
+    learner = CartPoleLearner(rank_seed(config.seed, world.rank), rank_hyper(config.seed, world.rank),
+                              init_seed=config.seed)
     policy = make_policy(config, learner)
     live = config.live and sys.stdout.isatty()  # rank 0 holds the terminal only when the launcher gave it
     view = PopulationView(world.size, config.steps, config.policy, live=live) if world.is_main else None
@@ -74,11 +76,15 @@ def _train(world: Any, config: DemoConfig, learner: CartPoleLearner, policy: Any
         learner.iterate(timer)
         metric = learner.mean_return()
         event = None
-        if policy is not None:
+        if policy is not None and iteration >= config.warmup:
             with timer.section("population"):
-                learner.model, optimizer, info = policy(iteration, learner.model, learner.optimizer, metric)
+                learner.model, optimizer, info = policy(iteration - config.warmup, learner.model,
+                                                        learner.optimizer, metric)
             learner.optimizer = optimizer if optimizer is not None else learner.optimizer
-            event = _event(world.rank, learner, info, metric) if info.replaced else None
+            event = None
+            if info.replaced:
+                learner.adopt_learning_rate()
+                event = _event(world.rank, learner, info, metric)
         row = {"rank": world.rank, "iteration": iteration, "steps": learner.total_steps,
                "mean_return": None if math.isnan(metric) else metric, "time": time.time(),
                "steps_per_s": learner.total_steps / max(time.monotonic() - started, 1e-9),
@@ -98,7 +104,7 @@ def _finish(world: Any, config: DemoConfig, learner: CartPoleLearner, reporter: 
             timer: Timer) -> dict[str, Any] | None:
     finals = popmesh.gather_object({"rank": world.rank, "steps": learner.total_steps,
                                     "mean_return": None if math.isnan(learner.mean_return()) else learner.mean_return(),
-                                    "lr": learner.hyper.lr, "entropy": learner.hyper.entropy}, dst=0)
+                                    "lr": learner.learning_rate(), "entropy": learner.hyper.entropy}, dst=0)
     times = report_time_info(timer, group=world, show=False)
     imbalance = report_load_imbalance(timer, group=world, show=False)
     if not world.is_main:
