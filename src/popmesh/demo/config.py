@@ -30,7 +30,7 @@ class DemoConfig:
     ratio: float = 0.25
     strategy: str = "mean"
     donors: int = 2
-    warmup: int = 0
+    warmup: int = 20
     target: float = 475.0
     out_dir: str = "runs"
     live: bool = True
