@@ -6,8 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import mpiexec, run_world
-from worldlib import checks_of
+from worldtests import world_tests
 from workers import compat_gfn_worker as worker
 
 pytest.importorskip("torch")
@@ -42,26 +41,6 @@ def test_reports_tolerate_ragged_iterations(caplog):
     assert "step" in text and len(caplog.records) == 2, text
 
 
-WORLDS = [("torch", 2), ("mpi", 2)]
-
-
-@pytest.fixture(scope="module", params=WORLDS, ids=[f"{e}-{n}" for e, n in WORLDS])
-def world_run(request):
-    engine, size = request.param
-    if engine == "mpi" and mpiexec() is None:
-        pytest.skip("mpiexec not installed")
-    run = run_world(Path(worker.__file__), engine, size, timeout=90)
-    assert not run.timed_out, f"world timed out:\n{run.output[-4000:]}"
-    return run
-
-
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("name", checks_of(worker))
-def test_on_two_ranks(world_run, name):
-    failures = {r: o for r, o in world_run.outcome(name).items() if o != "ok"}
-    assert not failures, f"{name} on {world_run.engine}: {failures}\n{world_run.output[-3000:]}"
-
-
-@pytest.mark.timeout(120)
-def test_world_exits_cleanly(world_run):
-    assert world_run.returncodes == [0] * len(world_run.returncodes), world_run.output[-3000:]
+world_run, test_on_two_ranks, test_world_exits_cleanly = world_tests(
+    worker, [("torch", 2), ("mpi", 2)], timeout=90
+)

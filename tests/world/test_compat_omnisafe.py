@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from harness import run_world
 from worldlib import checks_of
+from worldtests import world_tests
 from workers import compat_omnisafe_worker as worker
 
 pytest.importorskip("torch")
@@ -56,20 +56,4 @@ def test_a_world_of_one_without_init():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60, env=env)
 
 
-@pytest.fixture(scope="module")
-def world_run():
-    run = run_world(Path(worker.__file__), "torch", 2, timeout=90)
-    assert not run.timed_out, f"world timed out:\n{run.output[-4000:]}"
-    return run
-
-
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("name", checks_of(worker))
-def test_on_two_ranks(world_run, name):
-    failures = {r: o for r, o in world_run.outcome(name).items() if o != "ok"}
-    assert not failures, f"{name}: {failures}\n{world_run.output[-3000:]}"
-
-
-@pytest.mark.timeout(120)
-def test_world_exits_cleanly(world_run):
-    assert world_run.returncodes == [0, 0], world_run.output[-3000:]
+world_run, test_on_two_ranks, test_world_exits_cleanly = world_tests(worker, [("torch", 2)], timeout=90)

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import mpiexec, run_world
-from worldlib import checks_of
+from worldtests import world_tests
 from workers import compat_spawn_policy_worker as worker
 
 pytest.importorskip("torch")
@@ -54,26 +53,6 @@ def test_constructor_arguments_are_checked_and_kept():
         sp.AsyncSelectiveAveragingPolicy(lambda: None, 10, momentum=2.0)
 
 
-WORLDS = [("torch", 2), ("mpi", 2)]
-
-
-@pytest.fixture(scope="module", params=WORLDS, ids=[f"{e}-{n}" for e, n in WORLDS])
-def world_run(request):
-    engine, size = request.param
-    if engine == "mpi" and mpiexec() is None:
-        pytest.skip("mpiexec not installed")
-    run = run_world(Path(worker.__file__), engine, size, timeout=100)
-    assert not run.timed_out, f"world timed out:\n{run.output[-4000:]}"
-    return run
-
-
-@pytest.mark.timeout(150)
-@pytest.mark.parametrize("name", checks_of(worker))
-def test_on_two_ranks(world_run, name):
-    failures = {r: o for r, o in world_run.outcome(name).items() if o != "ok"}
-    assert not failures, f"{name} on {world_run.engine}: {failures}\n{world_run.output[-3000:]}"
-
-
-@pytest.mark.timeout(150)
-def test_world_exits_cleanly(world_run):
-    assert world_run.returncodes == [0] * len(world_run.returncodes), world_run.output[-3000:]
+world_run, test_on_two_ranks, test_world_exits_cleanly = world_tests(
+    worker, [("torch", 2), ("mpi", 2)], timeout=100
+)
