@@ -329,3 +329,25 @@ def test_decision_points_need_a_metric_and_a_valid_iteration():
     with pytest.raises(ConfigError, match="iteration"):
         AverageAll(every=1)(-1, _filled(1.0))
     assert isinstance(Decision.from_dict(decide([1.0, 2.0], ReplacementRule(ratio=0.5)).to_dict()), Decision)
+
+
+def test_async_combiner_is_bit_identical_to_combine():
+    import numpy as np
+
+    from popmesh.population.async_trainer import _Combiner
+    from popmesh.population.combine import combine
+
+    rng = np.random.default_rng(0)
+    combiner = _Combiner()
+    for dtype in (np.float16, np.float32, np.float64):
+        for donors in (1, 2, 3):
+            per_donor = [{"float": rng.normal(size=257).astype(dtype), "b": rng.normal(size=3).astype(dtype)}
+                         for _ in range(donors)]
+            raw = rng.random(donors)
+            weights = tuple(raw / raw.sum())
+            fast, reference = combiner(per_donor, weights), combine(per_donor, weights)
+            for key in reference:
+                assert fast[key].dtype == reference[key].dtype
+                assert fast[key].tobytes() == reference[key].tobytes(), (dtype, donors, key)
+    ints = [{"i": np.arange(4, dtype=np.int64)}, {"i": np.arange(4, dtype=np.int64) * 3}]
+    assert combiner(ints, (0.5, 0.5))["i"].tolist() == combine(ints, (0.5, 0.5))["i"].tolist()

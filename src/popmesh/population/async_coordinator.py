@@ -44,7 +44,8 @@ class CoordinatorLink:
 
     def poll(self) -> bool:
         """Take every up message that arrived, decide if a complete iteration is ready, FIN at the end."""
-        progress = self._reap()
+        self._reap()  # a completed send is no progress: nothing follows from it
+        progress = False
         while self._up.done():
             src, row = self._up.wait()
             self._up = irecv(self.ranks, self.tags.up, group=self.world)

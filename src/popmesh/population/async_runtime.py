@@ -3,7 +3,9 @@
 The main thread only touches in-process state under a lock: it queues metric rows, hands over
 weight snapshots, and takes combined replacements. All communication (point-to-point messages
 on internal tags) happens in the background thread, which polls and sleeps with a back-off
-between 0.5 ms and ``poll_interval`` when idle.
+between 0.5 ms and ``poll_interval`` when idle. Only a received message, a metric sent up or a
+finished replacement count as progress (a completed send does not: it creates no follow-up work),
+so a completed send does not restart the back-off.
 """
 
 from __future__ import annotations

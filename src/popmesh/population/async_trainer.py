@@ -18,7 +18,7 @@ import numpy as np
 from popmesh.errors import CommTimeout, PeerFailure, PopmeshError
 from popmesh.messages import irecv, isend
 from popmesh.population.async_protocol import ACK, Channels, metrics_by_rank, up_row
-from popmesh.population.combine import combine
+from popmesh.population.combine import _check_weights, combine
 from popmesh.population.decision import Decision
 from popmesh.world import World
 
@@ -57,6 +57,46 @@ class Pending:
     snapshot_iterations: tuple[int, ...] = ()
 
 
+_FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+
+
+class _Combiner:
+    """:func:`combine` of flat float buffers, bit for bit, without its per-donor temporaries.
+
+    ``combine`` computes ``acc = 0; acc += w_i * x_i.astype(float64)`` and casts back; here each
+    term is computed in float64 straight into a scratch buffer (``np.multiply(..., dtype=float64)``:
+    the same rounding), and the float64 accumulator and scratch are kept between decisions. Anything
+    else (other dtypes, shapes, keys) goes to ``combine`` itself.
+    """
+
+    def __init__(self) -> None:
+        self._scratch: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def __call__(self, per_donor: list[dict[str, np.ndarray]], weights: Any) -> dict[str, np.ndarray]:
+        first = per_donor[0]
+        leaves_ok = all(set(d) == set(first) for d in per_donor) and all(
+            a.ndim == 1 and a.dtype in _FLOATS and all(d[k].dtype == a.dtype and d[k].shape == a.shape
+                                                         for d in per_donor)
+            for k, a in first.items())
+        if not leaves_ok:
+            return combine(per_donor, weights)
+        w = _check_weights(weights, len(per_donor))
+        out = {}
+        for key, a in first.items():
+            acc, term = self._buffers(a.size)
+            acc.fill(0.0)
+            for wi, d in zip(w, per_donor):
+                np.multiply(d[key], wi, out=term, dtype=np.float64)
+                acc += term
+            out[key] = acc.astype(a.dtype)
+        return out
+
+    def _buffers(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        if n not in self._scratch:
+            self._scratch[n] = (np.empty(n, np.float64), np.empty(n, np.float64))
+        return self._scratch[n]
+
+
 def _as_numpy(t: Any) -> np.ndarray:
     import torch
 
@@ -85,6 +125,7 @@ class TrainerLink:
         self._down = irecv(coordinator, tags.down, group=world)
         self._sends: list[Any] = []
         self._job: _Job | None = None
+        self._combine_flat = _Combiner()
         self.finished = False
 
     def send_up(self, row: np.ndarray) -> None:
@@ -92,8 +133,10 @@ class TrainerLink:
         self._sends.append(isend(row, self.coordinator, self.tags.up, group=self.world, timeout=self.timeout))
 
     def poll(self) -> bool:
-        """Advance everything that can advance; True if anything did."""
-        progress = self._reap_sends()
+        """Advance everything that can advance; True if a message arrived, was sent or a job finished
+        (reaping a completed send is not progress: nothing follows from it)."""
+        self._reap_sends()  # a completed send is no progress: nothing follows from it
+        progress = False
         if self._down.done():
             _, message = self._down.wait()
             self._down = irecv(self.coordinator, self.tags.down, group=self.world)
@@ -173,7 +216,7 @@ class TrainerLink:
         if donors:
             per_donor = [{k[2:]: _as_numpy(v) for k, v in job.received[g].items() if k.startswith("p/")}
                          for g in donors]
-            combined = combine(per_donor, d.weights[me])
+            combined = self._combine_flat(per_donor, d.weights[me])
         source = d.copy_optimizer_from[me]
         src = None if source is None else job.ranks[source]
         state = None if src is None else {k[2:]: v for k, v in job.received[src].items() if k.startswith("o/")}
