@@ -15,7 +15,7 @@ import numpy as np
 from .arrays import dtype_name, leaf_shape
 from .errors import CollectiveMismatch
 
-__all__ = ["describe_leaves", "agree", "exchange_shapes"]
+__all__ = ["describe_leaves", "agree", "exchange_shapes", "exchange_all_shapes"]
 
 
 def describe_leaves(leaves: Sequence[Any]) -> str:
@@ -62,23 +62,36 @@ _BY_CODE = {zlib.crc32(name.encode()): name for name in _DTYPES}
 def exchange_shapes(
     comm: Any, leaf: Any, what: str, timeout: float, *, same_leading: bool
 ) -> list[tuple[int, ...]]:
-    """Every rank's shape of ``leaf``. Raise CollectiveMismatch on every rank if dtypes, numbers of
-    dimensions or trailing dimensions differ (or leading ones, when ``same_leading``)."""
-    shape = leaf_shape(leaf)
-    if len(shape) > 8:
-        raise ValueError(f"{what}: arrays of more than 8 dimensions are not supported (got {len(shape)})")
-    row = np.full(10, -1, dtype=np.int64)
-    row[0] = zlib.crc32(dtype_name(leaf).encode())
-    row[1] = len(shape)
-    row[2 : 2 + len(shape)] = shape
-    table = comm.world.engine.all_gather(row, comm.handle, timeout)
+    """Every rank's shape of ``leaf`` (see :func:`exchange_all_shapes`)."""
+    return exchange_all_shapes(comm, [leaf], what, timeout, same_leading=same_leading)[0]
+
+
+def exchange_all_shapes(
+    comm: Any, leaves: Sequence[Any], what: str, timeout: float, *, same_leading: bool
+) -> list[list[tuple[int, ...]]]:
+    """For each leaf, every rank's shape, in one small collective for all leaves. Raise
+    CollectiveMismatch on every rank if dtypes, numbers of dimensions or trailing dimensions differ
+    (or leading ones, when ``same_leading``)."""
+    rows = np.full((len(leaves), 10), -1, dtype=np.int64)
+    for row, leaf in zip(rows, leaves):
+        shape = leaf_shape(leaf)
+        if len(shape) > 8:
+            raise ValueError(f"{what}: arrays of more than 8 dimensions are not supported (got {len(shape)})")
+        row[0] = zlib.crc32(dtype_name(leaf).encode())
+        row[1] = len(shape)
+        row[2 : 2 + len(shape)] = shape
+    tables = comm.world.engine.all_gather(rows, comm.handle, timeout)  # [rank, leaf, 10]
     first = 2 if same_leading else 3
-    if not ((table[:, :2] == table[0, :2]).all() and (table[:, first:] == table[0, first:]).all()):
-        per_rank = {r: _row_text(t) for r, t in zip(comm.ranks, table)}
-        listing = "; ".join(f"rank {r}: {t}" for r, t in per_rank.items())
-        need = "the same shape" if same_leading else "the same dtype and trailing dimensions"
-        raise CollectiveMismatch(f"{what}: every rank must pass {need} ({listing})", per_rank)
-    return [tuple(int(d) for d in r[2 : 2 + int(r[1])]) for r in table]
+    out = []
+    for i in range(len(leaves)):
+        table = tables[:, i]
+        if not ((table[:, :2] == table[0, :2]).all() and (table[:, first:] == table[0, first:]).all()):
+            per_rank = {r: _row_text(t) for r, t in zip(comm.ranks, table)}
+            listing = "; ".join(f"rank {r}: {t}" for r, t in per_rank.items())
+            need = "the same shape" if same_leading else "the same dtype and trailing dimensions"
+            raise CollectiveMismatch(f"{what}: every rank must pass {need} ({listing})", per_rank)
+        out.append([tuple(int(d) for d in r[2 : 2 + int(r[1])]) for r in table])
+    return out
 
 
 def _row_text(row: np.ndarray) -> str:

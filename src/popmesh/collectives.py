@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .agreement import agree, describe_leaves, exchange_shapes
+from .agreement import agree, describe_leaves, exchange_all_shapes, exchange_shapes
 from .arrays import dtype_name, flatten, is_torch, restore_scalar, to_array, unflatten
 from .errors import ConfigError
 from .fusion import apply_fused, fresh_copy, is_contiguous, write_back
@@ -193,6 +193,7 @@ def all_gather(x: Any, *, concat: bool = False, group: Comm | None = None, timeo
     comm, seconds = _setup(group, timeout, "all_gather")
     leaves, arrays, tree = _leaves(x, "all_gather")
     _check(comm, "all_gather", tree, arrays, seconds)
+    _agree_on_shapes(comm, arrays, concat, "all_gather", seconds)
     results = [_gather_leaf(a, comm, seconds, concat, root=None) for a in arrays]
     return _rebuild_gathered(tree, leaves, results)
 
@@ -204,15 +205,20 @@ def gather(x: Any, dst: int = 0, *, concat: bool = False, group: Comm | None = N
     root = comm.to_group_rank(dst)
     leaves, arrays, tree = _leaves(x, "gather")
     _check(comm, "gather", tree, arrays, seconds, f"dst={dst}")
+    _agree_on_shapes(comm, arrays, concat, "gather", seconds)
     results = [_gather_leaf(a, comm, seconds, concat, root=root) for a in arrays]
     return _rebuild_gathered(tree, leaves, results) if comm.rank == dst else None
 
 
-def _gather_leaf(a: Any, comm: Comm, timeout: float, concat: bool, root: int | None) -> Any:
-    if concat and a.ndim == 0:
+def _agree_on_shapes(comm: Comm, arrays: list[Any], concat: bool, what: str, timeout: float) -> None:
+    """Equal shapes on every rank, checked for all leaves in one small collective."""
+    if concat and any(a.ndim == 0 for a in arrays):
         raise ConfigError("concat=True needs arrays with a leading dimension; use the stacked form for scalars")
     if comm.size > 1:
-        exchange_shapes(comm, a, "all_gather" if root is None else "gather", timeout, same_leading=True)
+        exchange_all_shapes(comm, arrays, what, timeout, same_leading=True)
+
+
+def _gather_leaf(a: Any, comm: Comm, timeout: float, concat: bool, root: int | None) -> Any:
     buf = a if is_contiguous(a) else fresh_copy(a)
     engine = comm.world.engine
     if comm.size == 1:
@@ -242,7 +248,8 @@ def all_gather_ragged(x: Any, *, group: Comm | None = None, timeout: float | Non
     if comm.size == 1:
         return [x]
     _check(comm, "all_gather_ragged", tree, [_trailing(a) for a in arrays], seconds)
-    per_leaf = [_ragged_leaf(a, comm, seconds) for a in arrays]
+    shapes = exchange_all_shapes(comm, arrays, "all_gather_ragged", seconds, same_leading=False)
+    per_leaf = [_ragged_leaf(a, comm, seconds, s) for a, s in zip(arrays, shapes)]
     return [unflatten(tree, [pieces[i] for pieces in per_leaf]) for i in range(comm.size)]
 
 
@@ -250,8 +257,9 @@ def _trailing(a: Any) -> Any:
     return a[:0]
 
 
-def _ragged_leaf(a: Any, comm: Comm, timeout: float) -> list[Any]:
-    shapes = exchange_shapes(comm, a, "all_gather_ragged", timeout, same_leading=False)
+def _ragged_leaf(a: Any, comm: Comm, timeout: float, shapes: list[tuple[int, ...]] | None = None) -> list[Any]:
+    if shapes is None:
+        shapes = exchange_shapes(comm, a, "all_gather_ragged", timeout, same_leading=False)
     longest = max(s[0] for s in shapes)
     padded = _zeros_like_rows(a, longest)
     padded[: a.shape[0]] = a

@@ -27,14 +27,10 @@ def is_contiguous(x: Any) -> bool:
 def fresh_copy(x: Any) -> Any:
     """A contiguous copy the engine may overwrite."""
     if is_torch(x):
-        return x.detach().clone(memory_format=_contiguous_format(x))
+        import torch
+
+        return x.detach().clone(memory_format=torch.contiguous_format)
     return np.array(x, copy=True, order="C")
-
-
-def _contiguous_format(x: Any) -> Any:
-    import torch
-
-    return torch.contiguous_format
 
 
 def fuse_groups(leaves: Sequence[Any]) -> list[list[int]]:

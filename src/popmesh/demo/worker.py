@@ -15,7 +15,7 @@ from typing import Any
 import popmesh
 
 from ..population import AsyncSelectiveAveraging, AverageAll, DonorRule, ReplacementRule, SelectiveAveraging
-from ..reports import Timer
+from ..reports import Timer, print_report
 from ..timing import report_load_imbalance, report_time_info
 from .config import DemoConfig, rank_hyper, rank_seed
 from .learner import CartPoleLearner
@@ -120,8 +120,6 @@ def _finish(world: Any, config: DemoConfig, learner: CartPoleLearner, reporter: 
 
 
 def _print_summary(summary: dict[str, Any], times: Any, imbalance: Any, out: Any) -> None:
-    from ..reports import print_report
-
     print("\nagents at the end:")
     for agent in summary["agents"]:
         ret = "—" if agent["mean_return"] is None else f"{agent['mean_return']:.1f}"

@@ -155,7 +155,7 @@ class TorchEngine:
         out = self._torch.empty((t.shape[0] // n,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
         work = self._reduce_scatter_single(out, t, op=self._op(op), group=group.pg, async_op=True)
         self._wait(work, group, timeout, "reduce_scatter")
-        return self._restore(out.to(_dtype_of(buf, self._torch)), buf)
+        return self._restore(out.to(_dtype_of(buf)), buf)
 
     def barrier(self, group: _Handle, timeout: float) -> None:
         work = self._dist.barrier(group=group.pg, async_op=True)
@@ -259,7 +259,7 @@ def _bytes(t: Any) -> Any:
     return t.reshape(-1).view(torch.uint8)
 
 
-def _dtype_of(buf: Any, torch: Any) -> Any:
+def _dtype_of(buf: Any) -> Any:
     return numpy_to_torch(buf[:0].reshape(-1)).dtype if isinstance(buf, np.ndarray) else buf.dtype
 
 

@@ -43,11 +43,7 @@ class Strategy(StrEnum):
     @classmethod
     def parse(cls, value: str | Strategy) -> Strategy:
         """The member named by ``value``; ConfigError listing the choices otherwise."""
-        try:
-            return cls(value)
-        except ValueError:
-            raise ConfigError(f"unknown averaging strategy {value!r}; choose one of "
-                              f"{[s.value for s in cls]}") from None
+        return _parse_member(cls, value, "averaging strategy")
 
 
 class OptimizerPolicy(StrEnum):
@@ -60,11 +56,14 @@ class OptimizerPolicy(StrEnum):
     @classmethod
     def parse(cls, value: str | OptimizerPolicy) -> OptimizerPolicy:
         """The member named by ``value``; ConfigError listing the choices otherwise."""
-        try:
-            return cls(value)
-        except ValueError:
-            raise ConfigError(f"unknown optimizer policy {value!r}; choose one of "
-                              f"{[p.value for p in cls]}") from None
+        return _parse_member(cls, value, "optimizer policy")
+
+
+def _parse_member(cls: Any, value: Any, what: str) -> Any:
+    try:
+        return cls(value)
+    except ValueError:
+        raise ConfigError(f"unknown {what} {value!r}; choose one of {[m.value for m in cls]}") from None
 
 
 DEFAULT_OPTIMIZER_POLICY = OptimizerPolicy.RESET
