@@ -72,13 +72,15 @@ def test_closed_form_metrics_rank_plus_one():
 @settings(max_examples=40, deadline=None)
 @given(
     metrics=st.lists(
-        st.one_of(st.floats(-5, 5, width=32), st.sampled_from([0.0, 1.0, np.nan, np.inf, -np.inf])),
+        st.one_of(st.floats(-5, 5, width=32, allow_subnormal=False), st.sampled_from([0.0, 1.0, np.nan, np.inf, -np.inf])),
         min_size=1, max_size=9,
     ),
     ratio=st.sampled_from([0.1, 0.2, 0.25, 0.5, 0.7, 0.99]),
     strategy=st.sampled_from(STRATEGIES),
 )
 def test_plan_matches_the_numpy_population_core(metrics, ratio, strategy):
+    # Subnormal metrics are excluded: XLA on CPU flushes them to zero, so 1e-45 ties with 0.0 there.
+    # That difference is documented in docs/jax.md.
     plan = _jit_plan(np.asarray(metrics, np.float32), ratio, strategy)
     replaced, weights = np_plan(np.asarray(metrics, np.float32), ratio, strategy)
     assert np.array_equal(plan.replaced, replaced)
