@@ -120,17 +120,17 @@ def test_unchecksummed_small_frames_still_decode():
 @pytest.mark.parametrize("nbytes", [0, 1, 40, INLINE_NBYTES])
 def test_small_envelope_matches_the_general_plan(nbytes):
     data = np.arange(nbytes, dtype=np.uint8)
-    fast_env, fast_segments = plan_frame([data])
-    general_env, general_segments = plan_frame([data[:nbytes // 2], data[nbytes // 2:]])
+    fast_env, fast_segments = plan_frame([data], 5)
+    general_env, general_segments = plan_frame([data[:nbytes // 2], data[nbytes // 2:]], 5)
     assert fast_segments == general_segments == []
-    assert fast_env.tobytes() == general_env.tobytes()
-    total, inline, lengths = parse_envelope(fast_env)
-    assert (total, lengths) == (nbytes, []) and inline.tobytes() == data.tobytes()
+    assert bytes(fast_env) == bytes(general_env)
+    envelope = parse_envelope(np.frombuffer(fast_env, np.uint8))
+    assert (envelope.tag, envelope.total, envelope.lengths) == (5, nbytes, []) and envelope.inline.tobytes() == data.tobytes()
 
 
 def test_corrupt_small_envelope_is_refused():
-    env, _ = plan_frame([np.arange(10, dtype=np.uint8)])
-    bad = env.copy()
+    env, _ = plan_frame([np.arange(10, dtype=np.uint8)], 0)
+    bad = np.frombuffer(env, np.uint8).copy()
     struct.pack_into("<Q", bad, 8, 11)  # frame length no longer matches the inline bytes
     with pytest.raises(MessageError):
         parse_envelope(bad)

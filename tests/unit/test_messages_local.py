@@ -13,7 +13,8 @@ import popmesh
 from popmesh import CommTimeout, ConfigError, MessageError
 from popmesh import messages as m
 from popmesh.engines.p2p_base import LoopbackP2P, P2PBase, frame_parts, join_parts
-from popmesh.engines.envelope import ENVELOPE_NBYTES, INLINE_NBYTES, MAX_SEGMENTS, parse_envelope, plan_frame
+from popmesh.engines.envelope import (ENVELOPE_MAX_NBYTES, GOODBYE_TAG, HEADER_NBYTES, INLINE_NBYTES, MAX_SEGMENTS,
+                                      goodbye_envelope, parse_envelope, plan_frame)
 from popmesh.wire import encode, join_frame
 
 
@@ -126,48 +127,71 @@ def test_mutated_frames_never_crash_the_receiver(world, position, flips):
     assert flips == 0 and payload["x"].tolist() == [0, 1, 2, 3, 4]
 
 
-# ---- the gloo envelope (pure) ------------------------------------------------------------------
+# ---- the transport envelope (pure) ---------------------------------------------------------------
 
-def reassemble(env: np.ndarray, segments: list[np.ndarray]) -> np.ndarray:
-    total, inline, lengths = parse_envelope(env)
-    assert lengths == [s.size for s in segments] and len(lengths) <= MAX_SEGMENTS
-    out = np.concatenate([inline, *segments]) if segments else inline.copy()
-    assert out.size == total
+def as_array(env: bytearray) -> np.ndarray:
+    return np.frombuffer(env, np.uint8)
+
+
+def reassemble(env: bytearray, segments: list[np.ndarray], tag: int) -> np.ndarray:
+    envelope = parse_envelope(as_array(env))
+    assert envelope.tag == tag
+    assert envelope.lengths == [s.size for s in segments] and len(envelope.lengths) <= MAX_SEGMENTS
+    out = np.concatenate([envelope.inline, *segments]) if segments else envelope.inline.copy()
+    assert out.size == envelope.total
     return out
 
 
-part_sizes = st.lists(st.one_of(st.integers(0, 400), st.sampled_from([65535, 65536, 70000, 200000])), max_size=40)
+part_sizes = st.lists(st.one_of(st.integers(0, 400), st.sampled_from([30000, 65535, 65536, 70000, 200000])),
+                      max_size=40)
 
 
 @settings(max_examples=150, deadline=None)
-@given(part_sizes)
-def test_envelope_plan_round_trips(sizes):
+@given(part_sizes, st.integers(0, 2**32 - 2))
+def test_envelope_plan_round_trips(sizes, tag):
     parts = [np.full(n, i % 251, dtype=np.uint8) for i, n in enumerate(sizes)]
-    env, segments = plan_frame(parts)
-    assert env.size == ENVELOPE_NBYTES
-    assert np.array_equal(reassemble(env, segments), join_parts(parts) if parts else np.empty(0, np.uint8))
+    env, segments = plan_frame(parts, tag)
+    assert HEADER_NBYTES <= len(env) <= ENVELOPE_MAX_NBYTES
+    assert np.array_equal(reassemble(env, segments, tag), join_parts(parts) if parts else np.empty(0, np.uint8))
 
 
 def test_small_frames_travel_inline_and_big_parts_without_copy():
-    env, segments = plan_frame([np.ones(INLINE_NBYTES, np.uint8)])
-    assert segments == []
+    env, segments = plan_frame([np.ones(INLINE_NBYTES, np.uint8)], 0)
+    assert segments == [] and len(env) == HEADER_NBYTES + INLINE_NBYTES <= ENVELOPE_MAX_NBYTES
     header, big = np.ones(40, np.uint8), np.arange(1 << 20, dtype=np.uint8)
-    env, segments = plan_frame([header, big])
+    env, segments = plan_frame([header, big], 0)
     assert len(segments) == 1 and np.shares_memory(segments[0], big)
-    assert parse_envelope(env)[1].size == 40
+    assert parse_envelope(as_array(env)).inline.size == 40
+
+
+def test_an_envelope_in_a_bigger_receive_buffer_parses_only_when_not_exact():
+    env, _ = plan_frame([np.arange(10, dtype=np.uint8)], 7)
+    buf = np.zeros(ENVELOPE_MAX_NBYTES, np.uint8)
+    buf[:len(env)] = as_array(env)
+    envelope = parse_envelope(buf, exact=False)
+    assert (envelope.tag, envelope.total, envelope.inline.tolist()) == (7, 10, list(range(10)))
+    with pytest.raises(MessageError, match="truncated or padded"):
+        parse_envelope(buf)
+    with pytest.raises(MessageError, match="truncated or padded"):
+        parse_envelope(as_array(env)[:-1])
+
+
+def test_goodbye_envelope_carries_the_goodbye_tag():
+    envelope = parse_envelope(as_array(goodbye_envelope()))
+    assert envelope.tag == GOODBYE_TAG and envelope.total == 0 and envelope.lengths == []
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.binary(min_size=ENVELOPE_NBYTES, max_size=ENVELOPE_NBYTES), st.booleans())
-def test_parse_envelope_raises_only_message_error(raw, keep_magic):
+@given(st.binary(min_size=0, max_size=600), st.booleans(), st.booleans())
+def test_parse_envelope_raises_only_message_error(raw, keep_magic, exact):
     env = np.frombuffer(raw, np.uint8).copy()
-    if keep_magic:
-        env[:6] = np.frombuffer(b"PMTE\x01\x00", np.uint8)
+    if keep_magic and env.size >= 6:
+        env[:6] = np.frombuffer(b"PMTE\x02\x00", np.uint8)
     try:
-        total, inline, lengths = parse_envelope(env)
+        envelope = parse_envelope(env, exact=exact)
     except MessageError:
         return
-    assert inline.size + sum(lengths) == total
+    assert envelope.inline.size + sum(envelope.lengths) == envelope.total
 
 
 def test_parse_envelope_rejects_wrong_sizes():

@@ -1,47 +1,65 @@
 """The transport envelope shared by the gloo and MPI point-to-point engines (pure functions).
 
-A frame travels as one fixed :data:`ENVELOPE_NBYTES`-byte *envelope* followed by zero or more
-*payload segments* on a sibling tag. The envelope holds the frame length, the segment lengths and
-the frame's first bytes inline, so a frame of at most :data:`INLINE_NBYTES` bytes is the envelope
-alone, and the receiver knows every size before it receives (gloo needs that). Buffers of 64 KiB or
-more are sent as their own segments, straight from the caller's memory (no copy, and no derived
-datatype, which MPICH packs). Layout, little-endian: magic ``b"PMTE"``, u16 version, u16 segment
-count, u64 frame length, u32 inline length, u32 reserved (zero), 16 x u64 segment lengths, inline
-bytes.
+A frame travels as one *envelope* followed by zero or more *payload segments*. The envelope is
+variable-length and says everything the receiver must know before it receives the rest: the
+popmesh tag of the frame (gloo carries every tag of a sender on one internal channel), the frame
+length, the segment lengths, and the frame's first bytes inline. A frame of at most
+:data:`INLINE_NBYTES` bytes is the envelope alone: one engine message. Buffers of 64 KiB or more
+that do not fit inline are sent as their own segments, straight from the caller's memory (no copy,
+and no derived datatype, which MPICH packs). An envelope is never longer than
+:data:`ENVELOPE_MAX_NBYTES`, the size of gloo's posted envelope receive.
+
+Layout, little-endian: magic ``b"PMTE"``, u16 version, u16 segment count, u64 frame length,
+u32 inline length, u32 tag, then one u64 length per segment, then the inline bytes. The tag
+:data:`GOODBYE_TAG` marks the last envelope a closing transport sends to each peer.
 """
 
 from __future__ import annotations
 
 import struct
+from typing import NamedTuple
 
 import numpy as np
 
 from ..errors import MessageError
 from .p2p_base import join_parts
 
-__all__ = ["ENVELOPE_NBYTES", "INLINE_NBYTES", "MAX_SEGMENTS", "plan_frame", "parse_envelope"]
+__all__ = [
+    "ENVELOPE_MAX_NBYTES", "GOODBYE_TAG", "HEADER_NBYTES", "INLINE_NBYTES", "MAX_SEGMENTS", "Envelope",
+    "goodbye_envelope", "plan_frame", "parse_envelope",
+]
 
-ENVELOPE_NBYTES = 512
 MAX_SEGMENTS = 16
-_HEAD = struct.Struct("<4sHHQII")  # magic, version, segment count, frame length, inline length, reserved
-_SEGMENTS_AT = _HEAD.size
-_INLINE_AT = _SEGMENTS_AT + 8 * MAX_SEGMENTS
-INLINE_NBYTES = ENVELOPE_NBYTES - _INLINE_AT
-_MAGIC, _VERSION = b"PMTE", 1
+_HEAD = struct.Struct("<4sHHQII")  # magic, version, segment count, frame length, inline length, tag
+HEADER_NBYTES = _HEAD.size
+INLINE_NBYTES = (1 << 16) - HEADER_NBYTES - 8 * MAX_SEGMENTS
+ENVELOPE_MAX_NBYTES = HEADER_NBYTES + 8 * MAX_SEGMENTS + INLINE_NBYTES  # 64 KiB
+GOODBYE_TAG = 0xFFFFFFFF
+_MAGIC, _VERSION = b"PMTE", 2
 _ZERO_COPY_MIN = 1 << 16
 
 
-def plan_frame(parts: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
-    """The envelope and payload segments that carry ``parts`` (flat uint8 arrays) as one frame.
+class Envelope(NamedTuple):
+    """A parsed envelope: the frame's tag and length, its inline bytes (a view) and segment lengths."""
 
-    Leading parts that fit go inline; parts of 64 KiB or more become their own segment (no copy);
-    runs of smaller parts are joined into one segment; at most :data:`MAX_SEGMENTS` segments.
+    tag: int
+    total: int
+    inline: np.ndarray
+    lengths: list[int]
+
+
+def plan_frame(parts: list[np.ndarray], tag: int) -> tuple[bytearray, list[np.ndarray]]:
+    """The envelope (a new, writable buffer) and payload segments that carry ``parts`` (flat uint8 arrays) on ``tag``.
+
+    A frame that fits goes inline whole; otherwise leading parts that fit go inline, parts of 64 KiB
+    or more become their own segment (no copy), runs of smaller parts are joined into one segment;
+    at most :data:`MAX_SEGMENTS` segments.
     """
     if len(parts) == 1 and parts[0].size <= INLINE_NBYTES:  # the common small frame: the envelope alone
         part = parts[0]
-        env = np.zeros(ENVELOPE_NBYTES, dtype=np.uint8)
-        _HEAD.pack_into(env, 0, _MAGIC, _VERSION, 0, part.size, part.size, 0)
-        env[_INLINE_AT:_INLINE_AT + part.size] = part
+        env = bytearray(HEADER_NBYTES + part.size)
+        _HEAD.pack_into(env, 0, _MAGIC, _VERSION, 0, part.size, part.size, tag)
+        env[HEADER_NBYTES:] = part.data
         return env, []
     total = sum(p.size for p in parts)
     count = len(parts)
@@ -51,15 +69,15 @@ def plan_frame(parts: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
             used += parts[count].size
             count += 1
     segments = _segments(parts[count:])
-    env = np.zeros(ENVELOPE_NBYTES, dtype=np.uint8)
-    pos = _INLINE_AT
-    for part in parts[:count]:
-        env[pos:pos + part.size] = part
-        pos += part.size
-    _HEAD.pack_into(env, 0, _MAGIC, _VERSION, len(segments), total, pos - _INLINE_AT, 0)
-    if segments:
-        struct.pack_into(f"<{len(segments)}Q", env, _SEGMENTS_AT, *(s.size for s in segments))
-    return env, segments
+    inline = [p.tobytes() for p in parts[:count]]
+    head = _HEAD.pack(_MAGIC, _VERSION, len(segments), total, sum(len(b) for b in inline), tag)
+    lengths = struct.pack(f"<{len(segments)}Q", *(s.size for s in segments))
+    return bytearray(b"".join([head, lengths, *inline])), segments
+
+
+def goodbye_envelope() -> bytearray:
+    """The envelope a closing transport sends each peer last: "nothing more will come from me"."""
+    return bytearray(_HEAD.pack(_MAGIC, _VERSION, 0, 0, 0, GOODBYE_TAG))
 
 
 def _segments(parts: list[np.ndarray]) -> list[np.ndarray]:
@@ -80,19 +98,29 @@ def _segments(parts: list[np.ndarray]) -> list[np.ndarray]:
     return segments
 
 
-def parse_envelope(env: np.ndarray) -> tuple[int, np.ndarray, list[int]]:
-    """``(frame length, inline bytes (a view), segment lengths)``; MessageError if ``env`` is not one."""
-    if env.size != ENVELOPE_NBYTES:
-        raise MessageError(f"an envelope has {ENVELOPE_NBYTES} bytes, got {env.size}")
-    magic, version, nseg, total, inline, reserved = _HEAD.unpack_from(env)
-    if magic != _MAGIC or version != _VERSION or reserved:
+def parse_envelope(buf: np.ndarray, exact: bool = True) -> Envelope:
+    """Parse the envelope at the start of ``buf`` (a uint8 array); MessageError if it is not one.
+
+    ``exact``: ``buf`` must be the envelope and nothing more (MPI, which knows the received length);
+    otherwise ``buf`` is a receive buffer the envelope may only partly fill (gloo).
+    """
+    if buf.size < HEADER_NBYTES:
+        raise MessageError(f"an envelope has at least {HEADER_NBYTES} bytes, got {buf.size}")
+    magic, version, nseg, total, inline, tag = _HEAD.unpack_from(buf)
+    if magic != _MAGIC or version != _VERSION:
         raise MessageError(f"not a popmesh envelope (magic {bytes(magic)!r}, version {version}): another program "
-                           "sent on popmesh's internal gloo tags, or the ranks run different popmesh versions")
+                           "sent on popmesh's internal tags, or the ranks run different popmesh versions")
     if nseg > MAX_SEGMENTS or inline > INLINE_NBYTES:
         raise MessageError(f"corrupt envelope: {nseg} segments, {inline} inline bytes")
-    if not nseg and inline == total:  # the common small frame: nothing beyond the inline bytes
-        return total, env[_INLINE_AT:_INLINE_AT + inline], []
-    lengths = list(struct.unpack_from(f"<{nseg}Q", env, _SEGMENTS_AT))
+    inline_at = HEADER_NBYTES + 8 * nseg
+    end = inline_at + inline
+    if buf.size < end or (exact and buf.size != end):
+        raise MessageError(f"truncated or padded envelope: {buf.size} bytes where its header says {end}")
+    if not nseg:
+        if inline != total:
+            raise MessageError(f"corrupt envelope: {inline} inline bytes, no segments, frame length {total}")
+        return Envelope(tag, total, buf[inline_at:end], [])
+    lengths = list(struct.unpack_from(f"<{nseg}Q", buf, HEADER_NBYTES))
     if any(n == 0 for n in lengths) or inline + sum(lengths) != total:
         raise MessageError(f"corrupt envelope: {inline} inline bytes and segments {lengths} do not add up to {total}")
-    return total, env[_INLINE_AT:_INLINE_AT + inline], lengths
+    return Envelope(tag, total, buf[inline_at:end], lengths)

@@ -36,7 +36,7 @@ __all__ = ["MpiP2P"]
 class _MpiSend:
     """The Isends of one frame; keeps their buffers alive until all complete."""
 
-    def __init__(self, owner: MpiP2P, reqs: list[Any], keep: list[np.ndarray], dst: int, tag: int) -> None:
+    def __init__(self, owner: MpiP2P, reqs: list[Any], keep: list[Any], dst: int, tag: int) -> None:
         self._owner, self._reqs, self._keep, self.dst, self.tag = owner, reqs, keep, dst, tag
         self._done = False
 
@@ -87,7 +87,7 @@ class MpiP2P(P2PBase):
     def _post_send(self, parts: list[np.ndarray], dst: int, tag: int) -> _MpiSend:
         if self._orphans:
             self._orphans = [o for o in self._orphans if not o.done()]
-        env, segments = plan_frame(parts)
+        env, segments = plan_frame(parts, tag)
         try:
             reqs = [self._comm.Isend(env, dest=dst, tag=2 * tag)]
             reqs += [self._comm.Isend(s, dest=dst, tag=2 * tag + 1) for s in segments]
@@ -158,9 +158,12 @@ class MpiP2P(P2PBase):
         except MPI.Exception as e:
             raise PeerFailure(f"receiving on tag {tag} failed in MPI: {e}") from e
         try:
-            total, inline, lengths = parse_envelope(env)
+            envelope = parse_envelope(env)
+            if envelope.tag != tag:
+                raise MessageError(f"an envelope for tag {envelope.tag} arrived on tag {tag}")
         except MessageError as e:
             return _Partial(src, MessageError(f"from rank {src} on tag {tag}: {e}"), [])
+        total, inline, lengths = envelope.total, envelope.inline, envelope.lengths
         if not lengths:
             return _Partial(src, inline, [])
         buf = self._pool.take(total)

@@ -1,28 +1,32 @@
 """Point-to-point frames over torch.distributed (gloo) on global ranks.
 
-Every frame travels as an :mod:`~popmesh.engines.envelope` on an internal envelope tag, then its
-payload segments on the sibling payload tag; both are derived from the user tag and kept away from
-small tags a program may use with ``dist.send`` itself. Bytes are raw: nothing is ever value-cast.
+Every frame travels as an :mod:`~popmesh.engines.envelope` (which names the popmesh tag) on one
+internal envelope tag per sender, then its payload segments on the sibling segment tag. Bytes are
+raw: nothing is ever value-cast.
 
-Why threads: a gloo receive whose ``wait(timeout)`` expires closes the connection ("Application
-timeout caused pair closure"), and gloo offers no non-blocking completion test. So each tag a rank
-receives on gets one daemon *pump* thread that keeps an any-source envelope receive posted (a
-timeout then never touches gloo: the caller just stops waiting, and a late message is queued for the
-next receive), and each (destination, tag) channel gets a daemon thread that waits for its sends to
-complete (so a send timeout leaves the message in flight instead of breaking the connection).
+Why a thread per peer: a gloo receive whose ``wait(timeout)`` expires closes the connection
+("Application timeout caused pair closure"), and gloo offers no non-blocking completion test. So
+receiving from a rank starts one daemon *pump* thread for it that keeps a receive from that rank
+posted (a timeout then never touches gloo: the caller just stops waiting, and a late message is
+queued for the next receive). The receive names its source because gloo pre-announces such a
+receive to the sender, which then sends at once; an any-source receive costs two extra network
+hops per message (twice the round trip). One pump carries all tags from its peer, in order.
 
-Small frames are sent eagerly: ``send`` returns once the envelope (our own copy) is handed to gloo,
-and the channel thread reaps such sends in the background every :data:`_REAP_S` seconds; if one
-failed, the next send on the channel raises the error. A dead peer surfaces as PeerFailure when gloo
-reports the closed connection, and on a receive timeout a zero-byte probe tells a dead source
-(PeerFailure) from a silent one (CommTimeout). Pump threads end with the process.
+Each (destination, tag) channel gets a daemon thread that waits for its sends to complete (so a
+send timeout leaves the message in flight instead of breaking the connection). Small frames are
+sent eagerly: ``send`` returns once the envelope (our own copy) is handed to gloo, and the channel
+thread reaps such sends in the background every :data:`_REAP_S` seconds; if one failed, the next
+send on the channel raises the error. A dead peer surfaces as PeerFailure when gloo reports the
+closed connection, and on a receive timeout a zero-byte probe tells a dead source (PeerFailure)
+from a silent one (CommTimeout).
 
-Shutdown rule: gloo moves a message only while both ends are alive, and a gloo wait that returns to
-a Python thread while the interpreter is finalizing aborts the process ("terminate called without
-an active exception"; gloo's abort cannot wake such waits). So at exit this transport waits up to
-:data:`EXIT_GRACE_S` for its pending sends to complete, it never holds the process group itself
-(that kept gloo's collective worker threads alive into shutdown, where they abort), and a program
-should let a rank exit only once every message sent *to* it has been received.
+Shutdown: gloo moves a message only while both ends are alive, and a gloo wait that returns to a
+Python thread while the interpreter is finalizing aborts the process ("terminate called without
+an active exception"). So :meth:`TorchP2P.close` (run by ``World.finalize`` and at exit) first waits
+up to :data:`EXIT_GRACE_S` for pending sends, then sends every peer a goodbye envelope and waits up
+to :data:`GOODBYE_GRACE_S` for the peers' goodbyes (or closed connections) to end its pumps, so no
+wait is left to return during finalization. A program should still let a rank exit only once every
+message sent *to* it has been received.
 """
 
 from __future__ import annotations
@@ -39,24 +43,23 @@ from typing import Any
 import numpy as np
 
 from ..errors import CommTimeout, ConfigError, MessageError, PeerFailure, PopmeshError
-from .envelope import ENVELOPE_NBYTES, parse_envelope, plan_frame
+from .envelope import ENVELOPE_MAX_NBYTES, GOODBYE_TAG, goodbye_envelope, parse_envelope, plan_frame
 from .p2p_base import BufferPool, Item, P2PBase, RecvRequest
 
-__all__ = ["TorchP2P", "EXIT_GRACE_S"]
+__all__ = ["TorchP2P", "EXIT_GRACE_S", "GOODBYE_GRACE_S"]
 
-_TAG_BASE = 1 << 20  # envelope tag = base + 2 * tag, payload tag = base + 2 * tag + 1
-_PING_TAG = _TAG_BASE - 1
+_TAG_BASE = 1 << 20  # kept away from the small tags a program may use with dist.send itself
+_ENV_TAG, _SEG_TAG, _PING_TAG = _TAG_BASE, _TAG_BASE + 1, _TAG_BASE - 1
 _LONG = timedelta(days=30)  # gloo closes the connection when a wait expires: never let one expire
 _IDLE_S = 5.0
 _REAP_S = 0.05
 EXIT_GRACE_S = 30.0
+GOODBYE_GRACE_S = 2.0
 _EAGER_BACKLOG = 256
+_ZERO_COPY_MIN = 1 << 16
+_DEPTH = 2  # envelope receives posted ahead per peer
 _GONE = ("connection closed", "connection reset", "broken pipe", "socket closed", "connection refused",
          "pair closure", "closed by peer")
-
-
-def _env_tag(tag: int) -> int:
-    return _TAG_BASE + 2 * tag
 
 
 def _is_gone(e: BaseException) -> bool:
@@ -69,20 +72,26 @@ def _failure(e: BaseException, what: str, rank: int) -> PopmeshError:
     return PopmeshError(f"{what} failed in torch.distributed: {e}")
 
 
-def _source_rank(work: Any) -> int:
-    """The sender of an any-source receive (``source_rank`` warns that it is deprecated; same value)."""
-    getter = getattr(work, "_source_rank", None) or work.source_rank
-    return int(getter())
+def _tensor(buf: np.ndarray | bytearray) -> Any:
+    """A uint8 CPU tensor over ``buf``'s memory. Torch warns about read-only buffers, and silencing the
+    warning costs more than a small send, so small read-only buffers are copied instead."""
+    global _torch
+    if _torch is None:
+        import torch
 
-
-def _tensor(arr: np.ndarray) -> Any:
-    import torch
-
-    if arr.flags.writeable:
-        return torch.from_numpy(arr)
-    with warnings.catch_warnings():  # gloo only reads a send buffer
+        _torch = torch
+    if type(buf) is bytearray:
+        return _torch.frombuffer(buf, dtype=_torch.uint8) if buf else _torch.empty(0, dtype=_torch.uint8)
+    if buf.flags.writeable:
+        return _torch.from_numpy(buf)
+    if buf.size < _ZERO_COPY_MIN:
+        return _torch.from_numpy(buf.copy())
+    with warnings.catch_warnings():  # a big read-only payload: no copy (gloo only reads a send buffer)
         warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(arr)
+        return _torch.from_numpy(buf)
+
+
+_torch: Any = None
 
 
 class _TorchSend:
@@ -160,25 +169,97 @@ class _Outbox:
     def _urgent(self) -> bool:
         return self._awaited > 0 or len(self._ops) > _EAGER_BACKLOG // 2
 
-    def _next(self) -> _TorchSend | None:
+    def _batch(self) -> int:
+        """How many queued sends to complete now (0: the channel went idle and the thread ends)."""
         with self._cond:
             if not self._ops:
                 self._cond.wait(_IDLE_S)
                 if not self._ops:
                     self._thread, self._awaited = None, 0
-                    return None
+                    return 0
             if not self._urgent():
                 self._cond.wait(_REAP_S)
-            return self._ops[0]
+            return len(self._ops)
 
     def _run(self) -> None:
-        while (op := self._next()) is not None:
-            op.complete()
-            with self._cond:
-                self._ops.popleft()
-                self._awaited = max(0, self._awaited - (not op.eager)) if self._ops else 0
-                if op.error is not None and op.eager:
-                    self.error = op.error
+        while batch := self._batch():
+            for _ in range(batch):  # only this thread removes sends, so the first ``batch`` stay put
+                op = self._ops[0]
+                op.complete()
+                with self._cond:
+                    self._ops.popleft()
+                    self._awaited = max(0, self._awaited - (not op.eager)) if self._ops else 0
+                    if op.error is not None and op.eager:
+                        self.error = op.error
+
+
+class _Pump:
+    """The receive side of one peer: envelope receives posted ahead, and the thread that waits on them.
+
+    Gloo announces a posted receive to the sender, which then sends at once; so :data:`_DEPTH`
+    receives stay posted. Posting writes to the socket, so the thread that takes a message does not
+    repost at once (that write would delay the caller's reply): a receiving caller calls
+    :meth:`top_up` before it blocks, and the pump posts only when nothing is posted any more.
+    """
+
+    def __init__(self, owner: TorchP2P, peer: int) -> None:
+        self.owner, self.peer = owner, peer
+        self._lock = threading.Lock()
+        self._posted: deque[tuple[Any, np.ndarray]] = deque()
+        self._spare = [np.empty(ENVELOPE_MAX_NBYTES, dtype=np.uint8) for _ in range(_DEPTH)]
+        self.ended = False
+        self.thread = threading.Thread(target=self._run, name=f"popmesh-p2p-recv-{peer}", daemon=True)
+
+    def top_up(self) -> None:
+        """Post the spare envelope receives (a receiving caller runs this before it blocks)."""
+        if self._spare and not self.ended:
+            with self._lock:
+                while self._spare and not self.ended:
+                    self._post()
+
+    def _post(self) -> None:
+        buf = self._spare.pop()
+        self._posted.append((self.owner._pg.recv([_tensor(buf)], self.peer, _ENV_TAG), buf))
+
+    def _next(self) -> tuple[Any, np.ndarray]:
+        with self._lock:
+            if not self._posted:
+                self._post()
+            return self._posted.popleft()
+
+    def _run(self) -> None:
+        owner, peer = self.owner, self.peer
+        try:
+            work, buf = self._next()
+        except (RuntimeError, ConfigError) as e:
+            return self._end(_failure(e, f"receiving from rank {peer}", peer))
+        while True:
+            try:
+                work.wait(_LONG)
+            except (RuntimeError, ConfigError) as e:
+                return self._end(_failure(e, f"receiving from rank {peer}", peer))
+            try:
+                envelope = parse_envelope(buf, exact=False)
+            except MessageError as e:  # the stream from ``peer`` cannot be followed any more
+                return self._end(MessageError(f"from rank {peer}: {e}; no more messages are taken from it"))
+            if envelope.tag == GOODBYE_TAG:
+                owner._say_goodbye(peer)  # so that peer's pump for us ends too, even while we live on
+                return self._end(PeerFailure(f"rank {peer} closed its point-to-point transport (it finalized its "
+                                             "world or exited): it sends nothing more", (peer,)))
+            item = owner._receive_rest(envelope, peer)
+            with self._lock:
+                self._spare.append(buf)
+            try:
+                work, buf = self._next()
+            except (RuntimeError, ConfigError) as e:
+                owner._deliver(envelope.tag, item)
+                return self._end(_failure(e, f"receiving from rank {peer}", peer))
+            owner._deliver(envelope.tag, item)  # last before waiting again: the woken caller finds the GIL free
+
+    def _end(self, why: PopmeshError) -> None:
+        """No thread waits on this peer's receives any more (those still posted are left to gloo)."""
+        self.ended = True
+        self.owner._end_pump(self.peer, why)
 
 
 class TorchP2P(P2PBase):
@@ -189,15 +270,17 @@ class TorchP2P(P2PBase):
 
         super().__init__(engine.rank, engine.size)
         self._group = dist.group
-        self._cond = threading.Condition(self._lock)
+        self._waiters: list[threading.Lock] = []  # receivers blocked in _block, released on delivery
         self._inbox: dict[int, deque[Item]] = {}
-        self._pumps: dict[int, threading.Thread] = {}
-        self._broken: dict[int, PopmeshError] = {}
+        self._pumps: dict[int, _Pump] = {}
+        self._gone: dict[int, PopmeshError] = {}  # peers whose pump ended: why
         self._outboxes: dict[tuple[int, int], _Outbox] = {}
         self._post_lock = threading.Lock()
         self._pool = BufferPool()
         self._pings: list[Any] = []
-        atexit.register(self._flush_at_exit)
+        self._goodbyes: dict[int, Any] = {}  # peer -> our goodbye send to it
+        self._closed = False
+        atexit.register(self.close)
 
     @property
     def _pg(self) -> Any:
@@ -222,24 +305,56 @@ class TorchP2P(P2PBase):
                 return busy
             time.sleep(0.01)
 
-    def _flush_at_exit(self) -> None:
+    def close(self) -> None:
+        """Flush sends, say goodbye to every peer and wait for theirs, so no pump outlives the world.
+
+        A peer that lives on answers a goodbye with its own, so an early closer does not wait for
+        the others to finish. Idempotent; ``World.finalize`` calls it before destroying the process group, and it runs at
+        exit. Receives afterwards raise ConfigError.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
         busy = self.flush(EXIT_GRACE_S)
         if busy:
-            sys.stderr.write(f"popmesh: rank {self.rank} exits with sends still pending to (rank, tag) {busy}: "
+            sys.stderr.write(f"popmesh: rank {self.rank} closes with sends still pending to (rank, tag) {busy}: "
                              "their receivers never received them\n")
+        for peer in range(self.size):
+            self._say_goodbye(peer)
+        deadline = time.monotonic() + GOODBYE_GRACE_S
+        with self._lock:
+            pumps = list(self._pumps.values())
+        for pump in pumps:
+            pump.thread.join(max(0.0, deadline - time.monotonic()))
+
+    def _say_goodbye(self, peer: int) -> None:
+        """Tell ``peer`` that nothing more comes from us (once); its pump for us then ends."""
+        pg = self._group.WORLD
+        if peer == self.rank or pg is None:
+            return
+        with self._post_lock:
+            if peer in self._goodbyes:
+                return
+            try:
+                self._goodbyes[peer] = pg.send([_tensor(goodbye_envelope())], peer, _ENV_TAG)
+            except RuntimeError:
+                self._goodbyes[peer] = None  # that peer's connection is closed already
 
     # ---- sending -----------------------------------------------------------------------------
     def _post_send(self, parts: list[np.ndarray], dst: int, tag: int) -> _TorchSend:
+        if dst in self._goodbyes and dst in self._gone:
+            raise PeerFailure(f"send to rank {dst} on tag {tag}: {self._gone[dst]}", (dst,))
         outbox = self._outbox(dst, tag)
         if outbox.error is not None:
             error, outbox.error = outbox.error, None
             raise PeerFailure(f"an earlier send to rank {dst} on tag {tag} failed: {error}", (dst,)) from error
-        env, segments = plan_frame(parts)
+        env, segments = plan_frame(parts, tag)
         try:
             pg = self._pg
-            with self._post_lock:
-                works = [pg.send([_tensor(env)], dst, _env_tag(tag))]
-                works += [pg.send([_tensor(s)], dst, _env_tag(tag) + 1) for s in segments]
+            with self._post_lock:  # a frame's envelope and segments stay together in the peer's stream
+                works = [pg.send([_tensor(env)], dst, _ENV_TAG)]
+                works += [pg.send([_tensor(s)], dst, _SEG_TAG) for s in segments]
         except RuntimeError as e:
             raise _failure(e, f"send to rank {dst} on tag {tag}", dst) from e
         op = _TorchSend(works, [env, *segments], not segments, outbox)
@@ -255,67 +370,80 @@ class TorchP2P(P2PBase):
 
     # ---- receiving ---------------------------------------------------------------------------
     def _fetch(self, sources: frozenset[int] | None, tag: int) -> Item | None:
-        if tag not in self._pumps:
-            self._pumps[tag] = threading.Thread(target=self._pump, args=(tag,), name=f"popmesh-p2p-recv-{tag}",
-                                                daemon=True)
-            self._pumps[tag].start()
+        peers = range(self.size) if sources is None else sources
+        for peer in peers:
+            if peer != self.rank and peer not in self._pumps:
+                self._start_pump(peer)
         queue = self._inbox.get(tag)
         for i, item in enumerate(queue or ()):
             if sources is None or item[0] in sources:
                 del queue[i]  # type: ignore[union-attr]
                 return item
-        if tag in self._broken:
-            raise self._broken[tag]
+        gone = [self._gone[p] for p in peers if p in self._gone]
+        if gone and len(gone) == sum(1 for p in peers if p != self.rank):
+            raise gone[0]  # nothing can arrive any more
         return None
 
+    def _start_pump(self, peer: int) -> None:
+        if self._closed:
+            raise ConfigError(f"rank {self.rank} closed its point-to-point transport (World.finalize): it receives "
+                              "nothing more")
+        pump = self._pumps[peer] = _Pump(self, peer)
+        pump.top_up()
+        pump.thread.start()
+
     def _block(self, req: RecvRequest, timeout: float) -> bool:
+        """Wait for ``req`` on a lock of our own that a delivering pump releases (one wake-up, no Condition)."""
+        if self._poll(req):
+            return True
         deadline = time.monotonic() + timeout
-        with self._cond:
-            while not self._poll(req):
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                self._cond.wait(remaining)
-        return True
+        peers = self._pumps if req.sources is None else req.sources
+        for peer in list(peers):
+            pump = self._pumps.get(peer)
+            if pump is not None:
+                pump.top_up()
+        waiter = threading.Lock()
+        waiter.acquire()
+        while True:
+            with self._lock:
+                if self._poll(req):
+                    return True
+                self._waiters.append(waiter)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not waiter.acquire(timeout=remaining):
+                with self._lock:
+                    if waiter in self._waiters:
+                        self._waiters.remove(waiter)
+                    return self._poll(req)
 
     def _notify(self) -> None:
-        with self._cond:
-            self._cond.notify_all()
+        with self._lock:
+            waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            waiter.release()
 
-    def _pump(self, tag: int) -> None:
-        """Keep one any-source envelope receive posted on ``tag``; queue every frame that arrives."""
-        while True:
-            env = np.empty(ENVELOPE_NBYTES, dtype=np.uint8)
-            try:
-                work = self._pg.recv_anysource([_tensor(env)], _env_tag(tag))
-                work.wait(_LONG)
-                src = _source_rank(work)
-            except (RuntimeError, ConfigError) as e:
-                with self._cond:
-                    self._broken[tag] = PopmeshError(f"receiving on tag {tag} stopped in torch.distributed: {e}")
-                    self._cond.notify_all()
-                return
-            item = self._receive_rest(env, src, tag)
-            with self._cond:
-                self._inbox.setdefault(tag, deque()).append(item)
-                self._cond.notify_all()
+    def _deliver(self, tag: int, item: Item) -> None:
+        with self._lock:
+            self._inbox.setdefault(tag, deque()).append(item)
+        self._notify()
 
-    def _receive_rest(self, env: np.ndarray, src: int, tag: int) -> Item:
+    def _end_pump(self, peer: int, why: PopmeshError) -> None:
+        with self._lock:
+            self._gone[peer] = why
+        self._notify()
+
+    def _receive_rest(self, envelope: Any, src: int) -> Item:
+        if not envelope.lengths:
+            return src, envelope.inline.copy()  # the receive buffer is reused for the next envelope
+        buf = self._pool.take(envelope.total)
+        buf[:envelope.inline.size] = envelope.inline
+        pos = envelope.inline.size
         try:
-            total, inline, lengths = parse_envelope(env)
-        except MessageError as e:
-            return src, MessageError(f"from rank {src} on tag {tag}: {e}")
-        if not lengths:
-            return src, inline
-        buf = self._pool.take(total)
-        buf[:inline.size] = inline
-        pos = inline.size
-        try:
-            for n in lengths:
-                self._pg.recv([_tensor(buf[pos:pos + n])], src, _env_tag(tag) + 1).wait(_LONG)
+            for n in envelope.lengths:
+                self._pg.recv([_tensor(buf[pos:pos + n])], src, _SEG_TAG).wait(_LONG)
                 pos += n
         except (RuntimeError, ConfigError) as e:
-            return src, _failure(e, f"receiving a frame from rank {src} on tag {tag}", src)
+            return src, _failure(e, f"receiving a frame from rank {src} on tag {envelope.tag}", src)
         return src, buf
 
     def _timeout_error(self, req: RecvRequest, timeout: float) -> Exception:
@@ -331,6 +459,8 @@ class TorchP2P(P2PBase):
 
     def _alive(self, rank: int) -> bool:
         """Post a zero-byte send: gloo refuses it at once if the connection to ``rank`` is closed."""
+        if rank in self._gone:
+            return False
         try:
             self._pings.append(self._pg.send([_tensor(np.empty(0, dtype=np.uint8))], rank, _PING_TAG))
         except RuntimeError as e:

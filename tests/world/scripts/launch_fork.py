@@ -2,6 +2,7 @@
 
 import os
 import sys
+import time
 
 from popmesh.launch import fork
 
@@ -11,4 +12,5 @@ if fork(2, grace=1.0):
 rank = os.environ.get("RANK", "none")
 print(f"CHILD rank={rank} args={sys.argv[1:]}")
 if "fail" in sys.argv[1:] and rank == "1":
+    time.sleep(1.0)  # let rank 0 print first: the launcher stops the other ranks once one fails
     raise RuntimeError("fork child failure")
