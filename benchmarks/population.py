@@ -11,9 +11,11 @@ neighbour hits all of them alike:
   async       AsyncSelectiveAveraging(every=10): snapshot + queued metric; the rest in the background
 
 Every block starts after a barrier (not timed), so all ranks compute at once in every contender.
-Reported per contender: the median time of a 10-step block divided by 10 (the amortized step; a
-plain per-step median would hide the averaging step) on rank 0 and on the slowest rank, ratios to
-``none``, the time spent inside the policy call per step (mean over ranks: the main thread's own
+Reported per contender: the world step (per block, the time until the slowest rank finished it,
+since all start at a barrier; the median over blocks, divided by 10: the step time of the training
+loop, and the figure the <= 5 % target is about), the median time of a 10-step block divided by 10
+(the amortized step; a plain per-step median would hide the averaging step) on rank 0 and on the
+slowest rank, ratios to ``none``, the time spent inside the policy call per step (mean over ranks: the main thread's own
 cost, without waiting noise from other contenders), the 90th percentile of single steps on rank 0,
 and the replacements applied on all ranks (a sanity check that the policies act).
 
@@ -110,22 +112,26 @@ def worker() -> None:
     replaced = popmesh.all_reduce(np.array([c.replacements for c in contenders], dtype=np.int64))
     medians = np.array([statistics.median(c.blocks) / EVERY for c in contenders])
     slowest = popmesh.all_reduce(medians, "max")
+    # The world's step: every block starts at a barrier, so the block ends when its slowest rank does.
+    world_blocks = popmesh.all_reduce(np.array([c.blocks for c in contenders]), "max")
+    world_step = np.median(world_blocks, axis=1) / EVERY
     in_policy = popmesh.all_reduce(np.array([c.in_policy / len(c.steps) for c in contenders]), "avg")
     if world.rank == 0:
-        write_result({c.name: {"block": float(m), "slowest": float(s), "replacements": int(n), "in_policy": float(p),
-                               "p90": statistics.quantiles(c.steps, n=10)[-1]}
-                      for c, m, s, n, p in zip(contenders, medians, slowest, replaced, in_policy)})
+        write_result({c.name: {"block": float(m), "slowest": float(s), "world": float(wb), "replacements": int(n),
+                               "in_policy": float(p), "p90": statistics.quantiles(c.steps, n=10)[-1]}
+                      for c, m, s, wb, n, p in zip(contenders, medians, slowest, world_step, replaced, in_policy)})
     world.finalize()
 
 
 def report(rows: dict) -> None:
-    base, worst = rows["none"]["block"], rows["none"]["slowest"]
+    base, worst, world = rows["none"]["block"], rows["none"]["slowest"], rows["none"]["world"]
     print(f"\ntorch/gloo, {RANKS} ranks, MLP 64-{WIDTH}-{WIDTH}-8 (batch {BATCH}, Adam), policy every {EVERY} "
           f"steps, {ROUNDS} rounds")
-    print(f"{'contender':12} {'step, rank 0':>13} {'/ none':>8} {'slowest rank':>13} {'/ none':>8} "
-          f"{'in policy':>10} {'p90 step r0':>12} {'replaced':>9}")
+    print(f"{'contender':12} {'world step':>11} {'/ none':>8} {'step, rank 0':>13} {'/ none':>8} {'slowest rank':>13} "
+          f"{'/ none':>8} {'in policy':>10} {'p90 step r0':>12} {'replaced':>9}")
     for name, row in rows.items():
-        print(f"{name:12} {row['block'] * 1e3:10.3f} ms {row['block'] / base:7.3f}x {row['slowest'] * 1e3:10.3f} ms "
+        print(f"{name:12} {row['world'] * 1e3:8.3f} ms {row['world'] / world:7.3f}x "
+              f"{row['block'] * 1e3:10.3f} ms {row['block'] / base:7.3f}x {row['slowest'] * 1e3:10.3f} ms "
               f"{row['slowest'] / worst:7.3f}x {row['in_policy'] * 1e3:7.3f} ms {row['p90'] * 1e3:9.3f} ms "
               f"{row['replacements']:9d}")
 

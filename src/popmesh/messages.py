@@ -24,7 +24,7 @@ Contract (see ``docs/messages.md``):
 from __future__ import annotations
 
 import operator
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 from .engines.p2p_base import TAG_LIMIT
@@ -34,7 +34,7 @@ from .world import Comm, resolve_group
 
 __all__ = [
     "INTERNAL_TAG_BASE", "TAG_LIMIT", "BUFFERS_TAGS", "POPULATION_TAGS", "InternalTag", "internal_tag",
-    "FrameError", "SendHandle", "RecvHandle", "send", "recv", "isend", "irecv",
+    "FrameError", "SendHandle", "RecvHandle", "send", "recv", "isend", "irecv", "on_arrival",
 ]
 
 INTERNAL_TAG_BASE = TAG_LIMIT - 1024
@@ -197,3 +197,16 @@ def irecv(src: int | Collection[int] | None = None, tag: int = 0, *, group: Comm
     """Post a receive; ``wait()`` returns ``(src, payload)`` like :func:`recv`."""
     comm, p2p, seconds = _setup(group, timeout, "irecv")
     return RecvHandle(p2p.irecv(_sources(comm, src), _tag(tag)), seconds, allow_pickle, device)
+
+
+def on_arrival(callback: Callable[[], None], *, group: Comm | None = None) -> Callable[[], None] | None:
+    """Call ``callback`` whenever a message may have arrived for this rank (any tag, any source).
+
+    For background services that would otherwise poll: they can sleep until called. The callback
+    runs on popmesh's receive thread and must only signal (e.g. ``threading.Event.set``). Returns a
+    function that stops the calls, or None on engines that learn of messages only when polled
+    (MPI): keep polling there.
+    """
+    comm = resolve_group(group)
+    p2p = getattr(comm.world.engine, "p2p", None)
+    return None if p2p is None else p2p().watch(callback)

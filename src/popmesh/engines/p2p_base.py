@@ -23,7 +23,7 @@ import sys
 import threading
 import weakref
 from collections import deque
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -157,6 +157,7 @@ class P2PBase:
         self._lock = threading.RLock()
         self._posted: dict[int, list[weakref.ref[RecvRequest]]] = {}
         self._local: dict[int, deque[Item]] = {}
+        self._listeners: list[Callable[[], None]] = []
 
     # ---- public API --------------------------------------------------------------------------
     def send(self, frame: Frame, dst: int, tag: int, timeout: float) -> None:
@@ -194,6 +195,30 @@ class P2PBase:
     def close(self) -> None:
         """Release what the transport holds; override where there is something to release."""
         return None
+
+    def watch(self, callback: Callable[[], None]) -> Callable[[], None] | None:
+        """Call ``callback`` (on any thread; it must be quick) whenever a message may have arrived.
+
+        Returns a function that stops the calls, or None where this engine learns of messages only
+        when someone polls (then poll). Lets a background service sleep until there is work.
+        """
+        if not self._tells_arrivals:
+            return None
+        with self._lock:
+            self._listeners.append(callback)
+
+        def stop() -> None:
+            with self._lock:
+                if callback in self._listeners:
+                    self._listeners.remove(callback)
+
+        return stop
+
+    _tells_arrivals = False  # engines whose arrivals run _notify set this
+
+    def _tell_listeners(self) -> None:
+        for callback in list(self._listeners):
+            callback()
 
     # ---- matching ----------------------------------------------------------------------------
     def _poll(self, req: RecvRequest) -> bool:
@@ -284,6 +309,8 @@ class P2PBase:
 class LoopbackP2P(P2PBase):
     """The p2p of a world of one: a rank may send to itself (delivered as a copy), nothing else."""
 
+    _tells_arrivals = True
+
     def __init__(self) -> None:
         super().__init__(0, 1)
         self._cond = threading.Condition(self._lock)
@@ -295,3 +322,4 @@ class LoopbackP2P(P2PBase):
     def _notify(self) -> None:
         with self._cond:
             self._cond.notify_all()
+        self._tell_listeners()

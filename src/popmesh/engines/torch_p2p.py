@@ -265,6 +265,8 @@ class _Pump:
 class TorchP2P(P2PBase):
     """Frames between global ranks of the default torch.distributed group (see the module docstring)."""
 
+    _tells_arrivals = True  # every delivery runs on a pump thread, which calls _notify
+
     def __init__(self, engine: Any) -> None:
         import torch.distributed as dist
 
@@ -421,6 +423,7 @@ class TorchP2P(P2PBase):
             waiters, self._waiters = self._waiters, []
         for waiter in waiters:
             waiter.release()
+        self._tell_listeners()
 
     def _deliver(self, tag: int, item: Item) -> None:
         with self._lock:

@@ -2,10 +2,16 @@
 
 The main thread only touches in-process state under a lock: it queues metric rows, hands over
 weight snapshots, and takes combined replacements. All communication (point-to-point messages
-on internal tags) happens in the background thread, which polls and sleeps with a back-off
-between 0.5 ms and ``poll_interval`` when idle. Only a received message, a metric sent up or a
-finished replacement count as progress (a completed send does not: it creates no follow-up work),
-so a completed send does not restart the back-off.
+on internal tags) happens in the background thread. Where the engine reports arrivals (gloo,
+:func:`popmesh.messages.on_arrival`), the thread sleeps until a message arrives or ``poll_interval``
+passes (for the main thread's posts, send reaping and liveness checks): waking it for nothing cost
+more CPU than everything else it does, and with more ranks than cores that CPU is taken from
+training. A post does not wake it either: the woken thread would take the GIL from the main
+thread, which is about to run Python again, and stall it for the whole step (the metric is not
+urgent). Elsewhere (MPI) it polls, sleeping with a back-off between 0.5 ms and ``poll_interval``
+when idle. Only a received message, a metric sent up or a finished replacement count as progress (a
+completed send does not: it creates no follow-up work), so a completed send does not restart the
+back-off.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from popmesh.errors import CommTimeout, PopmeshError
+from popmesh.messages import on_arrival
 from popmesh.population.async_coordinator import CoordinatorLink
 from popmesh.population.async_protocol import BYE, Channels, up_row
 from popmesh.population.async_trainer import Pending, Snapshot, TrainerLink
@@ -46,6 +53,7 @@ class Runtime:
         self._shutdown_at: float | None = None
         self._shutdown_s = timeout
         self._bye_sent = False
+        self._stop_watching = on_arrival(self._wake.set, group=world)
         self.trainer = TrainerLink(world, coordinator, tags, timeout, self.latest, self._deliver)
         self.coordinator = (CoordinatorLink(world, ranks, tags, options, timeout)
                             if world.rank == coordinator else None)
@@ -102,10 +110,14 @@ class Runtime:
             self._pending = pending
 
     def _run(self) -> None:
+        told = self._stop_watching is not None  # woken by arrivals and posts: no need to poll fast
         pause = _MIN_PAUSE
         try:
             while not self._abort.is_set():
-                if self._step():
+                if told:
+                    self._step()
+                    pause = self.poll_interval
+                elif self._step():
                     pause = _MIN_PAUSE
                 else:
                     pause = min(pause * 2, self.poll_interval)
@@ -119,6 +131,8 @@ class Runtime:
             if self.coordinator is not None:
                 self.coordinator.abort(f"{type(e).__name__}: {e}")
         finally:
+            if self._stop_watching is not None:
+                self._stop_watching()
             self.trainer.close()
             if self.coordinator is not None:
                 self.coordinator.close()

@@ -305,6 +305,32 @@ def bad_arguments_are_config_errors(w):
 
 
 @check
+def on_arrival_signals_deliveries(w):
+    """gloo and the local engine call back on arrival (any tag); MPI says None: poll there."""
+    import threading
+
+    event = threading.Event()
+    stop = m.on_arrival(event.set)
+    if w.engine_name == "mpi":
+        assert stop is None
+        return
+    assert stop is not None
+    src, dst = (w.rank - 1) % w.size, (w.rank + 1) % w.size
+    handle = m.irecv(src, tag=16)
+    handle.done()  # gloo starts listening to src on the first poll
+    popmesh.barrier()
+    m.send(f"ping {w.rank}", dst, tag=16)
+    assert event.wait(30), "no arrival signalled"
+    assert handle.wait() == (src, f"ping {src}")
+    stop()
+    event.clear()
+    popmesh.barrier()
+    m.send("after stop", dst, tag=17)
+    assert m.recv(src, 17) == (src, "after stop")
+    assert not event.is_set(), "signalled after stop()"
+
+
+@check
 def zz_all_done(w):
     popmesh.barrier(timeout=60)
 
