@@ -211,15 +211,23 @@ class _Pump:
         self.thread = threading.Thread(target=self._run, name=f"popmesh-p2p-recv-{peer}", daemon=True)
 
     def top_up(self) -> None:
-        """Post the spare envelope receives (a receiving caller runs this before it blocks)."""
+        """Post the spare envelope receives (a receiving caller runs this before it blocks).
+
+        A failure to post (the peer's connection closed) is left to the pump thread, which meets the
+        same error on its own receive and records why the peer is gone.
+        """
         if self._spare and not self.ended:
             with self._lock:
-                while self._spare and not self.ended:
-                    self._post()
+                try:
+                    while self._spare and not self.ended:
+                        self._post()
+                except (RuntimeError, ConfigError):
+                    pass
 
     def _post(self) -> None:
-        buf = self._spare.pop()
-        self._posted.append((self.owner._pg.recv([_tensor(buf)], self.peer, _ENV_TAG), buf))
+        buf = self._spare[-1]
+        work = self.owner._pg.recv([_tensor(buf)], self.peer, _ENV_TAG)
+        self._posted.append((work, self._spare.pop()))
 
     def _next(self) -> tuple[Any, np.ndarray]:
         with self._lock:
@@ -328,7 +336,8 @@ class TorchP2P(P2PBase):
         with self._lock:
             pumps = list(self._pumps.values())
         for pump in pumps:
-            pump.thread.join(max(0.0, deadline - time.monotonic()))
+            if pump.thread.ident is not None:
+                pump.thread.join(max(0.0, deadline - time.monotonic()))
 
     def _say_goodbye(self, peer: int) -> None:
         """Tell ``peer`` that nothing more comes from us (once); its pump for us then ends."""
