@@ -1,15 +1,14 @@
 """The background thread of an asynchronous policy, and what it shares with the main thread.
 
-The main thread only touches in-process state under a lock: it queues metric rows, hands over
-weight snapshots, and takes combined replacements. All communication (point-to-point messages
-on internal tags) happens in the background thread. Where the engine reports arrivals (gloo,
-:func:`popmesh.messages.on_arrival`), the thread sleeps until a message arrives or ``poll_interval``
-passes (for the main thread's posts, send reaping and liveness checks): waking it for nothing cost
-more CPU than everything else it does, and with more ranks than cores that CPU is taken from
-training. A post does not wake it either: the woken thread would take the GIL from the main
-thread, which is about to run Python again, and stall it for the whole step (the metric is not
-urgent). Elsewhere (MPI) it polls, sleeping with a back-off between 0.5 ms and ``poll_interval``
-when idle. Only a received message, a metric sent up or a finished replacement count as progress (a
+The main thread hands over weight snapshots and takes combined replacements under a lock, and
+sends its metric row itself (one small point-to-point send on an internal tag). Everything else
+happens in the background thread. Where the engine reports arrivals (gloo,
+:func:`popmesh.messages.on_arrival`), the thread sleeps until a message arrives, checking liveness
+and reaping sends every :data:`_TOLD_IDLE_S` seconds. With more ranks than cores, every wake-up of
+that thread takes the GIL and CPU from training: polling from 0.5 ms cost more than all its real
+work, and waking it to send the metric row stalled the main thread for the whole wake-up (so the
+main thread sends the row, ~20 us). Elsewhere (MPI) it polls, sleeping with a back-off between
+0.5 ms and ``poll_interval`` when idle. Only a received message, a metric sent up or a finished replacement count as progress (a
 completed send does not: it creates no follow-up work), so a completed send does not restart the
 back-off.
 """
@@ -18,8 +17,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from collections.abc import Sequence
+from typing import Any
 import numpy as np
 
 from popmesh.errors import CommTimeout, PopmeshError
@@ -33,6 +32,7 @@ from popmesh.world import World
 __all__ = ["Runtime", "surface"]
 
 _MIN_PAUSE = 5e-4
+_TOLD_IDLE_S = 0.25
 _GRACE = 2.0
 
 
@@ -46,7 +46,7 @@ class Runtime:
         self._wake = threading.Event()
         self._abort = threading.Event()
         self.done = threading.Event()
-        self._outbox: deque[np.ndarray] = deque()
+        self._main_sends: list[Any] = []  # the main thread's metric sends (reaped by the main thread)
         self._snapshot: Snapshot | None = None
         self._pending: Pending | None = None
         self.error: BaseException | None = None
@@ -62,10 +62,16 @@ class Runtime:
 
     # ---- main thread ---------------------------------------------------------------------------
     def post(self, row: np.ndarray, snapshot: Snapshot) -> None:
-        """Hand over this cadence's snapshot, then queue its metric row."""
+        """Hand over this cadence's snapshot, then send its metric row (main thread)."""
         with self._lock:
             self._snapshot = snapshot
-            self._outbox.append(row)
+        still = []
+        for handle in self._main_sends:
+            if handle.done():
+                handle.wait()  # re-raises a failed send
+            else:
+                still.append(handle)
+        self._main_sends = still + [self.trainer.isend_up(row)]
 
     def take_pending(self) -> Pending | None:
         """The replacement combined since the last call, if any (each is returned once)."""
@@ -116,7 +122,7 @@ class Runtime:
             while not self._abort.is_set():
                 if told:
                     self._step()
-                    pause = self.poll_interval
+                    pause = _TOLD_IDLE_S
                 elif self._step():
                     pause = _MIN_PAUSE
                 else:
@@ -139,24 +145,21 @@ class Runtime:
             self.done.set()
 
     def _step(self) -> bool:
-        progress = self._flush_outbox()
+        progress = self._say_bye()
         progress |= self.trainer.poll()
         if self.coordinator is not None:
             progress |= self.coordinator.poll()
         self._check_shutdown()
         return progress
 
-    def _flush_outbox(self) -> bool:
+    def _say_bye(self) -> bool:
+        """Send BYE once shutdown was requested (after the main thread's last metric: same channel)."""
         with self._lock:
-            rows = list(self._outbox)
-            self._outbox.clear()
             say_bye = self._shutdown_at is not None and not self._bye_sent
             self._bye_sent |= say_bye
-        for row in rows:
-            self.trainer.send_up(row)
         if say_bye:
             self.trainer.send_up(up_row(BYE, -1))
-        return bool(rows) or say_bye
+        return say_bye
 
     def _check_shutdown(self) -> None:
         since = self._shutdown_at
@@ -172,6 +175,8 @@ class Runtime:
     def _drain(self) -> None:
         """Let the last sends (FIN, ACK, BYE) complete before the thread ends."""
         self.trainer.drain(self.timeout)
+        for handle in self._main_sends:
+            handle.wait(self.timeout)
         if self.coordinator is not None:
             self.coordinator.drain(self.timeout)
 

@@ -48,7 +48,8 @@ class AsyncSelectiveAveraging:
       must call :meth:`coordinate` with the training group instead of training.
     * ``channel``: which of popmesh's internal tag sets this instance uses; by default instances
       take channels in creation order, so create policies in the same order on every rank.
-    * ``poll_interval``: the background thread's longest idle sleep (seconds).
+    * ``poll_interval``: the background thread's longest idle sleep (seconds) on engines that do not
+      report arrivals (MPI); on gloo it sleeps until a message arrives.
 
     A replacement decided at iteration ``t`` is applied at a later call of the replaced rank;
     ``info.decision_iteration`` says which. Cross-rank contract: every rank of the group calls the

@@ -129,8 +129,12 @@ class TrainerLink:
         self.finished = False
 
     def send_up(self, row: np.ndarray) -> None:
-        """Queue one up row to the coordinator (metric, ACK or BYE)."""
-        self._sends.append(isend(row, self.coordinator, self.tags.up, group=self.world, timeout=self.timeout))
+        """Queue one up row to the coordinator (ACK or BYE; background thread)."""
+        self._sends.append(self.isend_up(row))
+
+    def isend_up(self, row: np.ndarray) -> Any:
+        """Start sending one up row to the coordinator; the caller keeps (and reaps) the handle."""
+        return isend(row, self.coordinator, self.tags.up, group=self.world, timeout=self.timeout)
 
     def poll(self) -> bool:
         """Advance everything that can advance; True if a message arrived, was sent or a job finished

@@ -12,6 +12,7 @@ torch is imported only when a function that needs it runs.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -148,7 +149,13 @@ def layout_of(tensors: Mapping[str, Any]) -> Layout:
     if len(devices) > 1:
         raise ConfigError(f"the model's tensors live on several devices {sorted(devices)}; population "
                           "policies move models that live on one device")
-    return Layout.from_specs([(n, _dtype_name(t), tuple(t.shape)) for n, t in tensors.items()])
+    return _layout(tuple((n, _dtype_name(t), tuple(t.shape)) for n, t in tensors.items()))
+
+
+@functools.lru_cache(maxsize=64)
+def _layout(specs: tuple[tuple[str, str, tuple[int, ...]], ...]) -> Layout:
+    """Layouts are pure data of their specs: policies ask for the same one every decision."""
+    return Layout.from_specs(specs)
 
 
 def snapshot(tensors: Mapping[str, Any], layout: Layout | None = None) -> FlatState:
