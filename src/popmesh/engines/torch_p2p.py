@@ -285,7 +285,10 @@ class TorchP2P(P2PBase):
         self._pumps: dict[int, _Pump] = {}
         self._gone: dict[int, PopmeshError] = {}  # peers whose pump ended: why
         self._outboxes: dict[tuple[int, int], _Outbox] = {}
-        self._post_lock = threading.Lock()
+        # One lock per destination keeps a frame's envelope and segments together in that peer's
+        # stream; a gloo send of a large segment can block for milliseconds (a full socket), and a
+        # single lock made every other destination's sends wait for it.
+        self._post_locks: dict[int, threading.Lock] = {}
         self._pool = BufferPool()
         self._pings: list[Any] = []
         self._goodbyes: dict[int, Any] = {}  # peer -> our goodbye send to it
@@ -344,7 +347,7 @@ class TorchP2P(P2PBase):
         pg = self._group.WORLD
         if peer == self.rank or pg is None:
             return
-        with self._post_lock:
+        with self._post_lock(peer):
             if peer in self._goodbyes:
                 return
             try:
@@ -363,7 +366,7 @@ class TorchP2P(P2PBase):
         env, segments = plan_frame(parts, tag)
         try:
             pg = self._pg
-            with self._post_lock:  # a frame's envelope and segments stay together in the peer's stream
+            with self._post_lock(dst):
                 works = [pg.send([_tensor(env)], dst, _ENV_TAG)]
                 works += [pg.send([_tensor(s)], dst, _SEG_TAG) for s in segments]
         except RuntimeError as e:
@@ -371,6 +374,13 @@ class TorchP2P(P2PBase):
         op = _TorchSend(works, [env, *segments], not segments, outbox)
         outbox.push(op)
         return op
+
+    def _post_lock(self, dst: int) -> threading.Lock:
+        lock = self._post_locks.get(dst)
+        if lock is None:
+            with self._lock:
+                lock = self._post_locks.setdefault(dst, threading.Lock())
+        return lock
 
     def _outbox(self, dst: int, tag: int) -> _Outbox:
         with self._lock:
