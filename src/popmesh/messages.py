@@ -130,7 +130,9 @@ def send(payload: Any, dst: int, tag: int = 0, *, group: Comm | None = None, tim
     ``dst`` must be a member of ``group`` (default: the world). Raises MessageError if the payload
     needs pickle and ``allow_pickle`` is False, CommTimeout/PeerFailure if it cannot be delivered.
     """
-    isend(payload, dst, tag, group=group, allow_pickle=allow_pickle, timeout=timeout).wait()
+    comm, p2p, seconds = _setup(group, timeout, "send")
+    frame = encode_message(payload, allow_pickle=allow_pickle)
+    p2p.send(frame, _member(comm, dst, "dst"), _tag(tag), seconds)
 
 
 def recv(src: int | Collection[int] | None = None, tag: int = 0, *, group: Comm | None = None,

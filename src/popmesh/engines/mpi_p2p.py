@@ -20,6 +20,8 @@ alive until it completes.
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Collection
 from typing import Any
 
@@ -27,10 +29,12 @@ import numpy as np
 
 from ..errors import CommTimeout, ConfigError, MessageError, PeerFailure
 from .base import poll_until
-from .envelope import parse_envelope, plan_frame
+from .envelope import INLINE_NBYTES, parse_envelope, plan_frame
 from .p2p_base import TAG_LIMIT, BufferPool, Item, P2PBase, RecvRequest
 
 __all__ = ["MpiP2P"]
+
+_FAST_SPIN_S = 0.05  # the same spin as base.poll_until before it backs off to sleeping
 
 
 class _MpiSend:
@@ -83,6 +87,57 @@ class MpiP2P(P2PBase):
         self._orphans: list[_MpiSend] = []
         self._partials: dict[int, list[_Partial]] = {}
         self._pool = BufferPool()
+
+    def send(self, frame: Any, dst: int, tag: int, timeout: float) -> None:
+        """:meth:`P2PBase.send`, with a short path for a small one-buffer frame to another rank: one
+        Isend of the envelope, completed at once when MPI sent it eagerly."""
+        if type(frame) is not bytes or len(frame) > INLINE_NBYTES or dst == self.rank:
+            return super().send(frame, dst, tag, timeout)
+        self._check(dst, tag, "dst")
+        env, _ = plan_frame([np.frombuffer(frame, np.uint8)], tag)
+        try:
+            request = self._comm.Isend(env, dest=dst, tag=2 * tag)
+            if request.Test():
+                return None
+        except self.mpi.Exception as e:
+            raise PeerFailure(f"send to rank {dst} on tag {tag} failed in MPI: {e}", (dst,)) from e
+        _MpiSend(self, [request], [env], dst, tag).wait(timeout)
+        return None
+
+    def recv(self, src: Any, tag: int, timeout: float) -> tuple[int, np.ndarray]:
+        """:meth:`P2PBase.recv`, with a short path when this is the only receive on ``tag``, from one
+        other rank, and nothing for ``tag`` is queued or half received: matched probes until the
+        envelope is there, then the general path for anything but a frame carried inline."""
+        if (type(src) is not int or src == self.rank or self._posted.get(tag) or self._partials.get(tag)
+                or self._local.get(tag)):
+            return super().recv(src, tag, timeout)
+        self._check(src, tag, "src")
+        partial = self._probe_briefly(src, tag)
+        if partial is not None:
+            if not partial.reqs:
+                if isinstance(partial.data, BaseException):
+                    raise partial.data
+                return partial.src, partial.data
+            with self._lock:
+                self._partials.setdefault(tag, []).append(partial)
+        return super().recv(src, tag, timeout)
+
+    def _probe_briefly(self, src: int, tag: int) -> _Partial | None:
+        """Matched probes for up to :data:`_FAST_SPIN_S` (a reply on shared memory arrives in
+        microseconds); None if nothing came, and the general path, with its back-off, takes over."""
+        until = time.perf_counter() + _FAST_SPIN_S
+        polls = 0
+        lock = self._lock
+        while True:
+            with lock:  # _start shares one MPI status object
+                partial = self._start(src, tag)
+            if partial is not None:
+                return partial
+            polls += 1
+            if polls % 32 == 0:
+                if time.perf_counter() >= until:
+                    return None
+                os.sched_yield()
 
     def _post_send(self, parts: list[np.ndarray], dst: int, tag: int) -> _MpiSend:
         if self._orphans:
