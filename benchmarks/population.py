@@ -19,7 +19,7 @@ slowest rank, ratios to ``none``, the time spent inside the policy call per step
 cost, without waiting noise from other contenders), the 90th percentile of single steps on rank 0,
 and the replacements applied on all ranks (a sanity check that the policies act).
 
-Run: .venv/bin/python benchmarks/population.py [--rounds N]   (the driver launches the world)
+Run: .venv/bin/python benchmarks/population.py [--rounds N] [--ranks N]   (the driver launches the world)
 """
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import launch_json, write_result  # noqa: E402
 
-EVERY, WIDTH, BATCH, RANKS = 10, 256, 256, 4
+EVERY, WIDTH, BATCH = 10, 256, 256
 ROUNDS = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 30
+RANKS = int(sys.argv[sys.argv.index("--ranks") + 1]) if "--ranks" in sys.argv else 4
 
 
 def build(seed: int):
