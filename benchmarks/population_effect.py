@@ -49,7 +49,7 @@ def main() -> None:
         for policy in ns.policies.split(","):
             rows.append(run_once(policy, seed, ns.steps, ns.ranks, ns.demo_args))
             print(json.dumps(rows[-1]), flush=True)
-    print(f"\n| policy | steps to 475 (best agent, per-agent env steps) | per seed |")
+    print("\n| policy | steps to 475 (best agent, per-agent env steps) | per seed |")
     print("|---|---|---|")
     for policy in ns.policies.split(","):
         values = [r["steps"] for r in rows if r["policy"] == policy]

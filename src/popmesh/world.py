@@ -8,7 +8,6 @@ Ranks are global unless a name says otherwise (``group_rank``).
 from __future__ import annotations
 
 import atexit
-import os
 from typing import Any, Sequence
 
 from .engines import Engine, GroupSpec, create_engine

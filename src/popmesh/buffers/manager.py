@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..arrays import is_torch
-from ..errors import CommTimeout, EngineUnavailable, PeerFailure, PopmeshError
+from ..errors import CommTimeout, EngineUnavailable, PeerFailure
 from ..ops import ReduceOp
 from .base import GroupSpec, poll_until, timeout_message
 from .interop import numpy_bytes, torch_bytes

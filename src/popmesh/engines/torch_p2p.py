@@ -12,21 +12,21 @@ queued for the next receive). The receive names its source because gloo pre-anno
 receive to the sender, which then sends at once; an any-source receive costs two extra network
 hops per message (twice the round trip). One pump carries all tags from its peer, in order.
 
-Each (destination, tag) channel gets a daemon thread that waits for its sends to complete (so a
-send timeout leaves the message in flight instead of breaking the connection). Small frames are
-sent eagerly: ``send`` returns once the envelope (our own copy) is handed to gloo, and the channel
-thread reaps such sends in the background every :data:`_REAP_S` seconds; if one failed, the next
-send on the channel raises the error. A dead peer surfaces as PeerFailure when gloo reports the
-closed connection, and on a receive timeout a zero-byte probe tells a dead source (PeerFailure)
-from a silent one (CommTimeout).
+Sends are completed by a daemon thread per (destination, tag) channel
+(:mod:`~popmesh.engines.torch_p2p_send`), so a send timeout leaves the message in flight instead of
+breaking the connection; small frames are sent eagerly. A dead peer surfaces as PeerFailure when
+gloo reports the closed connection, and on a receive timeout a zero-byte probe tells a dead source
+(PeerFailure) from a silent one (CommTimeout).
 
 Shutdown: gloo moves a message only while both ends are alive, and a gloo wait that returns to a
 Python thread while the interpreter is finalizing aborts the process ("terminate called without
 an active exception"). So :meth:`TorchP2P.close` (run by ``World.finalize`` and at exit) first waits
 up to :data:`EXIT_GRACE_S` for pending sends, then sends every peer a goodbye envelope and waits up
 to :data:`GOODBYE_GRACE_S` for the peers' goodbyes (or closed connections) to end its pumps, so no
-wait is left to return during finalization. A program should still let a rank exit only once every
-message sent *to* it has been received.
+wait is left to return during finalization. A peer that receives a goodbye answers with its own, so
+a rank that finalizes early does not wait for the others; a receive from a rank that said goodbye
+raises PeerFailure once its earlier messages are consumed, and so does a send to it. A program
+should still let a rank exit only once every message sent *to* it has been received.
 """
 
 from __future__ import annotations
@@ -35,164 +35,23 @@ import atexit
 import sys
 import threading
 import time
-import warnings
 from collections import deque
-from datetime import timedelta
 from typing import Any
 
 import numpy as np
 
-from ..errors import CommTimeout, ConfigError, MessageError, PeerFailure, PopmeshError
+from ..errors import ConfigError, MessageError, PeerFailure, PopmeshError
 from .envelope import ENVELOPE_MAX_NBYTES, GOODBYE_TAG, goodbye_envelope, parse_envelope, plan_frame
 from .p2p_base import BufferPool, Item, P2PBase, RecvRequest
+from .torch_p2p_send import LONG, Outbox, TorchSend, failure, is_gone, tensor
 
 __all__ = ["TorchP2P", "EXIT_GRACE_S", "GOODBYE_GRACE_S"]
 
 _TAG_BASE = 1 << 20  # kept away from the small tags a program may use with dist.send itself
 _ENV_TAG, _SEG_TAG, _PING_TAG = _TAG_BASE, _TAG_BASE + 1, _TAG_BASE - 1
-_LONG = timedelta(days=30)  # gloo closes the connection when a wait expires: never let one expire
-_IDLE_S = 5.0
-_REAP_S = 0.05
 EXIT_GRACE_S = 30.0
 GOODBYE_GRACE_S = 2.0
-_EAGER_BACKLOG = 256
-_ZERO_COPY_MIN = 1 << 16
 _DEPTH = 2  # envelope receives posted ahead per peer
-_GONE = ("connection closed", "connection reset", "broken pipe", "socket closed", "connection refused",
-         "pair closure", "closed by peer")
-
-
-def _is_gone(e: BaseException) -> bool:
-    return any(m in str(e).lower() for m in _GONE)
-
-
-def _failure(e: BaseException, what: str, rank: int) -> PopmeshError:
-    if _is_gone(e):
-        return PeerFailure(f"{what}: rank {rank} closed its connection (did it die?): {e}", (rank,))
-    return PopmeshError(f"{what} failed in torch.distributed: {e}")
-
-
-def _tensor(buf: np.ndarray | bytearray) -> Any:
-    """A uint8 CPU tensor over ``buf``'s memory. Torch warns about read-only buffers, and silencing the
-    warning costs more than a small send, so small read-only buffers are copied instead."""
-    global _torch
-    if _torch is None:
-        import torch
-
-        _torch = torch
-    if type(buf) is bytearray:
-        return _torch.frombuffer(buf, dtype=_torch.uint8) if buf else _torch.empty(0, dtype=_torch.uint8)
-    if buf.flags.writeable:
-        return _torch.from_numpy(buf)
-    if buf.size < _ZERO_COPY_MIN:
-        return _torch.from_numpy(buf.copy())
-    with warnings.catch_warnings():  # a big read-only payload: no copy (gloo only reads a send buffer)
-        warnings.simplefilter("ignore", UserWarning)
-        return _torch.from_numpy(buf)
-
-
-_torch: Any = None
-
-
-class _TorchSend:
-    """One frame in flight; its buffers live until the channel thread has seen it complete."""
-
-    def __init__(self, works: list[Any], keep: list[np.ndarray], eager: bool, outbox: _Outbox) -> None:
-        self._works: list[Any] | None = works
-        self._keep: list[np.ndarray] | None = keep
-        self.eager, self.outbox = eager, outbox
-        self.error: PopmeshError | None = None
-        self._event = threading.Event()
-
-    def complete(self) -> None:
-        try:
-            for work in self._works or ():
-                work.wait(_LONG)
-        except RuntimeError as e:
-            self.error = _failure(e, f"send to rank {self.outbox.dst} on tag {self.outbox.tag}", self.outbox.dst)
-        finally:
-            self._works = self._keep = None
-            self._event.set()
-
-    def done(self) -> bool:
-        """Complete, or (eager) our own copy is with gloo and the channel's backlog is bounded."""
-        return self._event.is_set() or (self.eager and self.outbox.backlog() <= _EAGER_BACKLOG)
-
-    def wait(self, timeout: float) -> None:
-        if self.done() and not self._event.is_set():
-            return
-        self.outbox.hurry()
-        if not self._event.wait(timeout):
-            raise CommTimeout(
-                f"send to rank {self.outbox.dst} on tag {self.outbox.tag} did not complete within {timeout:g} s: "
-                "that rank has not received on this tag. The message stays in flight and is delivered when it "
-                "does; leave the payload's arrays unchanged until then.", (self.outbox.dst,))
-        if self.error is not None:
-            raise self.error
-
-
-class _Outbox:
-    """The sends of one (destination, tag) channel, completed in order by one daemon thread.
-
-    The thread wakes at once for a send someone waits on; eager sends are reaped every ``_REAP_S``
-    seconds, by when their waits return at once (so a small send costs no thread wake-up).
-    """
-
-    def __init__(self, dst: int, tag: int) -> None:
-        self.dst, self.tag = dst, tag
-        self.error: PopmeshError | None = None
-        self._ops: deque[_TorchSend] = deque()
-        self._awaited = 0
-        self._cond = threading.Condition()
-        self._thread: threading.Thread | None = None
-
-    def backlog(self) -> int:
-        return len(self._ops)
-
-    def push(self, op: _TorchSend) -> None:
-        with self._cond:
-            self._ops.append(op)
-            self._awaited += not op.eager
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=f"popmesh-p2p-send-{self.dst}-{self.tag}",
-                                                daemon=True)
-                self._thread.start()
-            elif self._urgent():
-                self._cond.notify()
-
-    def hurry(self) -> None:
-        """Someone waits for this channel's sends: complete them now."""
-        with self._cond:
-            self._awaited += 1
-            self._cond.notify()
-
-    def _urgent(self) -> bool:
-        return self._awaited > 0 or len(self._ops) > _EAGER_BACKLOG // 2
-
-    def _batch(self) -> int:
-        """How many queued sends to complete now (0: the channel went idle and the thread ends)."""
-        with self._cond:
-            if not self._ops:
-                self._cond.wait(_IDLE_S)
-                if not self._ops:
-                    self._thread, self._awaited = None, 0
-                    return 0
-            if not self._urgent():
-                self._cond.wait(_REAP_S)
-            return len(self._ops)
-
-    def _run(self) -> None:
-        while batch := self._batch():
-            for _ in range(batch):  # only this thread removes sends, so the first ``batch`` stay put
-                op = self._ops[0]
-                op.complete()
-                with self._cond:
-                    self._ops.popleft()
-                    self._awaited = max(0, self._awaited - (not op.eager)) if self._ops else 0
-                    if op.error is not None and op.eager:
-                        self.error = op.error
-
-
 class _Pump:
     """The receive side of one peer: envelope receives posted ahead, and the thread that waits on them.
 
@@ -226,7 +85,7 @@ class _Pump:
 
     def _post(self) -> None:
         buf = self._spare[-1]
-        work = self.owner._pg.recv([_tensor(buf)], self.peer, _ENV_TAG)
+        work = self.owner._pg.recv([tensor(buf)], self.peer, _ENV_TAG)
         self._posted.append((work, self._spare.pop()))
 
     def _next(self) -> tuple[Any, np.ndarray]:
@@ -240,12 +99,12 @@ class _Pump:
         try:
             work, buf = self._next()
         except (RuntimeError, ConfigError) as e:
-            return self._end(_failure(e, f"receiving from rank {peer}", peer))
+            return self._end(failure(e, f"receiving from rank {peer}", peer))
         while True:
             try:
-                work.wait(_LONG)
+                work.wait(LONG)
             except (RuntimeError, ConfigError) as e:
-                return self._end(_failure(e, f"receiving from rank {peer}", peer))
+                return self._end(failure(e, f"receiving from rank {peer}", peer))
             try:
                 envelope = parse_envelope(buf, exact=False)
             except MessageError as e:  # the stream from ``peer`` cannot be followed any more
@@ -261,7 +120,7 @@ class _Pump:
                 work, buf = self._next()
             except (RuntimeError, ConfigError) as e:
                 owner._deliver(envelope.tag, item)
-                return self._end(_failure(e, f"receiving from rank {peer}", peer))
+                return self._end(failure(e, f"receiving from rank {peer}", peer))
             owner._deliver(envelope.tag, item)  # last before waiting again: the woken caller finds the GIL free
 
     def _end(self, why: PopmeshError) -> None:
@@ -284,7 +143,7 @@ class TorchP2P(P2PBase):
         self._inbox: dict[int, deque[Item]] = {}
         self._pumps: dict[int, _Pump] = {}
         self._gone: dict[int, PopmeshError] = {}  # peers whose pump ended: why
-        self._outboxes: dict[tuple[int, int], _Outbox] = {}
+        self._outboxes: dict[tuple[int, int], Outbox] = {}
         # One lock per destination keeps a frame's envelope and segments together in that peer's
         # stream; a gloo send of a large segment can block for milliseconds (a full socket), and a
         # single lock made every other destination's sends wait for it.
@@ -351,12 +210,12 @@ class TorchP2P(P2PBase):
             if peer in self._goodbyes:
                 return
             try:
-                self._goodbyes[peer] = pg.send([_tensor(goodbye_envelope())], peer, _ENV_TAG)
+                self._goodbyes[peer] = pg.send([tensor(goodbye_envelope())], peer, _ENV_TAG)
             except RuntimeError:
                 self._goodbyes[peer] = None  # that peer's connection is closed already
 
     # ---- sending -----------------------------------------------------------------------------
-    def _post_send(self, parts: list[np.ndarray], dst: int, tag: int) -> _TorchSend:
+    def _post_send(self, parts: list[np.ndarray], dst: int, tag: int) -> TorchSend:
         if dst in self._goodbyes and dst in self._gone:
             raise PeerFailure(f"send to rank {dst} on tag {tag}: {self._gone[dst]}", (dst,))
         outbox = self._outbox(dst, tag)
@@ -367,11 +226,11 @@ class TorchP2P(P2PBase):
         try:
             pg = self._pg
             with self._post_lock(dst):
-                works = [pg.send([_tensor(env)], dst, _ENV_TAG)]
-                works += [pg.send([_tensor(s)], dst, _SEG_TAG) for s in segments]
+                works = [pg.send([tensor(env)], dst, _ENV_TAG)]
+                works += [pg.send([tensor(s)], dst, _SEG_TAG) for s in segments]
         except RuntimeError as e:
-            raise _failure(e, f"send to rank {dst} on tag {tag}", dst) from e
-        op = _TorchSend(works, [env, *segments], not segments, outbox)
+            raise failure(e, f"send to rank {dst} on tag {tag}", dst) from e
+        op = TorchSend(works, [env, *segments], not segments, outbox)
         outbox.push(op)
         return op
 
@@ -382,11 +241,11 @@ class TorchP2P(P2PBase):
                 lock = self._post_locks.setdefault(dst, threading.Lock())
         return lock
 
-    def _outbox(self, dst: int, tag: int) -> _Outbox:
+    def _outbox(self, dst: int, tag: int) -> Outbox:
         with self._lock:
             box = self._outboxes.get((dst, tag))
             if box is None:
-                box = self._outboxes[(dst, tag)] = _Outbox(dst, tag)
+                box = self._outboxes[(dst, tag)] = Outbox(dst, tag)
             return box
 
     # ---- receiving ---------------------------------------------------------------------------
@@ -462,10 +321,10 @@ class TorchP2P(P2PBase):
         pos = envelope.inline.size
         try:
             for n in envelope.lengths:
-                self._pg.recv([_tensor(buf[pos:pos + n])], src, _SEG_TAG).wait(_LONG)
+                self._pg.recv([tensor(buf[pos:pos + n])], src, _SEG_TAG).wait(LONG)
                 pos += n
         except (RuntimeError, ConfigError) as e:
-            return src, _failure(e, f"receiving a frame from rank {src} on tag {envelope.tag}", src)
+            return src, failure(e, f"receiving a frame from rank {src} on tag {envelope.tag}", src)
         return src, buf
 
     def _timeout_error(self, req: RecvRequest, timeout: float) -> Exception:
@@ -484,7 +343,7 @@ class TorchP2P(P2PBase):
         if rank in self._gone:
             return False
         try:
-            self._pings.append(self._pg.send([_tensor(np.empty(0, dtype=np.uint8))], rank, _PING_TAG))
+            self._pings.append(self._pg.send([tensor(np.empty(0, dtype=np.uint8))], rank, _PING_TAG))
         except RuntimeError as e:
-            return not _is_gone(e)
+            return not is_gone(e)
         return True

@@ -16,7 +16,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import popmesh  # noqa: E402
-from popmesh import ConfigError, PopmeshError  # noqa: E402
+from popmesh import ConfigError  # noqa: E402
 from popmesh import messages as m  # noqa: E402
 from popmesh.buffers import Coordinator, ReplayBufferClient, ReplayBufferManager, novelty_score  # noqa: E402
 from popmesh.buffers.protocol import REQUEST_TAG, SCORE_TAG, Message, MessageType, from_payload, to_payload  # noqa: E402

@@ -148,7 +148,7 @@ def mixed_dtypes_in_their_own_buckets(w):
 
 @check
 def replan_after_adding_a_parameter(w):
-    n, r = w.size, w.rank
+    r = w.rank
     model = torch.nn.Sequential(torch.nn.Linear(3, 3))
     sync = GradientSync(model, overlap=True)
     before = sync.plan.fingerprint()
@@ -175,7 +175,7 @@ def replan_after_adding_a_parameter(w):
 
 @check
 def overlap_on_and_off_give_equal_grads(w):
-    n, r = w.size, w.rank
+    r = w.rank
 
     def build():
         torch.manual_seed(2)
