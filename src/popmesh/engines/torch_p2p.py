@@ -181,8 +181,8 @@ class TorchP2P(P2PBase):
         """Flush sends, say goodbye to every peer and wait for theirs, so no pump outlives the world.
 
         A peer that lives on answers a goodbye with its own, so an early closer does not wait for
-        the others to finish. Idempotent; ``World.finalize`` calls it before destroying the process group, and it runs at
-        exit. Receives afterwards raise ConfigError.
+        the others to finish. Idempotent; ``World.finalize`` calls it before destroying the process
+        group, and it runs at exit. Receives afterwards raise ConfigError.
         """
         with self._lock:
             if self._closed:

@@ -8,9 +8,9 @@ and reaping sends every :data:`_TOLD_IDLE_S` seconds. With more ranks than cores
 that thread takes the GIL and CPU from training: polling from 0.5 ms cost more than all its real
 work, and waking it to send the metric row stalled the main thread for the whole wake-up (so the
 main thread sends the row, ~20 us). Elsewhere (MPI) it polls, sleeping with a back-off between
-0.5 ms and ``poll_interval`` when idle. Only a received message, a metric sent up or a finished replacement count as progress (a
-completed send does not: it creates no follow-up work), so a completed send does not restart the
-back-off.
+0.5 ms and ``poll_interval`` when idle. Only a received message, a BYE sent or a finished
+replacement count as progress (a completed send does not: it creates no follow-up work), so a
+completed send does not restart the back-off.
 """
 
 from __future__ import annotations
