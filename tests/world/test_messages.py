@@ -15,12 +15,13 @@ SCRIPTS = Path(__file__).parent / "scripts"
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("attempt", range(3))
-def test_gloo_goodbyes_end_pumps_and_exits_are_clean(attempt):
+@pytest.mark.parametrize("size", [3, 3, 3, 2])
+def test_gloo_goodbyes_end_pumps_and_exits_are_clean(size):
     """Repeated because a pump left waiting at exit aborts only some of the time."""
-    cmd = [sys.executable, "-m", "popmesh", "launch", "-n", "3", "--engine", "torch", str(SCRIPTS / "p2p_goodbye.py")]
+    cmd = [sys.executable, "-m", "popmesh", "launch", "-n", str(size), "--engine", "torch",
+           str(SCRIPTS / "p2p_goodbye.py")]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=100)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "[rank 0] rank 0 OK" in done.stdout and "[rank 1] rank 1 OK" in done.stdout
+    assert all(f"[rank {r}] rank {r} OK" in done.stdout for r in range(size - 1)), done.stdout[-3000:]
     early = next(line for line in done.stdout.splitlines() if "EARLY finalized" in line)
     assert float(early.split()[-2]) < 1.5, early  # the live peers answered its goodbye at once

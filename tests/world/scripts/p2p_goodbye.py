@@ -1,5 +1,6 @@
 """gloo goodbyes: every rank hears from every peer, the last rank finalizes early, the others learn it
-at once (PeerFailure, not a timeout) and everyone exits cleanly (no abort at interpreter exit)."""
+at once (PeerFailure, not a timeout; in a world of two also for an any-source receive) and everyone
+exits cleanly (no abort at interpreter exit)."""
 
 import sys
 import time
@@ -37,6 +38,14 @@ except PeerFailure as e:
     assert time.monotonic() - start < 10, time.monotonic() - start
 else:
     raise AssertionError("a receive from a rank that finalized must raise PeerFailure")
+if size == 2:  # every possible sender is gone: an any-source receive fails at once too
+    start = time.monotonic()
+    try:
+        m.recv(None, tag=3, timeout=30)
+    except PeerFailure:
+        assert time.monotonic() - start < 10, time.monotonic() - start
+    else:
+        raise AssertionError("an any-source receive with every peer gone must raise PeerFailure")
 try:
     m.send("too late", early, tag=4)
 except PeerFailure:
