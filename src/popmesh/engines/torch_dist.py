@@ -26,7 +26,7 @@ from .interop import numpy_to_torch, torch_to_numpy
 __all__ = ["TorchEngine"]
 
 _NARROW_INTS: tuple[Any, ...] = ()
-_KEEP_FINISHED_WORKS = 32
+_KEEP_FINISHED_WORKS = 4
 _PEER_GONE = ("Connection closed", "Connection reset", "Broken pipe", "Socket closed", "connection refused")
 
 
@@ -65,12 +65,12 @@ class TorchEngine:
         self._owns = not dist.is_initialized()
         self._store: Any = None
         self._p2p: Any = None
-        # The last completed works stay referenced for the engine's whole life (finalize included):
-        # a work freed on gloo's worker thread releases Python objects it captured, which needs the
-        # GIL, and at interpreter shutdown that aborts the process ("terminate called without an
-        # active exception"; about 1 exit in 10 before this). Holding them here means the main
-        # thread frees them. Clearing them at finalize brought the aborts back: the worker can
-        # still hold its reference then.
+        # The last few completed works stay referenced by the main thread: gloo's worker thread drops
+        # its own reference a moment after the waiter returns, and if that is the last one, the work
+        # is freed on the worker, which needs the GIL for the Python state it captured. If the
+        # interpreter is shutting down by then, the process aborts ("terminate called without an
+        # active exception"; about 1 exit in 10 before this). A few suffice (the worker is long done
+        # with older ones); more would keep large collectives' tensors alive. See finalize().
         self._finished_works: deque[Any] = deque(maxlen=_KEEP_FINISHED_WORKS)
         if self._owns:
             self._store = _make_store(dist, env, timeout)
@@ -176,6 +176,9 @@ class TorchEngine:
         if self._owns and self._dist.is_initialized():
             self._dist.destroy_process_group()
         self._store = None
+        if self._finished_works:
+            self._finished_works.clear()
+            time.sleep(0.02)  # without the GIL: a worker still finishing with one of them frees it now
 
     # ---- helpers -----------------------------------------------------------------------------
     def _op(self, op: ReduceOp) -> Any:
