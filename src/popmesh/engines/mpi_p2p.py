@@ -34,7 +34,7 @@ from .p2p_base import TAG_LIMIT, BufferPool, Item, P2PBase, RecvRequest
 
 __all__ = ["MpiP2P"]
 
-_FAST_SPIN_S = 0.05  # the same spin as base.poll_until before it backs off to sleeping
+_FAST_SPIN_S = 0.05  # base.poll_until's spin, before the general path backs off to sleeping
 
 
 class _MpiSend:
@@ -124,7 +124,10 @@ class MpiP2P(P2PBase):
 
     def _probe_briefly(self, src: int, tag: int) -> _Partial | None:
         """Matched probes for up to :data:`_FAST_SPIN_S` (a reply on shared memory arrives in
-        microseconds); None if nothing came, and the general path, with its back-off, takes over."""
+        microseconds); None if nothing came, and the general path, with its back-off, takes over.
+
+        This is :func:`~popmesh.engines.base.poll_until`'s spin written out: on the hot path of a
+        small receive, a callback per poll cost ~0.5 us per round trip (3 %)."""
         until = time.perf_counter() + _FAST_SPIN_S
         polls = 0
         lock = self._lock

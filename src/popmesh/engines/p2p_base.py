@@ -152,6 +152,8 @@ class P2PBase:
     blocking, or None) and ``_block(req, timeout)`` (wait until ``_poll(req)`` is true).
     """
 
+    _tells_arrivals = False  # engines whose every arrival runs _notify set this (see watch)
+
     def __init__(self, rank: int, size: int) -> None:
         self.rank, self.size = rank, size
         self._lock = threading.RLock()
@@ -213,8 +215,6 @@ class P2PBase:
                     self._listeners.remove(callback)
 
         return stop
-
-    _tells_arrivals = False  # engines whose arrivals run _notify set this
 
     def _tell_listeners(self) -> None:
         for callback in list(self._listeners):

@@ -14,6 +14,7 @@ from typing import Any
 from popmesh.errors import CommTimeout, PeerFailure
 from popmesh.messages import irecv, isend
 from popmesh.population.async_protocol import Channels, CoordinatorBook, decision_message, parse_up
+from popmesh.population.async_trainer import reap
 from popmesh.population.decision import Decision
 from popmesh.population.options import SelectiveOptions
 from popmesh.population.selection import update_state
@@ -44,7 +45,7 @@ class CoordinatorLink:
 
     def poll(self) -> bool:
         """Take every up message that arrived, decide if a complete iteration is ready, FIN at the end."""
-        self._reap()  # a completed send is no progress: nothing follows from it
+        self._sends = reap(self._sends, self.timeout)  # a completed send is no progress: nothing follows
         progress = False
         while self._up.done():
             src, row = self._up.wait()
@@ -63,17 +64,6 @@ class CoordinatorLink:
             progress = True
         self._check_liveness()
         return progress
-
-    def _reap(self) -> bool:
-        before = len(self._sends)
-        still = []
-        for handle in self._sends:
-            if handle.done():
-                handle.wait(self.timeout)
-            else:
-                still.append(handle)
-        self._sends = still
-        return len(still) != before
 
     def _dispatch(self, iteration: int, metrics: list[float]) -> None:
         decision = self.options.decide(metrics, iteration, self.state)

@@ -25,7 +25,7 @@ from popmesh.errors import CommTimeout, PopmeshError
 from popmesh.messages import on_arrival
 from popmesh.population.async_coordinator import CoordinatorLink
 from popmesh.population.async_protocol import BYE, Channels, up_row
-from popmesh.population.async_trainer import Pending, Snapshot, TrainerLink
+from popmesh.population.async_trainer import Pending, Snapshot, TrainerLink, reap
 from popmesh.population.options import SelectiveOptions
 from popmesh.world import World
 
@@ -65,13 +65,7 @@ class Runtime:
         """Hand over this cadence's snapshot, then send its metric row (main thread)."""
         with self._lock:
             self._snapshot = snapshot
-        still = []
-        for handle in self._main_sends:
-            if handle.done():
-                handle.wait()  # re-raises a failed send
-            else:
-                still.append(handle)
-        self._main_sends = still + [self.trainer.isend_up(row)]
+        self._main_sends = reap(self._main_sends, self.timeout) + [self.trainer.isend_up(row)]
 
     def take_pending(self) -> Pending | None:
         """The replacement combined since the last call, if any (each is returned once)."""

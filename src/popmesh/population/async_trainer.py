@@ -22,7 +22,7 @@ from popmesh.population.combine import _check_weights, combine
 from popmesh.population.decision import Decision
 from popmesh.world import World
 
-__all__ = ["Pending", "Snapshot", "TrainerLink"]
+__all__ = ["Pending", "Snapshot", "TrainerLink", "reap"]
 
 
 @dataclass
@@ -97,6 +97,18 @@ class _Combiner:
         return self._scratch[n]
 
 
+def reap(handles: list[Any], timeout: float) -> list[Any]:
+    """The send handles of ``handles`` still in flight; completed ones are waited on, which re-raises
+    a failed send (PeerFailure)."""
+    still = []
+    for handle in handles:
+        if handle.done():
+            handle.wait(timeout)
+        else:
+            still.append(handle)
+    return still
+
+
 def _as_numpy(t: Any) -> np.ndarray:
     import torch
 
@@ -139,7 +151,7 @@ class TrainerLink:
     def poll(self) -> bool:
         """Advance everything that can advance; True if a message arrived, was sent or a job finished
         (reaping a completed send is not progress: nothing follows from it)."""
-        self._reap_sends()  # a completed send is no progress: nothing follows from it
+        self._sends = reap(self._sends, self.timeout)  # a completed send is no progress: nothing follows
         progress = False
         if self._down.done():
             _, message = self._down.wait()
@@ -149,17 +161,6 @@ class TrainerLink:
         if self._job is not None:
             progress |= self._advance_job(self._job)
         return progress
-
-    def _reap_sends(self) -> bool:
-        before = len(self._sends)
-        still = []
-        for handle in self._sends:
-            if handle.done():
-                handle.wait(self.timeout)  # re-raises a failed send (PeerFailure)
-            else:
-                still.append(handle)
-        self._sends = still
-        return len(still) != before
 
     def _handle(self, message: dict[str, Any]) -> None:
         kind = message.get("kind")
