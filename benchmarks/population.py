@@ -9,6 +9,9 @@ neighbour hits all of them alike:
   average     AverageAll(every=10): all_reduce of the parameters every 10 steps
   selective   SelectiveAveraging(every=10): all_gather of metrics, decide, one all_reduce
   async       AsyncSelectiveAveraging(every=10): snapshot + queued metric; the rest in the background
+  async_report  the same policy with a rule that never replaces (threshold -1e300): only the metric
+              reports and snapshots, no decision traffic; it separates what reporting costs from
+              what replacing costs
 
 Every block starts after a barrier (not timed), so all ranks compute at once in every contender.
 Reported per contender: the world step (per block, the time until the slowest rank finished it,
@@ -99,6 +102,8 @@ def worker() -> None:
         Contender("average", AverageAll(every=EVERY), world.rank),
         Contender("selective", SelectiveAveraging(every=EVERY, rule=rule), world.rank),
         Contender("async", AsyncSelectiveAveraging(every=EVERY, rule=rule), world.rank),
+        Contender("async_report", AsyncSelectiveAveraging(every=EVERY, rule=ReplacementRule(threshold=-1e300)),
+                  world.rank),
     ]
     for c in contenders:  # warm-up: one block each (first collectives, thread start)
         c.block()
@@ -109,7 +114,8 @@ def worker() -> None:
         for c in contenders if r % 2 == 0 else contenders[::-1]:
             popmesh.barrier()  # every block starts with all ranks computing (2 shared cores here)
             c.block()
-    contenders[-1].policy.shutdown(timeout=60)
+    for c in contenders[-2:]:
+        c.policy.shutdown(timeout=60)
     replaced = popmesh.all_reduce(np.array([c.replacements for c in contenders], dtype=np.int64))
     medians = np.array([statistics.median(c.blocks) / EVERY for c in contenders])
     slowest = popmesh.all_reduce(medians, "max")

@@ -124,14 +124,17 @@ def _decode(src: int, tag: int, frame: Any, allow_pickle: bool, device: Any) -> 
 
 
 def send(payload: Any, dst: int, tag: int = 0, *, group: Comm | None = None, timeout: float | None = None,
-         allow_pickle: bool = False) -> None:
+         allow_pickle: bool = False, checksum: bool | None = None) -> None:
     """Send ``payload`` to global rank ``dst``; returns once ``payload`` may be changed again.
 
     ``dst`` must be a member of ``group`` (default: the world). Raises MessageError if the payload
     needs pickle and ``allow_pickle`` is False, CommTimeout/PeerFailure if it cannot be delivered.
+    ``checksum``: the payload CRC (:mod:`popmesh.wire`): None covers payloads up to 1 MiB, True all,
+    False none beyond small frames (the header is always covered); CRC32 runs at ~3-6 GB/s, so
+    False saves ~0.1 ms per 300 KB on each side where the transport's own checks suffice.
     """
     comm, p2p, seconds = _setup(group, timeout, "send")
-    frame = encode_message(payload, allow_pickle=allow_pickle)
+    frame = encode_message(payload, allow_pickle=allow_pickle, checksum=checksum)
     p2p.send(frame, _member(comm, dst, "dst"), _tag(tag), seconds)
 
 
@@ -187,10 +190,10 @@ class RecvHandle:
 
 
 def isend(payload: Any, dst: int, tag: int = 0, *, group: Comm | None = None, timeout: float | None = None,
-          allow_pickle: bool = False) -> SendHandle:
-    """Start sending ``payload``; leave its arrays unchanged until the handle is done."""
+          allow_pickle: bool = False, checksum: bool | None = None) -> SendHandle:
+    """Start sending ``payload`` (options as :func:`send`); leave its arrays unchanged until the handle is done."""
     comm, p2p, seconds = _setup(group, timeout, "isend")
-    frame = encode_message(payload, allow_pickle=allow_pickle)
+    frame = encode_message(payload, allow_pickle=allow_pickle, checksum=checksum)
     return SendHandle(p2p.isend(frame, _member(comm, dst, "dst"), _tag(tag)), seconds)
 
 

@@ -215,12 +215,14 @@ def _small_frame(kind: int, dtype: int, shape: tuple[int, ...], data: bytes) -> 
     return b"".join((fixed, _CRC.pack(zlib.crc32(shape_bytes, zlib.crc32(fixed))), shape_bytes, data))
 
 
-def encode_message(payload: Any, *, allow_pickle: bool = False) -> bytes | list[bytes | memoryview]:
+def encode_message(payload: Any, *, allow_pickle: bool = False,
+                   checksum: bool | None = None) -> bytes | list[bytes | memoryview]:
     """:func:`encode` for sending: the same frame bytes, but a small frame comes back as one buffer.
 
     Bytes and contiguous native numpy arrays of at most :data:`SMALL_FRAME_NBYTES` bytes are framed
-    in one pass into one ``bytes`` (a copy, so the payload may change at once); everything else is
-    :func:`encode`'s list of buffers. The transports send either.
+    in one pass into one ``bytes`` (a copy, so the payload may change at once), always with their
+    payload checksum (it costs less than deciding); everything else is :func:`encode`'s list of
+    buffers, with ``checksum`` as there. The transports send either.
     """
     t = type(payload)
     if t is bytes:
@@ -230,7 +232,7 @@ def encode_message(payload: Any, *, allow_pickle: bool = False) -> bytes | list[
         code = _SMALL_DTYPE_CODES.get(payload.dtype)
         if code is not None and payload.nbytes <= SMALL_FRAME_NBYTES and payload.ndim <= _MAX_NDIM:
             return _small_frame(Kind.NDARRAY, code, payload.shape, payload.tobytes())
-    return encode(payload, allow_pickle=allow_pickle)
+    return encode(payload, allow_pickle=allow_pickle, checksum=checksum)
 
 
 def frame_nbytes(parts: Sequence[bytes | memoryview]) -> int:

@@ -145,3 +145,30 @@ def test_frame_parts_of_a_small_frame():
 def test_read_header_kinds_are_enum_members():
     head = wire.read_header(encode_message(b"ab"))
     assert head.kind is wire.Kind.BYTES and head.shape == (2,)
+
+
+def test_the_checksum_option_reaches_large_frames_and_small_ones_keep_theirs():
+    big = np.arange(1 << 19, dtype=np.float32)  # 2 MiB: beyond the automatic limit
+    assert not wire.read_header(encode_message(big)[0]).payload_checksummed
+    assert wire.read_header(encode_message(big, checksum=True)[0]).payload_checksummed
+    medium = {"w": np.arange(1 << 16, dtype=np.float32)}  # 256 KiB: covered unless asked not to
+    assert wire.read_header(encode_message(medium)[0]).payload_checksummed
+    unchecked = encode_message(medium, checksum=False)
+    assert not wire.read_header(unchecked[0]).payload_checksummed
+    assert np.array_equal(decode(join_frame(unchecked))["w"], medium["w"])
+    assert wire.read_header(encode_message(np.ones(4), checksum=False)).payload_checksummed
+
+
+def test_messages_take_the_checksum_option_in_a_world_of_one():
+    import popmesh
+    from popmesh.messages import isend
+
+    world = popmesh.init("local")
+    try:
+        payload = {"w": np.arange(1 << 16, dtype=np.float32)}
+        isend(payload, 0, 3, checksum=False).wait(5)
+        popmesh.send(payload, 0, 4, checksum=True)
+        assert np.array_equal(popmesh.recv(0, 3, timeout=5)[1]["w"], payload["w"])
+        assert np.array_equal(popmesh.recv(0, 4, timeout=5)[1]["w"], payload["w"])
+    finally:
+        world.finalize()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 import time
 
 import numpy as np
@@ -12,8 +13,8 @@ from hypothesis import strategies as st
 import popmesh
 from popmesh import CommTimeout, ConfigError, MessageError
 from popmesh import messages as m
-from popmesh.engines.p2p_base import LoopbackP2P, P2PBase, frame_parts, join_parts
-from popmesh.engines.envelope import (ENVELOPE_MAX_NBYTES, GOODBYE_TAG, HEADER_NBYTES, INLINE_NBYTES, MAX_SEGMENTS,
+from popmesh.engines.p2p_base import BufferPool, LoopbackP2P, P2PBase, frame_parts, join_parts
+from popmesh.engines.envelope import (ENVELOPE_MAX_NBYTES, GOODBYE_TAG, HEADER_NBYTES, INLINE_NBYTES, MAX_SEGMENTS, PAGE_NBYTES,
                                       goodbye_envelope, parse_envelope, plan_frame)
 from popmesh.wire import encode, join_frame
 
@@ -176,6 +177,39 @@ def test_an_envelope_in_a_bigger_receive_buffer_parses_only_when_not_exact():
         parse_envelope(as_array(env)[:-1])
 
 
+def test_the_envelope_says_where_the_first_segment_starts_within_a_page():
+    backing = np.zeros((1 << 20) + 200, np.uint8)
+    for skew in (0, 37, 64):
+        segment = backing[skew:skew + (1 << 20)]
+        envelope = parse_envelope(as_array(plan_frame([np.ones(72, np.uint8), segment], 3)[0]))
+        assert envelope.page_offset == segment.ctypes.data % PAGE_NBYTES
+    assert parse_envelope(as_array(plan_frame([np.ones(10, np.uint8)], 3)[0])).page_offset == 0
+
+
+def test_an_impossible_page_offset_is_a_corrupt_envelope():
+    env = bytearray(plan_frame([np.ones(72, np.uint8), np.ones(1 << 17, np.uint8)], 3)[0])
+    struct.pack_into("<I", env, HEADER_NBYTES - 4, PAGE_NBYTES)
+    with pytest.raises(MessageError, match="page offset"):
+        parse_envelope(as_array(env))
+    inline_only = bytearray(plan_frame([np.ones(10, np.uint8)], 3)[0])
+    struct.pack_into("<I", inline_only, HEADER_NBYTES - 4, 16)
+    with pytest.raises(MessageError, match="page offset"):
+        parse_envelope(as_array(inline_only))
+
+
+def test_pooled_receive_buffers_lay_the_payload_where_the_sender_had_it():
+    pool = BufferPool()
+    first = pool.take(2 << 20, at=72, page_offset=16)
+    assert first.size == 2 << 20 and (first.ctypes.data + 72) % PAGE_NBYTES == 16 and first.flags.writeable
+    held = pool.take(2 << 20, at=0, page_offset=64)  # ``first`` is still referenced: a new buffer
+    assert not np.shares_memory(first, held) and held.ctypes.data % PAGE_NBYTES == 64
+    address = first.base.ctypes.data  # holding the base itself would keep it in use
+    del first
+    again = pool.take(2 << 20, at=72, page_offset=16)
+    assert again.base.ctypes.data == address and (again.ctypes.data + 72) % PAGE_NBYTES == 16
+    assert pool.take(100, at=5, page_offset=9).size == 100  # small frames: plain buffers
+
+
 def test_goodbye_envelope_carries_the_goodbye_tag():
     envelope = parse_envelope(as_array(goodbye_envelope()))
     assert envelope.tag == GOODBYE_TAG and envelope.total == 0 and envelope.lengths == []
@@ -186,7 +220,7 @@ def test_goodbye_envelope_carries_the_goodbye_tag():
 def test_parse_envelope_raises_only_message_error(raw, keep_magic, exact):
     env = np.frombuffer(raw, np.uint8).copy()
     if keep_magic and env.size >= 6:
-        env[:6] = np.frombuffer(b"PMTE\x02\x00", np.uint8)
+        env[:6] = np.frombuffer(b"PMTE\x03\x00", np.uint8)
     try:
         envelope = parse_envelope(env, exact=exact)
     except MessageError:

@@ -224,7 +224,7 @@ class MpiP2P(P2PBase):
         total, inline, lengths = envelope.total, envelope.inline, envelope.lengths
         if not lengths:
             return _Partial(src, inline, [])
-        buf = self._pool.take(total)
+        buf = self._pool.take(total, inline.size, envelope.page_offset)
         buf[:inline.size] = inline
         reqs, pos = [], inline.size
         for n in lengths:

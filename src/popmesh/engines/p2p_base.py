@@ -85,17 +85,29 @@ class BufferPool:
         self._bufs: list[np.ndarray] = []
         self._lock = threading.Lock()
 
-    def take(self, nbytes: int) -> np.ndarray:
-        """A writable uint8 buffer of ``nbytes`` that nobody else holds."""
+    def take(self, nbytes: int, at: int = 0, page_offset: int = 0) -> np.ndarray:
+        """A writable uint8 buffer of ``nbytes`` that nobody else holds, whose byte ``at`` lies
+        ``page_offset`` bytes into a memory page (where the sender's segment lay: see
+        :mod:`~popmesh.engines.envelope`). The alignment applies to pooled buffers only: below
+        :data:`MIN_NBYTES` the copy is short either way."""
         if nbytes < self.MIN_NBYTES:
             return np.empty(nbytes, dtype=np.uint8)
         with self._lock:
-            for buf in self._bufs:
-                if buf.size == nbytes and sys.getrefcount(buf) <= 3:  # the list, ``buf`` and the call's argument
-                    return buf
-            fresh = np.empty(nbytes, dtype=np.uint8)
+            for base in self._bufs:
+                if base.size == nbytes + _PAGE and sys.getrefcount(base) <= 3:  # the list, ``base``, the argument
+                    return _placed(base, nbytes, at, page_offset)
+            fresh = np.empty(nbytes + _PAGE, dtype=np.uint8)
             self._bufs = [*self._bufs[-(self._keep - 1):], fresh] if self._keep > 1 else [fresh]
-            return fresh
+            return _placed(fresh, nbytes, at, page_offset)
+
+
+_PAGE = 4096  # envelope.PAGE_NBYTES (envelope imports this module)
+
+
+def _placed(base: np.ndarray, nbytes: int, at: int, page_offset: int) -> np.ndarray:
+    """The ``nbytes`` of ``base`` (one page longer) whose byte ``at`` lies ``page_offset`` into a page."""
+    shift = (page_offset - base.ctypes.data - at) % _PAGE
+    return base[shift:shift + nbytes]
 
 
 class SendRequest(Protocol):

@@ -316,7 +316,7 @@ class TorchP2P(P2PBase):
     def _receive_rest(self, envelope: Any, src: int) -> Item:
         if not envelope.lengths:
             return src, envelope.inline.copy()  # the receive buffer is reused for the next envelope
-        buf = self._pool.take(envelope.total)
+        buf = self._pool.take(envelope.total, envelope.inline.size, envelope.page_offset)
         buf[:envelope.inline.size] = envelope.inline
         pos = envelope.inline.size
         try:

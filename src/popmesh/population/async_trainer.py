@@ -184,7 +184,8 @@ class TrainerLink:
                 raise PopmeshError(f"rank {self.me} was asked to donate before taking any snapshot")
             payload = snap.payload(int(decision.iteration))
             for dst in recipients:
-                self._sends.append(isend(payload, dst, self.tags.data, group=self.world, timeout=self.timeout))
+                self._sends.append(isend(payload, dst, self.tags.data, group=self.world, timeout=self.timeout,
+                                         checksum=False))
         if me in decision.replaced:
             handles = {ranks[d]: irecv(ranks[d], self.tags.data, group=self.world) for d in decision.donors[me]}
             self._job = _Job(decision, ranks, metrics, handles, time.monotonic() + self.timeout)
