@@ -165,6 +165,18 @@ def test_small_frames_travel_inline_and_big_parts_without_copy():
     assert parse_envelope(as_array(env)).inline.size == 40
 
 
+def test_an_engine_may_inline_more_and_the_receiver_names_its_limit():
+    header, body = np.ones(72, np.uint8), np.arange(150_000, dtype=np.int64).astype(np.uint8)
+    env, segments = plan_frame([header, body], 9, inline_nbytes=1 << 18)
+    assert segments == [] and len(env) > ENVELOPE_MAX_NBYTES
+    envelope = parse_envelope(as_array(env), inline_nbytes=1 << 18)
+    assert envelope.lengths == [] and np.array_equal(envelope.inline, np.concatenate([header, body]))
+    with pytest.raises(MessageError, match="corrupt envelope"):
+        parse_envelope(as_array(env))  # more inline bytes than the default limit
+    _, split = plan_frame([header, body], 9)
+    assert len(split) == 1 and np.shares_memory(split[0], body)
+
+
 def test_an_envelope_in_a_bigger_receive_buffer_parses_only_when_not_exact():
     env, _ = plan_frame([np.arange(10, dtype=np.uint8)], 7)
     buf = np.zeros(ENVELOPE_MAX_NBYTES, np.uint8)

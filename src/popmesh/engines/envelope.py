@@ -3,11 +3,12 @@
 A frame travels as one *envelope* followed by zero or more *payload segments*. The envelope is
 variable-length and says everything the receiver must know before it receives the rest: the
 popmesh tag of the frame (gloo carries every tag of a sender on one internal channel), the frame
-length, the segment lengths, and the frame's first bytes inline. A frame of at most
-:data:`INLINE_NBYTES` bytes is the envelope alone: one engine message. Buffers of 64 KiB or more
-that do not fit inline are sent as their own segments, straight from the caller's memory (no copy,
-and no derived datatype, which MPICH packs). An envelope is never longer than
-:data:`ENVELOPE_MAX_NBYTES`, the size of gloo's posted envelope receive.
+length, the segment lengths, and the frame's first bytes inline. A frame of at most the engine's
+inline limit is the envelope alone: one engine message (MPI: :data:`INLINE_NBYTES`, so an envelope
+is at most :data:`ENVELOPE_MAX_NBYTES`; gloo, whose every message costs three socket hops, inlines
+up to its posted envelope receive of 256 KiB). Buffers of 64 KiB or more that do not fit inline are
+sent as their own segments, straight from the caller's memory (no copy, and no derived datatype,
+which MPICH packs).
 
 Layout, little-endian: magic ``b"PMTE"``, u16 version, u16 segment count, u64 frame length,
 u32 inline length, u32 tag, u32 page offset, then one u64 length per segment, then the inline
@@ -58,14 +59,15 @@ class Envelope(NamedTuple):
     page_offset: int = 0
 
 
-def plan_frame(parts: list[np.ndarray], tag: int) -> tuple[bytearray, list[np.ndarray]]:
+def plan_frame(parts: list[np.ndarray], tag: int,
+               inline_nbytes: int = INLINE_NBYTES) -> tuple[bytearray, list[np.ndarray]]:
     """The envelope (a new, writable buffer) and payload segments that carry ``parts`` (flat uint8 arrays) on ``tag``.
 
-    A frame that fits goes inline whole; otherwise leading parts that fit go inline, parts of 64 KiB
-    or more become their own segment (no copy), runs of smaller parts are joined into one segment;
-    at most :data:`MAX_SEGMENTS` segments.
+    A frame of at most ``inline_nbytes`` goes inline whole; otherwise leading parts that fit go
+    inline, parts of 64 KiB or more become their own segment (no copy), runs of smaller parts are
+    joined into one segment; at most :data:`MAX_SEGMENTS` segments.
     """
-    if len(parts) == 1 and parts[0].size <= INLINE_NBYTES:  # the common small frame: the envelope alone
+    if len(parts) == 1 and parts[0].size <= inline_nbytes:  # the common small frame: the envelope alone
         part = parts[0]
         env = bytearray(HEADER_NBYTES + part.size)
         _HEAD.pack_into(env, 0, _MAGIC, _VERSION, 0, part.size, part.size, tag, 0)
@@ -73,9 +75,9 @@ def plan_frame(parts: list[np.ndarray], tag: int) -> tuple[bytearray, list[np.nd
         return env, []
     total = sum(p.size for p in parts)
     count = len(parts)
-    if total > INLINE_NBYTES:
+    if total > inline_nbytes:
         count, used = 0, 0
-        while count < len(parts) and used + parts[count].size <= INLINE_NBYTES:
+        while count < len(parts) and used + parts[count].size <= inline_nbytes:
             used += parts[count].size
             count += 1
     segments = _segments(parts[count:])
@@ -109,11 +111,12 @@ def _segments(parts: list[np.ndarray]) -> list[np.ndarray]:
     return segments
 
 
-def parse_envelope(buf: np.ndarray, exact: bool = True) -> Envelope:
+def parse_envelope(buf: np.ndarray, exact: bool = True, inline_nbytes: int = INLINE_NBYTES) -> Envelope:
     """Parse the envelope at the start of ``buf`` (a uint8 array); MessageError if it is not one.
 
     ``exact``: ``buf`` must be the envelope and nothing more (MPI, which knows the received length);
     otherwise ``buf`` is a receive buffer the envelope may only partly fill (gloo).
+    ``inline_nbytes``: the sending engine's inline limit; more inline bytes mean a corrupt envelope.
     """
     if buf.size < HEADER_NBYTES:
         raise MessageError(f"an envelope has at least {HEADER_NBYTES} bytes, got {buf.size}")
@@ -121,7 +124,7 @@ def parse_envelope(buf: np.ndarray, exact: bool = True) -> Envelope:
     if magic != _MAGIC or version != _VERSION:
         raise MessageError(f"not a popmesh envelope (magic {bytes(magic)!r}, version {version}): another program "
                            "sent on popmesh's internal tags, or the ranks run different popmesh versions")
-    if nseg > MAX_SEGMENTS or inline > INLINE_NBYTES or page_offset >= PAGE_NBYTES or (page_offset and not nseg):
+    if nseg > MAX_SEGMENTS or inline > inline_nbytes or page_offset >= PAGE_NBYTES or (page_offset and not nseg):
         raise MessageError(f"corrupt envelope: {nseg} segments, {inline} inline bytes, page offset {page_offset}")
     inline_at = HEADER_NBYTES + 8 * nseg
     end = inline_at + inline

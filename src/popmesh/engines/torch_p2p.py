@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError, MessageError, PeerFailure, PopmeshError
-from .envelope import ENVELOPE_MAX_NBYTES, GOODBYE_TAG, goodbye_envelope, parse_envelope, plan_frame
+from .envelope import GOODBYE_TAG, HEADER_NBYTES, MAX_SEGMENTS, goodbye_envelope, parse_envelope, plan_frame
 from .p2p_base import BufferPool, Item, P2PBase, RecvRequest
 from .torch_p2p_send import LONG, Outbox, TorchSend, failure, is_gone, tensor
 
@@ -52,6 +52,13 @@ _ENV_TAG, _SEG_TAG, _PING_TAG = _TAG_BASE, _TAG_BASE + 1, _TAG_BASE - 1
 EXIT_GRACE_S = 30.0
 GOODBYE_GRACE_S = 2.0
 _DEPTH = 2  # envelope receives posted ahead per peer
+# Frames up to ~256 KiB travel inline: one gloo message (three socket hops, each waking gloo's
+# loop thread on both sides) instead of an envelope and a segment. Measured against 64 KiB, in the
+# same processes: 150 KB round trip -16 % time and -25 % CPU, 250 KB +4 % time and -9 % CPU (two
+# copies start to cost), 30 KB unchanged. The posted buffers are virtual memory until a frame that
+# large arrives from that peer.
+GLOO_ENVELOPE_NBYTES = 1 << 18
+GLOO_INLINE_NBYTES = GLOO_ENVELOPE_NBYTES - HEADER_NBYTES - 8 * MAX_SEGMENTS
 class _Pump:
     """The receive side of one peer: envelope receives posted ahead, and the thread that waits on them.
 
@@ -65,7 +72,7 @@ class _Pump:
         self.owner, self.peer = owner, peer
         self._lock = threading.Lock()
         self._posted: deque[tuple[Any, np.ndarray]] = deque()
-        self._spare = [np.empty(ENVELOPE_MAX_NBYTES, dtype=np.uint8) for _ in range(_DEPTH)]
+        self._spare = [np.empty(GLOO_ENVELOPE_NBYTES, dtype=np.uint8) for _ in range(_DEPTH)]
         self.ended = False
         self.thread = threading.Thread(target=self._run, name=f"popmesh-p2p-recv-{peer}", daemon=True)
 
@@ -106,7 +113,7 @@ class _Pump:
             except (RuntimeError, ConfigError) as e:
                 return self._end(failure(e, f"receiving from rank {peer}", peer))
             try:
-                envelope = parse_envelope(buf, exact=False)
+                envelope = parse_envelope(buf, exact=False, inline_nbytes=GLOO_INLINE_NBYTES)
             except MessageError as e:  # the stream from ``peer`` cannot be followed any more
                 return self._end(MessageError(f"from rank {peer}: {e}; no more messages are taken from it"))
             if envelope.tag == GOODBYE_TAG:
@@ -222,7 +229,7 @@ class TorchP2P(P2PBase):
         if outbox.error is not None:
             error, outbox.error = outbox.error, None
             raise PeerFailure(f"an earlier send to rank {dst} on tag {tag} failed: {error}", (dst,)) from error
-        env, segments = plan_frame(parts, tag)
+        env, segments = plan_frame(parts, tag, GLOO_INLINE_NBYTES)
         try:
             pg = self._pg
             with self._post_lock(dst):

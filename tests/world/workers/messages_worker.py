@@ -25,7 +25,9 @@ NP_DTYPES = ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint
              "float32", "float64", "complex64", "complex128"]
 TORCH_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.int16, torch.int32,
                 torch.int64, torch.uint8, torch.bool, torch.complex64]
-SIZES = [0, 1, 7, 300, 359, 360, 361, 511, 512, 4096, 65535, 65536, 65537, (1 << 20) + 3, 8 << 20]
+SIZES = [0, 1, 7, 300, 359, 360, 361, 511, 512, 4096, 65535, 65536, 65537, 200_000,
+         261_948, 261_949,  # the largest frame gloo sends inline (a 40-byte header), and one more byte
+         (1 << 20) + 3, 8 << 20]
 
 
 def ring(w):
