@@ -1,5 +1,6 @@
 """The layout of a popmesh wire frame: constants, kind and dtype codes, the header tuple and its
-consistency rules. :mod:`popmesh.wire` encodes and decodes frames with these.
+consistency rules, and a frame's buffers joined or measured. :mod:`popmesh.wire` encodes and
+:mod:`popmesh.wire_decode` decodes frames with these.
 
 A frame is a fixed 32-byte header, ``ndim`` shape entries, then the payload (all little-endian):
 
@@ -35,6 +36,7 @@ import enum
 import math
 import struct
 import types
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -43,7 +45,7 @@ from popmesh.errors import MessageError
 
 __all__ = [
     "CHECKSUM_AUTO_LIMIT", "DTYPE_CODES", "FORMAT_VERSION", "HEADER_NBYTES", "MAGIC", "SMALL_FRAME_NBYTES",
-    "FrameHeader", "Kind",
+    "FrameHeader", "Kind", "frame_nbytes", "join_frame",
 ]
 
 MAGIC = b"PMSH"
@@ -155,3 +157,32 @@ def _check_meta(kind: Kind, dtype: str | None, shape: tuple[int, ...], nbytes: i
         raise MessageError(f"corrupt frame: DICT index of {shape[0]} bytes in a payload of {nbytes}")
     if device not in _DEVICE_NAMES or (device and kind is not Kind.TORCH):
         raise MessageError(f"foreign frame: unknown device code {device} for a {kind.name} frame")
+
+
+# --- a frame as buffers --------------------------------------------------------------------
+
+def _as_bytes_view(obj: Any) -> memoryview:
+    """A flat, C-contiguous byte memoryview over ``obj`` (copying only when it is not contiguous)."""
+    mv = memoryview(obj)
+    if not mv.c_contiguous:
+        return memoryview(mv.tobytes())
+    try:
+        return mv if (mv.format == "B" and mv.ndim == 1) else mv.cast("B")
+    except (TypeError, ValueError):
+        return memoryview(mv.tobytes())
+
+
+def frame_nbytes(parts: Sequence[bytes | memoryview]) -> int:
+    """Total length in bytes of the buffers :func:`encode` returned."""
+    return sum(len(_as_bytes_view(p)) for p in parts)
+
+
+def join_frame(parts: Sequence[bytes | memoryview]) -> np.ndarray:
+    """Copy the buffers of :func:`encode` into one contiguous uint8 numpy array (one copy)."""
+    views = [_as_bytes_view(p) for p in parts]
+    out = np.empty(sum(len(v) for v in views), dtype=np.uint8)
+    pos = 0
+    for view in views:
+        out[pos:pos + len(view)] = np.frombuffer(view, dtype=np.uint8)
+        pos += len(view)
+    return out
