@@ -59,6 +59,8 @@ _DEPTH = 2  # envelope receives posted ahead per peer
 # large arrives from that peer.
 GLOO_ENVELOPE_NBYTES = 1 << 18
 GLOO_INLINE_NBYTES = GLOO_ENVELOPE_NBYTES - HEADER_NBYTES - 8 * MAX_SEGMENTS
+
+
 class _Pump:
     """The receive side of one peer: envelope receives posted ahead, and the thread that waits on them.
 

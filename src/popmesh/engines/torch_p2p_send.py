@@ -3,10 +3,11 @@ the per-channel threads that complete them (see :mod:`popmesh.engines.torch_p2p`
 
 A gloo send whose timed ``wait`` expires closes the connection, so no caller ever waits on a gloo
 send with a deadline: each (destination, tag) channel has a daemon thread that completes its sends
-in order, and callers wait on an event with their own timeout. Small frames are sent eagerly: the
-caller returns once the envelope (popmesh's own copy) is handed to gloo, the channel thread reaps
-such sends in batches every :data:`REAP_S` seconds, and a failure surfaces at the next send on the
-channel.
+in order, and callers wait on an event with their own timeout. Frames carried whole in their
+envelope (up to 256 KiB) are sent eagerly: the caller returns once the envelope (popmesh's own
+copy) is handed to gloo, as long as the channel holds at most 256 such sends and 16 MiB; the
+channel thread reaps them in batches every :data:`REAP_S` seconds, and a failure surfaces at the
+next send on the channel.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ LONG = timedelta(days=30)  # gloo closes the connection when a wait expires: nev
 REAP_S = 0.05
 _IDLE_S = 5.0
 _EAGER_BACKLOG = 256
+_EAGER_NBYTES = 16 << 20  # what 256 envelopes of 64 KiB held before gloo inlined frames up to 256 KiB
 _ZERO_COPY_MIN = 1 << 16
 _GONE = ("connection closed", "connection reset", "broken pipe", "socket closed", "connection refused",
          "pair closure", "closed by peer")
@@ -70,6 +72,7 @@ class TorchSend:
     def __init__(self, works: list[Any], keep: list[np.ndarray], eager: bool, outbox: Outbox) -> None:
         self._works: list[Any] | None = works
         self._keep: list[np.ndarray] | None = keep
+        self.nbytes = sum(len(b) for b in keep)
         self.eager, self.outbox = eager, outbox
         self.error: PopmeshError | None = None
         self._event = threading.Event()
@@ -86,7 +89,7 @@ class TorchSend:
 
     def done(self) -> bool:
         """Complete, or (eager) our own copy is with gloo and the channel's backlog is bounded."""
-        return self._event.is_set() or (self.eager and self.outbox.backlog() <= _EAGER_BACKLOG)
+        return self._event.is_set() or (self.eager and self.outbox.bounded())
 
     def wait(self, timeout: float) -> None:
         if self.done() and not self._event.is_set():
@@ -112,6 +115,7 @@ class Outbox:
         self.dst, self.tag = dst, tag
         self.error: PopmeshError | None = None
         self._ops: deque[TorchSend] = deque()
+        self._queued_nbytes = 0
         self._awaited = 0
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -119,9 +123,15 @@ class Outbox:
     def backlog(self) -> int:
         return len(self._ops)
 
+    def bounded(self) -> bool:
+        """The queued eager sends are few and small enough to let their callers go on (at most
+        :data:`_EAGER_BACKLOG` frames and :data:`_EAGER_NBYTES` bytes held for gloo)."""
+        return len(self._ops) <= _EAGER_BACKLOG and self._queued_nbytes <= _EAGER_NBYTES
+
     def push(self, op: TorchSend) -> None:
         with self._cond:
             self._ops.append(op)
+            self._queued_nbytes += op.nbytes
             self._awaited += not op.eager
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=f"popmesh-p2p-send-{self.dst}-{self.tag}",
@@ -137,7 +147,7 @@ class Outbox:
             self._cond.notify()
 
     def _urgent(self) -> bool:
-        return self._awaited > 0 or len(self._ops) > _EAGER_BACKLOG // 2
+        return self._awaited > 0 or len(self._ops) > _EAGER_BACKLOG // 2 or self._queued_nbytes > _EAGER_NBYTES // 2
 
     def _batch(self) -> int:
         """How many queued sends to complete now (0: the channel went idle and the thread ends)."""
@@ -158,6 +168,7 @@ class Outbox:
                 op.complete()
                 with self._cond:
                     self._ops.popleft()
+                    self._queued_nbytes -= op.nbytes
                     self._awaited = max(0, self._awaited - (not op.eager)) if self._ops else 0
                     if op.error is not None and op.eager:
                         self.error = op.error

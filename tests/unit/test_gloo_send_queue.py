@@ -1,0 +1,49 @@
+"""The gloo send queue lets callers of eager sends go on only while it holds few, small frames.
+
+The works here stand in for gloo's send works only to hold the queue still; what crosses processes
+is tested in tests/world (test_messages.py).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+
+from popmesh.engines.torch_p2p_send import Outbox, TorchSend  # noqa: E402
+
+
+class HeldWork:
+    """A send that completes when the test says so."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def wait(self, timeout) -> None:
+        self.release.wait(10)
+
+
+def test_eager_sends_stop_returning_at_once_beyond_16_mib_queued():
+    box, held = Outbox(dst=1, tag=5), HeldWork()
+    ops = [TorchSend([held], [np.zeros(1 << 20, np.uint8)], True, box) for _ in range(17)]
+    for op in ops[:16]:
+        box.push(op)
+    assert box.bounded() and ops[0].done()  # 16 MiB held for gloo: callers go on
+    box.push(ops[16])
+    assert not box.bounded() and not ops[16].done()  # 17 MiB: callers wait for completions
+    held.release.set()
+    ops[16].wait(10)
+    assert all(op.done() for op in ops) and box.bounded()
+
+
+def test_a_send_with_segments_is_never_eager():
+    box, held = Outbox(dst=1, tag=6), HeldWork()
+    op = TorchSend([held], [bytearray(40), np.zeros(1 << 17, np.uint8)], False, box)
+    box.push(op)
+    assert op.nbytes == 40 + (1 << 17) and not op.done()
+    held.release.set()
+    op.wait(10)
+    assert op.done()
