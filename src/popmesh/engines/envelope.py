@@ -30,7 +30,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..errors import MessageError
-from .p2p_base import join_parts
+from .p2p_base import PAGE_NBYTES, join_parts
 
 __all__ = [
     "ENVELOPE_MAX_NBYTES", "GOODBYE_TAG", "HEADER_NBYTES", "INLINE_NBYTES", "MAX_SEGMENTS", "PAGE_NBYTES", "Envelope",
@@ -44,7 +44,6 @@ INLINE_NBYTES = (1 << 16) - HEADER_NBYTES - 8 * MAX_SEGMENTS
 ENVELOPE_MAX_NBYTES = HEADER_NBYTES + 8 * MAX_SEGMENTS + INLINE_NBYTES  # 64 KiB
 GOODBYE_TAG = 0xFFFFFFFF
 _MAGIC, _VERSION = b"PMTE", 3
-PAGE_NBYTES = 4096
 _ZERO_COPY_MIN = 1 << 16
 
 

@@ -33,10 +33,11 @@ from .base import poll_until
 
 __all__ = [
     "TAG_LIMIT", "Frame", "Item", "SendRequest", "SentRequest", "RecvRequest", "P2PBase", "LoopbackP2P",
-    "BufferPool", "frame_parts", "join_parts",
+    "BufferPool", "PAGE_NBYTES", "frame_parts", "join_parts",
 ]
 
 TAG_LIMIT = 1 << 15  # the MPI standard guarantees tags up to 32767 on every implementation
+PAGE_NBYTES = 4096  # the page whose offsets envelopes carry (see envelope)
 Frame = Any  # a uint8 numpy array, a bytes-like object, or a sequence of them (sent as one frame)
 Item = tuple[int, Any]  # (source rank, uint8 array or the Exception that replaced the message)
 
@@ -94,19 +95,16 @@ class BufferPool:
             return np.empty(nbytes, dtype=np.uint8)
         with self._lock:
             for base in self._bufs:
-                if base.size == nbytes + _PAGE and sys.getrefcount(base) <= 3:  # the list, ``base``, the argument
+                if base.size == nbytes + PAGE_NBYTES and sys.getrefcount(base) <= 3:  # the list, ``base``, the argument
                     return _placed(base, nbytes, at, page_offset)
-            fresh = np.empty(nbytes + _PAGE, dtype=np.uint8)
+            fresh = np.empty(nbytes + PAGE_NBYTES, dtype=np.uint8)
             self._bufs = [*self._bufs[-(self._keep - 1):], fresh] if self._keep > 1 else [fresh]
             return _placed(fresh, nbytes, at, page_offset)
 
 
-_PAGE = 4096  # envelope.PAGE_NBYTES (envelope imports this module)
-
-
 def _placed(base: np.ndarray, nbytes: int, at: int, page_offset: int) -> np.ndarray:
     """The ``nbytes`` of ``base`` (one page longer) whose byte ``at`` lies ``page_offset`` into a page."""
-    shift = (page_offset - base.ctypes.data - at) % _PAGE
+    shift = (page_offset - base.ctypes.data - at) % PAGE_NBYTES
     return base[shift:shift + nbytes]
 
 
