@@ -173,12 +173,12 @@ def _as_bytes_view(obj: Any) -> memoryview:
 
 
 def frame_nbytes(parts: Sequence[bytes | memoryview]) -> int:
-    """Total length in bytes of the buffers :func:`encode` returned."""
+    """Total length in bytes of the buffers :func:`popmesh.wire.encode` returned."""
     return sum(len(_as_bytes_view(p)) for p in parts)
 
 
 def join_frame(parts: Sequence[bytes | memoryview]) -> np.ndarray:
-    """Copy the buffers of :func:`encode` into one contiguous uint8 numpy array (one copy)."""
+    """Copy the buffers of :func:`popmesh.wire.encode` into one contiguous uint8 numpy array (one copy)."""
     views = [_as_bytes_view(p) for p in parts]
     out = np.empty(sum(len(v) for v in views), dtype=np.uint8)
     pos = 0

@@ -14,9 +14,9 @@ hops per message (twice the round trip). One pump carries all tags from its peer
 
 Sends are completed by a daemon thread per (destination, tag) channel
 (:mod:`~popmesh.engines.torch_p2p_send`), so a send timeout leaves the message in flight instead of
-breaking the connection; small frames are sent eagerly. A dead peer surfaces as PeerFailure when
-gloo reports the closed connection, and on a receive timeout a zero-byte probe tells a dead source
-(PeerFailure) from a silent one (CommTimeout).
+breaking the connection; frames carried whole in their envelope (up to 256 KiB) are sent eagerly.
+A dead peer surfaces as PeerFailure when gloo reports the closed connection, and on a receive
+timeout a zero-byte probe tells a dead source (PeerFailure) from a silent one (CommTimeout).
 
 Shutdown: gloo moves a message only while both ends are alive, and a gloo wait that returns to a
 Python thread while the interpreter is finalizing aborts the process ("terminate called without
