@@ -46,9 +46,12 @@ def median_time(fn: Callable[[], object], reps: int, warmup: int = 3) -> float:
 
 
 def interleaved(fns: dict[str, Callable[[], object]], reps: int, rounds: int = 5) -> dict[str, float]:
-    """Median over ``rounds`` of per-round medians, alternating the contenders to cancel drift."""
+    """Median over ``rounds`` of per-round medians. The contenders alternate, in reverse order every
+    other round, so drift within a round and whatever one contender leaves behind for the next (cold
+    caches after a large transfer) fall on all of them alike."""
     per: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
+    order = list(fns.items())
+    for r in range(rounds):
+        for name, fn in order if r % 2 == 0 else order[::-1]:
             per[name].append(median_time(fn, reps))
     return {name: statistics.median(values) for name, values in per.items()}

@@ -172,3 +172,35 @@ def test_messages_take_the_checksum_option_in_a_world_of_one():
         assert np.array_equal(popmesh.recv(0, 4, timeout=5)[1]["w"], payload["w"])
     finally:
         world.finalize()
+
+
+LARGE = [np.arange(1 << 12, dtype=np.float32), np.ones((3, 700, 2), np.int16), np.zeros((65, 9), np.complex128),
+         np.array([True, False] * 3000).reshape(2, 3000)]
+
+
+@pytest.mark.parametrize("checksum", [None, True, False])
+@pytest.mark.parametrize("payload", LARGE, ids=lambda p: f"{p.dtype}{p.shape}")
+def test_large_arrays_take_a_short_way_to_the_general_frame(payload, checksum):
+    fast = encode_message(payload, checksum=checksum)
+    assert isinstance(fast, list) and len(fast) == 2
+    assert np.shares_memory(np.frombuffer(fast[1], np.uint8), payload)  # the data is not copied
+    assert join_frame(fast).tobytes() == join_frame(encode(payload, checksum=checksum)).tobytes()
+    got = decode(join_frame(fast))
+    assert got.dtype == payload.dtype and got.shape == payload.shape and np.array_equal(got, payload)
+
+
+def test_unchecksummed_large_frames_decode_in_place_and_refuse_damage():
+    payload = np.arange(5000, dtype=np.float64).reshape(50, 100)
+    frame = join_frame(encode(payload, checksum=False))
+    got = decode(frame)
+    assert np.array_equal(got, payload) and np.shares_memory(got, frame) and got.flags.writeable
+    raw = frame.tobytes()
+    stray_crc = bytearray(raw)
+    struct.pack_into("<I", stray_crc, 12, 1234)  # a payload CRC without its flag
+    unknown_flag = bytearray(raw)
+    unknown_flag[6] = 2
+    bad = [raw[:-8], raw + bytes(8), _corrupt(raw, 40, raw[40] ^ 1), _rechecksummed(stray_crc),
+           _rechecksummed(unknown_flag)]
+    for b in bad:
+        with pytest.raises(MessageError):
+            decode(np.frombuffer(b, np.uint8).copy())

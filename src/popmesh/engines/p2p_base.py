@@ -83,7 +83,7 @@ class BufferPool:
 
     def __init__(self, keep: int = 4) -> None:
         self._keep = keep
-        self._bufs: list[np.ndarray] = []
+        self._bufs: list[tuple[np.ndarray, int]] = []  # (buffer, its address): ``.ctypes`` costs ~10 us cold
         self._lock = threading.Lock()
 
     def take(self, nbytes: int, at: int = 0, page_offset: int = 0) -> np.ndarray:
@@ -94,17 +94,19 @@ class BufferPool:
         if nbytes < self.MIN_NBYTES:
             return np.empty(nbytes, dtype=np.uint8)
         with self._lock:
-            for base in self._bufs:
-                if base.size == nbytes + PAGE_NBYTES and sys.getrefcount(base) <= 3:  # the list, ``base``, the argument
-                    return _placed(base, nbytes, at, page_offset)
+            for base, address in self._bufs:
+                if base.size == nbytes + PAGE_NBYTES and sys.getrefcount(base) <= 3:  # the pool, ``base``, the argument
+                    return _placed(base, address, nbytes, at, page_offset)
             fresh = np.empty(nbytes + PAGE_NBYTES, dtype=np.uint8)
-            self._bufs = [*self._bufs[-(self._keep - 1):], fresh] if self._keep > 1 else [fresh]
-            return _placed(fresh, nbytes, at, page_offset)
+            entry = (fresh, fresh.ctypes.data)
+            self._bufs = [*self._bufs[-(self._keep - 1):], entry] if self._keep > 1 else [entry]
+            return _placed(fresh, entry[1], nbytes, at, page_offset)
 
 
-def _placed(base: np.ndarray, nbytes: int, at: int, page_offset: int) -> np.ndarray:
-    """The ``nbytes`` of ``base`` (one page longer) whose byte ``at`` lies ``page_offset`` into a page."""
-    shift = (page_offset - base.ctypes.data - at) % PAGE_NBYTES
+def _placed(base: np.ndarray, address: int, nbytes: int, at: int, page_offset: int) -> np.ndarray:
+    """The ``nbytes`` of ``base`` (one page longer, at ``address``) whose byte ``at`` lies ``page_offset``
+    into a page."""
+    shift = (page_offset - address - at) % PAGE_NBYTES
     return base[shift:shift + nbytes]
 
 
