@@ -4,7 +4,9 @@ Ping-pong between ranks 0 and 1. 64 MB (float32): one-way time = round trip / 2,
 throughput; 4 B: round-trip latency. Contenders: ``raw`` (``dist.send/recv`` on gloo,
 ``comm.Send/Recv`` on MPI, into preallocated buffers), ``popmesh`` (``popmesh.send/recv``: wire
 frame, tags, timeouts, a new receive buffer per message) and ``p2p`` (the engine's frame
-transport under it, bytes only).
+transport under it, bytes only). On MPI at 4 B also ``floor``: the same frame and envelope over bare
+mpi4py calls (:func:`codec_floor_pingpong`), the least a pure-Python implementation of the wire
+format can cost.
 Targets: popmesh >= 0.9x raw throughput at 64 MB, <= 1.5x raw round trip at 4 B.
 Run: .venv/bin/python benchmarks/messages.py   (the driver launches both worlds itself)
 """
@@ -58,6 +60,35 @@ def p2p_pingpong(world, rank: int, numel: int):
     return lambda: p2p.send(p2p.recv(0, 2, 60)[1], 0, 2, 60)
 
 
+def codec_floor_pingpong(rank: int, numel: int):
+    """The least Python that moves popmesh's bytes over MPI: the same wire frame and envelope
+    (``encode_message``, ``plan_frame``, ``parse_envelope``, ``decode``) over bare mpi4py calls, with
+    no group or tag checks, no timeouts, no locks and no matching. What is left over raw is the cost
+    of building and checking the frame in Python; popmesh cannot get below it without compiled code."""
+    from mpi4py import MPI
+
+    from popmesh.engines.envelope import parse_envelope, plan_frame
+    from popmesh.wire import decode, encode_message
+
+    comm, status, other, tag = MPI.COMM_WORLD, MPI.Status(), 1 - rank, 7
+
+    def send(x: np.ndarray) -> None:
+        env, _ = plan_frame([np.frombuffer(encode_message(x), np.uint8)], tag)
+        comm.Isend(env, dest=other, tag=tag).Wait()
+
+    def recv() -> np.ndarray:
+        while (message := comm.Improbe(source=other, tag=tag, status=status)) is None:
+            pass
+        env = np.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)
+        message.Recv(env)
+        return decode(parse_envelope(env).inline)
+
+    data = np.ones(numel, dtype=np.float32)
+    if rank == 0:
+        return lambda: (send(data), recv())
+    return lambda: send(recv())
+
+
 def worker() -> None:
     import popmesh
 
@@ -67,6 +98,8 @@ def worker() -> None:
         fns = {"raw": raw_pingpong(world.engine_name, world.rank, numel),
                "popmesh": popmesh_pingpong(world.rank, numel),
                "p2p": p2p_pingpong(world, world.rank, numel)}
+        if world.engine_name == "mpi" and label == "4 B":
+            fns["floor"] = codec_floor_pingpong(world.rank, numel)
         rows[label] = interleaved(fns, REPS[label], rounds=ROUNDS[label])
         popmesh.barrier()
     if world.is_main:
@@ -76,7 +109,8 @@ def worker() -> None:
 
 
 def main() -> None:
-    print(f"{'engine':7} {'size':>6} {'raw':>14} {'popmesh':>14} {'p2p':>14} {'popmesh/raw':>12}")
+    print(f"{'engine':7} {'size':>6} {'raw':>14} {'popmesh':>14} {'p2p':>14} {'popmesh/raw':>12} {'floor':>10} "
+          f"{'floor/raw':>10}")
     for engine in ("torch", "mpi"):
         result = launch_json(os.path.abspath(__file__), 2, engine, "--worker")
         name = "gloo" if engine == "torch" else "mpich"
@@ -89,7 +123,9 @@ def main() -> None:
             else:
                 cells = [f"{t[k] * 1e6:9.1f} us  " for k in ("raw", "popmesh", "p2p")]
                 ratio = f"{t['popmesh'] / t['raw']:.2f}x rtt"
-            print(f"{name:7} {label:>6} {cells[0]:>14} {cells[1]:>14} {cells[2]:>14} {ratio:>12}")
+            floor = (f"{t['floor'] * 1e6:7.1f} us", f"{t['floor'] / t['raw']:.2f}x") if "floor" in t else ("-", "-")
+            print(f"{name:7} {label:>6} {cells[0]:>14} {cells[1]:>14} {cells[2]:>14} {ratio:>12} {floor[0]:>10} "
+                  f"{floor[1]:>10}")
 
 
 if __name__ == "__main__":

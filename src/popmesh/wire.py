@@ -11,10 +11,10 @@ optional: ``checksum=None`` covers payloads up to :data:`CHECKSUM_AUTO_LIMIT` by
 costs microseconds) and leaves larger ones to the transport's own integrity checks; pass
 ``checksum=True`` to always cover it. The header is always checksummed.
 
-Small messages: :func:`encode_message` (what ``popmesh.send`` uses) returns small bytes and numpy
-frames as one buffer built in one pass, and :func:`decode` takes a fast path for checksummed BYTES
-and NDARRAY frames that returns only when every check of the full path passes; the bytes on the
-wire are the same either way.
+Common messages: :func:`encode_message` (what ``popmesh.send`` uses) returns small bytes and numpy
+frames as one buffer built in one pass and frames larger contiguous numpy arrays without
+:func:`encode`'s dispatch, and :func:`decode` takes a fast path for BYTES and NDARRAY frames that
+returns only when every check of the full path passes; the bytes on the wire are the same either way.
 
 No pickle by default: anything that is not bytes, an array, a tensor, a JSON-able value or a dict
 of str to arrays needs ``allow_pickle=True`` on both the sender and the receiver. Decoding a

@@ -1,7 +1,7 @@
 """Decoding popmesh wire frames (:mod:`popmesh.wire` re-exports :func:`decode` and :func:`read_header`).
 
 The frame layout is in :mod:`popmesh.wire_format`. :func:`decode` first tries a fast path for
-checksummed BYTES and NDARRAY frames that returns only when every check of the full path passes;
+BYTES and numpy NDARRAY frames that returns only when every check of the full path passes;
 anything else goes through :func:`read_header`, which raises the precise MessageError for a
 truncated, corrupt or foreign frame.
 """
