@@ -1,7 +1,7 @@
 """Population policies: what they add to a training step, at the same cadence (every 10 steps).
 
-4 ranks on torch/gloo, each training its own MLP (64 → 256 → 256 → 8, ~84 k float32 parameters,
-batch 256, Adam) for a few ms per step. Contenders, each with its own model and optimizer, run
+4 ranks on torch/gloo (``--engine mpi``: on MPI), each training its own MLP (64 → 256 → 256 → 8,
+~84 k float32 parameters, batch 256, Adam) for a few ms per step. Contenders, each with its own model and optimizer, run
 interleaved in blocks of one cadence (10 steps), the order reversed every other round, so a noisy
 neighbour hits all of them alike:
 
@@ -22,7 +22,8 @@ slowest rank, ratios to ``none``, the time spent inside the policy call per step
 cost, without waiting noise from other contenders), the 90th percentile of single steps on rank 0,
 and the replacements applied on all ranks (a sanity check that the policies act).
 
-Run: .venv/bin/python benchmarks/population.py [--rounds N] [--ranks N]   (the driver launches the world)
+Run: .venv/bin/python benchmarks/population.py [--rounds N] [--ranks N] [--engine torch|mpi]
+(the driver launches the world)
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from _common import launch_json, write_result  # noqa: E402
 EVERY, WIDTH, BATCH = 10, 256, 256
 ROUNDS = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 30
 RANKS = int(sys.argv[sys.argv.index("--ranks") + 1]) if "--ranks" in sys.argv else 4
+ENGINE = sys.argv[sys.argv.index("--engine") + 1] if "--engine" in sys.argv else "torch"
 
 
 def build(seed: int):
@@ -132,7 +134,8 @@ def worker() -> None:
 
 def report(rows: dict) -> None:
     base, worst, world = rows["none"]["block"], rows["none"]["slowest"], rows["none"]["world"]
-    print(f"\ntorch/gloo, {RANKS} ranks, MLP 64-{WIDTH}-{WIDTH}-8 (batch {BATCH}, Adam), policy every {EVERY} "
+    engine = "torch/gloo" if ENGINE == "torch" else ENGINE
+    print(f"\n{engine}, {RANKS} ranks, MLP 64-{WIDTH}-{WIDTH}-8 (batch {BATCH}, Adam), policy every {EVERY} "
           f"steps, {ROUNDS} rounds")
     print(f"{'contender':12} {'world step':>11} {'/ none':>8} {'step, rank 0':>13} {'/ none':>8} {'slowest rank':>13} "
           f"{'/ none':>8} {'in policy':>10} {'p90 step r0':>12} {'replaced':>9}")
@@ -145,7 +148,7 @@ def report(rows: dict) -> None:
 
 def main() -> None:
     args = ["--worker", "--rounds", str(ROUNDS)]
-    report(launch_json(os.path.abspath(__file__), RANKS, "torch", *args, timeout=900))
+    report(launch_json(os.path.abspath(__file__), RANKS, ENGINE, *args, timeout=900))
 
 
 if __name__ == "__main__":
