@@ -98,9 +98,9 @@ class BufferPool:
                 if base.size == nbytes + PAGE_NBYTES and sys.getrefcount(base) <= 3:  # the pool, ``base``, the argument
                     return _placed(base, address, nbytes, at, page_offset)
             fresh = np.empty(nbytes + PAGE_NBYTES, dtype=np.uint8)
-            entry = (fresh, fresh.ctypes.data)
-            self._bufs = [*self._bufs[-(self._keep - 1):], entry] if self._keep > 1 else [entry]
-            return _placed(fresh, entry[1], nbytes, at, page_offset)
+            address = fresh.ctypes.data
+            self._bufs = [*self._bufs, (fresh, address)][-self._keep:]
+            return _placed(fresh, address, nbytes, at, page_offset)
 
 
 def _placed(base: np.ndarray, address: int, nbytes: int, at: int, page_offset: int) -> np.ndarray:
