@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from popmesh.errors import ConfigError
+from popmesh.errors import ConfigError, PopmeshError
 from popmesh.messages import POPULATION_TAGS
 from popmesh.population import (
     AsyncSelectiveAveraging,
@@ -36,7 +36,10 @@ from popmesh.population.async_protocol import (
     METRIC,
     CoordinatorBook,
     channels,
+    decision_bytes,
+    decision_from_bytes,
     parse_up,
+    told_directly,
     up_row,
 )
 from popmesh.population.model_state import (
@@ -226,10 +229,24 @@ def test_channels_are_distinct_internal_tags():
 
 
 def test_up_rows_round_trip_with_nan():
-    kind, it, metric, fp = parse_up(up_row(METRIC, 40, math.nan, 2**51 + 3))
-    assert (kind, it, fp) == (METRIC, 40, 2**51 + 3) and math.isnan(metric)
-    with pytest.raises(ConfigError):
-        parse_up(np.zeros(3))
+    kind, it, metric, fp, acked = parse_up(up_row(METRIC, 40, math.nan, 2**51 + 3, acked=30))
+    assert (kind, it, fp, acked) == (METRIC, 40, 2**51 + 3, 30) and math.isnan(metric)
+    assert parse_up(up_row(BYE, -1))[4] == -1, "no acknowledgement by default"
+    with pytest.raises(ConfigError, match="mixed popmesh versions"):
+        parse_up(np.zeros(4))
+
+
+def test_decisions_go_to_donors_and_to_replaced_ranks_without_donors():
+    metrics = [1.0, 4.0, 2.0, 3.0]
+    assert told_directly(decide(metrics, ReplacementRule(ratio=0.25))) == [1, 2, 3]
+    assert told_directly(decide(metrics, ReplacementRule(ratio=0.25), strategy="best_only")) == [1]
+    assert told_directly(decide(metrics, ReplacementRule(ratio=0.5), strategy="reset_weights")) == [0, 2]
+    message = {"kind": "decision", "decision": {"format": 1}, "ranks": [4, 5], "metrics": [None, 1.5]}
+    assert decision_from_bytes(decision_bytes(message)) == message
+    with pytest.raises(ConfigError, match="no decision"):
+        decision_from_bytes(decision_bytes({"kind": "fin"}))
+    with pytest.raises(ConfigError, match="no readable decision"):
+        decision_from_bytes(np.frombuffer(b"\xff{", dtype=np.uint8))
 
 
 def _book_with(n, iteration, metrics, book=None, now=0.0):
@@ -253,7 +270,7 @@ def test_book_decides_the_newest_complete_iteration_once():
 def test_book_holds_decisions_while_one_is_in_flight_and_fins_after_all_byes():
     book = _book_with(2, 0, [1.0, 2.0])
     book.next_decision()
-    book.dispatched([0])
+    book.dispatched([0], iteration=0)
     _book_with(2, 5, [1.0, 2.0], book)
     assert book.next_decision() is None, "one decision in flight at a time"
     book.record(ACK, 0, 0, math.nan, 0)
@@ -262,6 +279,20 @@ def test_book_holds_decisions_while_one_is_in_flight_and_fins_after_all_byes():
     assert not book.finished()
     book.record(BYE, 1, -1, math.nan, 0)
     assert book.finished()
+
+
+def test_book_takes_acknowledgements_riding_in_metric_and_bye_rows():
+    book = _book_with(3, 10, [1.0, 2.0, 3.0])
+    book.next_decision()
+    book.dispatched([0, 1], iteration=10)
+    book.record(METRIC, 0, 20, 1.0, 7, acked=-1)
+    book.record(METRIC, 1, 20, 2.0, 7, acked=0)  # an older decision's acknowledgement does not count
+    book.record(METRIC, 2, 20, 3.0, 7)
+    assert book.next_decision() is None and book.missing_acks() == [0, 1]
+    book.record(ACK, 0, 10, math.nan, 0)
+    assert book.missing_acks() == [1]
+    book.record(BYE, 1, -1, math.nan, 0, acked=10)
+    assert book.next_decision() == (20, [1.0, 2.0, 3.0])
 
 
 def test_book_reports_stalled_ranks_but_not_ranks_that_said_bye():
@@ -349,5 +380,16 @@ def test_async_combiner_is_bit_identical_to_combine():
             for key in reference:
                 assert fast[key].dtype == reference[key].dtype
                 assert fast[key].tobytes() == reference[key].tobytes(), (dtype, donors, key)
+    same_size = [{"h": rng.normal(size=5).astype(np.float16), "s": rng.normal(size=5).astype(np.float32)}
+                 for _ in range(3)]  # one accumulator per name, even where sizes coincide
+    combiner.begin(3, (0.5, 0.25, 0.25))
+    for arrays in same_size:
+        combiner.add(arrays)
+    fast, reference = combiner.result(), combine(same_size, (0.5, 0.25, 0.25))
+    assert all(fast[k].tobytes() == reference[k].tobytes() for k in reference)
+    with pytest.raises(PopmeshError, match="expected 2"):
+        combiner.begin(2, (0.5, 0.5))
+        combiner.add(same_size[0])
+        combiner.result()
     ints = [{"i": np.arange(4, dtype=np.int64)}, {"i": np.arange(4, dtype=np.int64) * 3}]
     assert combiner(ints, (0.5, 0.5))["i"].tolist() == combine(ints, (0.5, 0.5))["i"].tolist()

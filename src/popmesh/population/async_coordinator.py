@@ -2,38 +2,34 @@
 
 Runs inside a trainer's background thread (the group's first rank by default) or in the calling
 thread of a dedicated coordinator rank (:meth:`AsyncSelectiveAveraging.coordinate`). Like the
-trainer side it only polls, and only uses :mod:`popmesh.messages` on internal tags.
+trainer side it only polls, and only uses :mod:`popmesh.messages` on internal tags. A decision for
+its own rank is handed to that rank's trainer side directly (``local``), not sent to itself.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from popmesh.errors import CommTimeout, PeerFailure
 from popmesh.messages import irecv, isend
-from popmesh.population.async_protocol import Channels, CoordinatorBook, decision_message, parse_up
+from popmesh.population.async_protocol import Channels, CoordinatorBook, decision_message, parse_up, told_directly
 from popmesh.population.async_trainer import reap
-from popmesh.population.decision import Decision
 from popmesh.population.options import SelectiveOptions
 from popmesh.population.selection import update_state
 from popmesh.world import World
 
-__all__ = ["CoordinatorLink", "involved"]
-
-
-def involved(decision: Decision) -> list[int]:
-    """Group ranks a decision is sent to: the replaced and their donors."""
-    return sorted(set(decision.replaced) | set(decision.donor_ranks))
+__all__ = ["CoordinatorLink"]
 
 
 class CoordinatorLink:
     """Coordinate the training ranks ``ranks`` (global, group order) from global rank ``world.rank``."""
 
     def __init__(self, world: World, ranks: Sequence[int], tags: Channels, options: SelectiveOptions,
-                 timeout: float) -> None:
+                 timeout: float, local: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.world, self.ranks, self.tags, self.options = world, list(ranks), tags, options
+        self._local = local  # this rank's trainer side, when the coordinator also trains
         self.timeout = timeout
         self.book = CoordinatorBook(len(self.ranks))
         self.state = options.init_state(len(self.ranks))
@@ -50,8 +46,8 @@ class CoordinatorLink:
         while self._up.done():
             src, row = self._up.wait()
             self._up = irecv(self.ranks, self.tags.up, group=self.world)
-            kind, iteration, metric, fingerprint = parse_up(row)
-            self.book.record(kind, self.ranks.index(src), iteration, metric, fingerprint)
+            kind, iteration, metric, fingerprint, acked = parse_up(row)
+            self.book.record(kind, self.ranks.index(src), iteration, metric, fingerprint, acked=acked)
             progress = True
         ready = self.book.next_decision()
         if ready is not None:
@@ -59,7 +55,7 @@ class CoordinatorLink:
             progress = True
         if not self.finished and self.book.finished():
             for dst in self.ranks:
-                self._sends.append(isend({"kind": "fin"}, dst, self.tags.down, group=self.world))
+                self._tell({"kind": "fin"}, dst)
             self.finished = True
             progress = True
         self._check_liveness()
@@ -71,11 +67,18 @@ class CoordinatorLink:
         if not decision.replaced:
             return
         message = decision_message(decision, self.ranks, metrics)
-        for g in involved(decision):
-            self._sends.append(isend(message, self.ranks[g], self.tags.down, group=self.world))
-        self.book.dispatched(decision.replaced)
+        for g in told_directly(decision):
+            self._tell(message, self.ranks[g])
+        self.book.dispatched(decision.replaced, iteration)
         self._dispatched_at = time.monotonic()
         self.decisions += 1
+
+    def _tell(self, message: dict[str, Any], dst: int) -> None:
+        """Send ``message`` down to global rank ``dst``, or hand it over when that is this rank."""
+        if dst == self.world.rank and self._local is not None:
+            self._local(message)
+        else:
+            self._sends.append(isend(message, dst, self.tags.down, group=self.world))
 
     def _check_liveness(self) -> None:
         now = time.monotonic()
@@ -118,6 +121,8 @@ class CoordinatorLink:
     def abort(self, reason: str) -> None:
         """Tell every trainer that coordination stopped (best effort, no waiting)."""
         for dst in self.ranks:
+            if dst == self.world.rank and self._local is not None:
+                continue  # this rank's trainer side fails with the coordinator, in the same thread
             try:
                 isend({"kind": "abort", "reason": reason}, dst, self.tags.down, group=self.world)
             except Exception:  # noqa: BLE001 - a dead peer cannot be told anything

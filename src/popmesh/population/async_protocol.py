@@ -2,25 +2,34 @@
 
 Three channels per policy instance, on popmesh-internal tags (:data:`popmesh.messages.POPULATION_TAGS`):
 
-* **up** (trainer → coordinator), one float64 row ``[kind, iteration, metric, fingerprint]`` where
-  kind is METRIC, ACK (a replaced rank has combined its donors' weights for a decision) or BYE
-  (the rank is shutting down: it sends nothing more but keeps serving until FIN);
+* **up** (trainer → coordinator), one float64 row ``[kind, iteration, metric, fingerprint, acked]``
+  where kind is METRIC, ACK (a replaced rank has combined its donors' weights for a decision) or
+  BYE (the rank is shutting down: it sends nothing more but keeps serving until FIN), and
+  ``acked`` the newest decision iteration this rank has combined (-1: none). A replaced rank's
+  acknowledgement usually rides in its next METRIC row; it sends an ACK row of its own only when
+  it finished combining after it had already reported a newer iteration (the coordinator may then
+  be waiting for it).
 * **down** (coordinator → trainer), JSON: a decision (``Decision.to_dict()`` over group ranks plus
   the global ``ranks`` and the metrics), ``fin`` (everyone said BYE: stop) or ``abort`` (the
-  coordinator failed: the reason);
+  coordinator failed: the reason). Decisions go to the donors, and to replaced ranks that have no
+  donors (``reset_weights``); a replaced rank with donors learns its decision from their streams.
 * **data** (donor → replaced), a dict of arrays: ``meta`` ``[snapshot iteration, decision
-  iteration]``, ``p/<dtype>`` flat weights, ``o/<index>/<key>`` optimizer state.
+  iteration]``, ``decision`` the decision message as UTF-8 JSON, ``p/<dtype>`` flat weights,
+  ``o/<index>/<key>`` optimizer state.
 
 One channel carries each direction, so per-sender order holds: a rank's metrics always precede
 its BYE, and a decision always precedes FIN.
 
 :class:`CoordinatorBook` decides *when* to decide: at most one decision in flight (until every
-replaced rank acknowledged), always on the newest iteration whose metrics are complete (older
-complete ones are skipped), FIN once every rank said BYE and nothing is in flight.
+replaced rank acknowledged it), always on the newest iteration whose metrics are complete (older
+complete ones are skipped), FIN once every rank said BYE and nothing is in flight. Fewer messages
+matter: with more ranks than cores each one costs its receiver a few hundred microseconds of CPU
+that training would otherwise use.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Mapping, Sequence
@@ -34,7 +43,7 @@ from popmesh.messages import INTERNAL_TAG_BASE, POPULATION_TAGS, internal_tag
 
 __all__ = [
     "METRIC", "ACK", "BYE", "MAX_INSTANCES", "Channels", "channels", "up_row", "parse_up", "decision_message",
-    "metrics_by_rank", "CoordinatorBook",
+    "told_directly", "decision_bytes", "decision_from_bytes", "metrics_by_rank", "CoordinatorBook",
 ]
 
 METRIC, ACK, BYE = 0, 1, 2
@@ -60,17 +69,17 @@ def channels(instance: int) -> Channels:
     return Channels(*(internal_tag(base + i) for i in range(_PER_INSTANCE)))
 
 
-def up_row(kind: int, iteration: int, metric: float = math.nan, fingerprint: int = 0) -> np.ndarray:
+def up_row(kind: int, iteration: int, metric: float = math.nan, fingerprint: int = 0, acked: int = -1) -> np.ndarray:
     """The float64 row a trainer sends up (fingerprints are 52-bit, exact in float64)."""
-    return np.array([kind, iteration, metric, fingerprint], dtype=np.float64)
+    return np.array([kind, iteration, metric, fingerprint, acked], dtype=np.float64)
 
 
-def parse_up(row: Any) -> tuple[int, int, float, int]:
-    """``(kind, iteration, metric, fingerprint)`` from an up row; ConfigError for anything else."""
+def parse_up(row: Any) -> tuple[int, int, float, int, int]:
+    """``(kind, iteration, metric, fingerprint, acked)`` from an up row; ConfigError for anything else."""
     a = np.asarray(row, dtype=np.float64).reshape(-1)
-    if a.size != 4 or int(a[0]) not in (METRIC, ACK, BYE):
-        raise ConfigError(f"not an asynchronous-policy message: {a[:8].tolist()}")
-    return int(a[0]), int(a[1]), float(a[2]), int(a[3])
+    if a.size != 5 or int(a[0]) not in (METRIC, ACK, BYE):
+        raise ConfigError(f"not an asynchronous-policy message (mixed popmesh versions?): {a[:8].tolist()}")
+    return int(a[0]), int(a[1]), float(a[2]), int(a[3]), int(a[4])
 
 
 def decision_message(decision: Any, ranks: Sequence[int], metrics: Sequence[float]) -> dict[str, Any]:
@@ -88,20 +97,23 @@ class CoordinatorBook:
     buckets: dict[int, dict[int, float]] = field(default_factory=dict)
     opened: dict[int, float] = field(default_factory=dict)
     fingerprints: dict[int, int] = field(default_factory=dict)
-    in_flight: set[int] = field(default_factory=set)
+    in_flight: dict[int, int] = field(default_factory=dict)  # replaced rank -> decision iteration
     byes: set[int] = field(default_factory=set)
     decided_upto: int = -1
     skipped: int = 0
 
     def record(self, kind: int, rank: int, iteration: int, metric: float, fingerprint: int,
-               now: float | None = None) -> None:
-        """Book one up message from group rank ``rank``."""
+               now: float | None = None, acked: int = -1) -> None:
+        """Book one up message from group rank ``rank`` (``acked``: the newest decision it combined)."""
+        self._acknowledge(rank, iteration if kind == ACK else acked)
         if kind == METRIC:
             self._metric(rank, iteration, metric, fingerprint, time.monotonic() if now is None else now)
-        elif kind == ACK:
-            self.in_flight.discard(rank)
-        else:
+        elif kind == BYE:
             self.byes.add(rank)
+
+    def _acknowledge(self, rank: int, acked: int) -> None:
+        if rank in self.in_flight and acked >= self.in_flight[rank]:
+            del self.in_flight[rank]
 
     def _metric(self, rank: int, iteration: int, metric: float, fingerprint: int, now: float) -> None:
         known = self.fingerprints.setdefault(rank, fingerprint)
@@ -135,9 +147,9 @@ class CoordinatorBook:
         self.decided_upto = newest
         return newest, metrics
 
-    def dispatched(self, replaced: Sequence[int]) -> None:
-        """A decision went out: wait for an ACK from each of ``replaced``."""
-        self.in_flight = set(int(r) for r in replaced)
+    def dispatched(self, replaced: Sequence[int], iteration: int) -> None:
+        """The decision of ``iteration`` went out: wait until each of ``replaced`` acknowledged it."""
+        self.in_flight = {int(r): int(iteration) for r in replaced}
 
     def finished(self) -> bool:
         """Every rank said BYE and no decision is in flight: send FIN."""
@@ -155,6 +167,28 @@ class CoordinatorBook:
     def missing_acks(self) -> list[int]:
         """Replaced group ranks that have not acknowledged the decision in flight."""
         return sorted(self.in_flight)
+
+
+def told_directly(decision: Any) -> list[int]:
+    """Group ranks the coordinator sends a decision to: the donors, and replaced ranks without donors
+    (``reset_weights``). Replaced ranks with donors learn it from the donors' streams."""
+    return sorted(set(decision.donor_ranks) | {r for r in decision.replaced if not decision.donors[r]})
+
+
+def decision_bytes(message: Mapping[str, Any]) -> np.ndarray:
+    """A decision message as UTF-8 JSON in a uint8 array, to ride in a donor's stream."""
+    return np.frombuffer(json.dumps(message, separators=(",", ":")).encode(), dtype=np.uint8)
+
+
+def decision_from_bytes(data: Any) -> dict[str, Any]:
+    """Inverse of :func:`decision_bytes`; ConfigError if the bytes are not a decision message."""
+    try:
+        message = json.loads(np.asarray(data, dtype=np.uint8).tobytes().decode())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConfigError(f"a donor's stream carries no readable decision ({e}): mixed popmesh versions?") from e
+    if not isinstance(message, dict) or message.get("kind") != "decision":
+        raise ConfigError("a donor's stream carries no decision message: mixed popmesh versions?")
+    return message
 
 
 def metrics_by_rank(ranks: Sequence[int], metrics: Sequence[float | None]) -> Mapping[int, float]:

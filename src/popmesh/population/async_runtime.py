@@ -19,12 +19,11 @@ import threading
 import time
 from collections.abc import Sequence
 from typing import Any
-import numpy as np
 
 from popmesh.errors import CommTimeout, PopmeshError
 from popmesh.messages import on_arrival
 from popmesh.population.async_coordinator import CoordinatorLink
-from popmesh.population.async_protocol import BYE, Channels, up_row
+from popmesh.population.async_protocol import BYE, METRIC, Channels
 from popmesh.population.async_trainer import Pending, Snapshot, TrainerLink, reap
 from popmesh.population.options import SelectiveOptions
 from popmesh.world import World
@@ -54,18 +53,24 @@ class Runtime:
         self._shutdown_s = timeout
         self._bye_sent = False
         self._stop_watching = on_arrival(self._wake.set, group=world)
-        self.trainer = TrainerLink(world, coordinator, tags, timeout, self.latest, self._deliver)
-        self.coordinator = (CoordinatorLink(world, ranks, tags, options, timeout)
+        self.trainer = TrainerLink(world, list(ranks), coordinator, tags, timeout, self.latest, self._deliver)
+        self.coordinator = (CoordinatorLink(world, ranks, tags, options, timeout, local=self.trainer.handle)
                             if world.rank == coordinator else None)
         self._thread = threading.Thread(target=self._run, name=f"popmesh-population-{world.rank}", daemon=True)
         self._thread.start()
 
     # ---- main thread ---------------------------------------------------------------------------
-    def post(self, row: np.ndarray, snapshot: Snapshot) -> None:
+    def post(self, snapshot: Snapshot, metric: float, fingerprint: int) -> None:
         """Hand over this cadence's snapshot, then send its metric row (main thread)."""
         with self._lock:
             self._snapshot = snapshot
-        self._main_sends = reap(self._main_sends, self.timeout) + [self.trainer.isend_up(row)]
+        handle = self.trainer.isend_up(METRIC, snapshot.iteration, metric, fingerprint)
+        self._main_sends = reap(self._main_sends, self.timeout) + [handle]
+
+    def quiet(self) -> bool:
+        """Nothing for the main thread: no replacement waiting and no background error (lock-free
+        reads of two references; a value set just after is seen at the next call)."""
+        return self._pending is None and self.error is None
 
     def take_pending(self) -> Pending | None:
         """The replacement combined since the last call, if any (each is returned once)."""
@@ -152,7 +157,7 @@ class Runtime:
             say_bye = self._shutdown_at is not None and not self._bye_sent
             self._bye_sent |= say_bye
         if say_bye:
-            self.trainer.send_up(up_row(BYE, -1))
+            self.trainer.send_up(BYE, -1)
         return say_bye
 
     def _check_shutdown(self) -> None:

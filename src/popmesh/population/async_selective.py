@@ -24,7 +24,7 @@ from typing import Any
 
 from popmesh.errors import ConfigError, PopmeshError
 from popmesh.population.async_coordinator import CoordinatorLink
-from popmesh.population.async_protocol import METRIC, Channels, channels, up_row
+from popmesh.population.async_protocol import Channels, channels
 from popmesh.population.async_runtime import Runtime, surface
 from popmesh.population.async_trainer import Pending, Snapshot
 from popmesh.population.combine import OptimizerPolicy
@@ -71,7 +71,7 @@ class AsyncSelectiveAveraging:
         self.coordinator = coordinator
         self.tags: Channels = channels(next(_INSTANCES) if channel is None else channel)
         self.poll_interval = float(poll_interval)
-        self._slot: dict[str, Any] = {"runtime": None, "ranks": None}
+        self._slot: dict[str, Any] = {"runtime": None, "ranks": None, "group": None}
         self._events: EventLog | None = None
         self._closed = False
         self._finalizer = weakref.finalize(self, _shutdown_at_exit, self._slot)
@@ -80,6 +80,11 @@ class AsyncSelectiveAveraging:
                  group: Comm | None = None) -> tuple[Any, Any, PolicyInfo]:
         """Swap in a finished replacement, and on decision points report the metric and a snapshot."""
         is_due = due(iteration, self.options.every)
+        runtime = self._slot["runtime"]
+        if not is_due and runtime is not None and group is self._slot["group"] and runtime.quiet() and not self._closed:
+            # Most calls: nothing to report or swap in. Kept to a few attribute reads, since such a
+            # call runs cold between training steps (a full call measured ~80 us of CPU there).
+            return model, optimizer, PolicyInfo(int(iteration), self.name)
         comm = resolve_group(group)
         comm.require_member("AsyncSelectiveAveraging")
         iteration = int(iteration)
@@ -88,6 +93,7 @@ class AsyncSelectiveAveraging:
             info.summary = "a group of one" if is_due else ""
             return model, optimizer, info
         runtime = self._runtime(comm)
+        self._slot["group"] = group
         surface(runtime.error)
         clock = Clock()
         pending = runtime.take_pending()
@@ -122,7 +128,7 @@ class AsyncSelectiveAveraging:
         layout = layout_of(tensors)
         state = optimizer_tensors(optimizer) if self._copies_optimizer(optimizer) else {}
         snap = Snapshot(iteration, snapshot(tensors, layout).buffers, state)
-        runtime.post(up_row(METRIC, iteration, metric, layout.fingerprint()), snap)
+        runtime.post(snap, metric, layout.fingerprint())
 
     def _copies_optimizer(self, optimizer: Any) -> bool:
         return self.options.optimizer_policy is OptimizerPolicy.COPY and optimizer is not None

@@ -8,6 +8,8 @@ no collective is ever issued from this thread.
 
 from __future__ import annotations
 
+import math
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,7 +19,15 @@ import numpy as np
 
 from popmesh.errors import CommTimeout, PeerFailure, PopmeshError
 from popmesh.messages import irecv, isend
-from popmesh.population.async_protocol import ACK, Channels, metrics_by_rank, up_row
+from popmesh.population.async_protocol import (
+    ACK,
+    BYE,
+    Channels,
+    decision_bytes,
+    decision_from_bytes,
+    metrics_by_rank,
+    up_row,
+)
 from popmesh.population.combine import _check_weights, combine
 from popmesh.population.decision import Decision
 from popmesh.world import World
@@ -61,40 +71,74 @@ _FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 
 
 class _Combiner:
-    """:func:`combine` of flat float buffers, bit for bit, without its per-donor temporaries.
+    """:func:`combine` of flat float buffers, bit for bit, one donor at a time as its stream arrives.
 
-    ``combine`` computes ``acc = 0; acc += w_i * x_i.astype(float64)`` and casts back; here each
-    term is computed in float64 straight into a scratch buffer (``np.multiply(..., dtype=float64)``:
-    the same rounding), and the float64 accumulator and scratch are kept between decisions. Anything
-    else (other dtypes, shapes, keys) goes to ``combine`` itself.
+    ``combine`` computes ``acc = 0; acc += w_i * x_i.astype(float64)`` in donor order and casts
+    back; here each term is computed in float64 straight into a scratch buffer
+    (``np.multiply(..., dtype=float64)``: the same rounding) and added when donor ``i`` is next in
+    order, while its data is still in cache; accumulators and scratch are kept between decisions.
+    Anything else (other dtypes, shapes, keys) goes to ``combine`` itself at the end.
     """
 
     def __init__(self) -> None:
-        self._scratch: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._scratch: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]] = {}
+        self._begin((), ())
 
     def __call__(self, per_donor: list[dict[str, np.ndarray]], weights: Any) -> dict[str, np.ndarray]:
-        first = per_donor[0]
-        leaves_ok = all(set(d) == set(first) for d in per_donor) and all(
-            a.ndim == 1 and a.dtype in _FLOATS and all(d[k].dtype == a.dtype and d[k].shape == a.shape
-                                                         for d in per_donor)
-            for k, a in first.items())
-        if not leaves_ok:
-            return combine(per_donor, weights)
-        w = _check_weights(weights, len(per_donor))
-        out = {}
-        for key, a in first.items():
-            acc, term = self._buffers(a.size)
-            acc.fill(0.0)
-            for wi, d in zip(w, per_donor):
-                np.multiply(d[key], wi, out=term, dtype=np.float64)
-                acc += term
-            out[key] = acc.astype(a.dtype)
+        """All donors at once (same result as feeding them one by one)."""
+        self.begin(len(per_donor), weights)
+        for arrays in per_donor:
+            self.add(arrays)
+        return self.result()
+
+    def begin(self, donors: int, weights: Any) -> None:
+        """Start a combination of ``donors`` donors with ``weights`` (checked like ``combine``)."""
+        self._begin(tuple(_check_weights(weights, donors)), ())
+
+    def _begin(self, weights: tuple[float, ...], given: tuple[dict[str, np.ndarray], ...]) -> None:
+        self._weights, self._given = weights, list(given)
+        self._sums: dict[str, np.ndarray] | None = None
+        self._flat = True
+
+    def add(self, arrays: dict[str, np.ndarray]) -> None:
+        """The next donor's arrays, in donor order."""
+        self._given.append(arrays)
+        if self._flat and not self._fits(arrays):
+            self._flat = False
+        if not self._flat:
+            return
+        w = self._weights[len(self._given) - 1]
+        if self._sums is None:
+            self._sums = {}
+            for key, a in arrays.items():
+                acc, _ = self._buffers(key, a.size)
+                acc.fill(0.0)
+                self._sums[key] = acc
+        for key, a in arrays.items():
+            acc, term = self._buffers(key, a.size)
+            np.multiply(a, w, out=term, dtype=np.float64)
+            acc += term
+
+    def _fits(self, arrays: dict[str, np.ndarray]) -> bool:
+        first = self._given[0]
+        return (set(arrays) == set(first)
+                and all(a.ndim == 1 and a.dtype in _FLOATS and arrays[k].dtype == a.dtype and arrays[k].shape == a.shape
+                        for k, a in first.items()))
+
+    def result(self) -> dict[str, np.ndarray]:
+        """The combination of the donors added since :meth:`begin`."""
+        given, weights = self._given, self._weights
+        if len(given) != len(weights):
+            raise PopmeshError(f"combined {len(given)} donors, expected {len(weights)}")
+        out = ({k: acc.astype(given[0][k].dtype) for k, acc in self._sums.items()}
+               if self._flat and self._sums is not None else combine(given, weights))
+        self._begin((), ())
         return out
 
-    def _buffers(self, n: int) -> tuple[np.ndarray, np.ndarray]:
-        if n not in self._scratch:
-            self._scratch[n] = (np.empty(n, np.float64), np.empty(n, np.float64))
-        return self._scratch[n]
+    def _buffers(self, key: str, n: int) -> tuple[np.ndarray, np.ndarray]:
+        if (key, n) not in self._scratch:
+            self._scratch[(key, n)] = (np.empty(n, np.float64), np.empty(n, np.float64))
+        return self._scratch[(key, n)]
 
 
 def reap(handles: list[Any], timeout: float) -> list[Any]:
@@ -117,52 +161,89 @@ def _as_numpy(t: Any) -> np.ndarray:
 
 @dataclass
 class _Job:
-    """A replacement in progress: the donors' data still to arrive."""
+    """A replacement in progress: donors' streams combined in donor order as they arrive."""
 
     decision: Decision
     ranks: list[int]
     metrics: dict[int, float]
-    handles: dict[int, Any]
+    donors: list[int]  # global, in the decision's order
     deadline: float
-    received: dict[int, dict[str, Any]] = field(default_factory=dict)
+    waiting: dict[int, dict[str, Any]] = field(default_factory=dict)  # arrived, not yet combined
+    combined: int = 0  # donors[:combined] are in the sum
+    seen: dict[int, int] = field(default_factory=dict)  # donor -> iteration of its snapshot
+    state: dict[str, Any] | None = None  # optimizer state of the source donor
+
+    @property
+    def iteration(self) -> int:
+        return int(self.decision.iteration)
+
+    def missing(self) -> list[int]:
+        return [d for d in self.donors[self.combined:] if d not in self.waiting]
 
 
 class TrainerLink:
-    """Serve decisions for global rank ``me``: stream snapshots as a donor, combine as a replaced rank."""
+    """Serve decisions for global rank ``me`` of the training ranks ``ranks``: stream snapshots as a
+    donor, combine as a replaced rank, acknowledge, and send the main thread's metric rows."""
 
-    def __init__(self, world: World, coordinator: int, tags: Channels, timeout: float,
+    def __init__(self, world: World, ranks: list[int], coordinator: int, tags: Channels, timeout: float,
                  latest: Callable[[], Snapshot | None], deliver: Callable[[Pending], None]) -> None:
         self.world, self.me, self.coordinator, self.tags = world, world.rank, coordinator, tags
         self.timeout, self._latest, self._deliver = timeout, latest, deliver
-        self._down = irecv(coordinator, tags.down, group=world)
+        self._peers = [r for r in ranks if r != self.me]
+        self._down = irecv(coordinator, tags.down, group=world) if coordinator != self.me else None
+        self._data = irecv(self._peers, tags.data, group=world) if self._peers else None
         self._sends: list[Any] = []
         self._job: _Job | None = None
-        self._combine_flat = _Combiner()
+        self._combiner = _Combiner()
+        self._up_lock = threading.Lock()  # rows go up from the main thread (METRIC) and this one
+        self._acked = -1  # newest decision iteration combined and handed over
+        self._reported = -1  # newest iteration reported up (BYE: infinity)
         self.finished = False
 
-    def send_up(self, row: np.ndarray) -> None:
-        """Queue one up row to the coordinator (ACK or BYE; background thread)."""
-        self._sends.append(self.isend_up(row))
+    # ---- up rows (main thread and background thread) ------------------------------------------
+    def isend_up(self, kind: int, iteration: int, metric: float = math.nan, fingerprint: int = 0) -> Any:
+        """Start sending one up row carrying the newest acknowledgement; the caller reaps the handle."""
+        with self._up_lock:
+            self._reported = max(self._reported, math.inf if kind == BYE else iteration)
+            row = up_row(kind, iteration, metric, fingerprint, self._acked)
+            return isend(row, self.coordinator, self.tags.up, group=self.world, timeout=self.timeout)
 
-    def isend_up(self, row: np.ndarray) -> Any:
-        """Start sending one up row to the coordinator; the caller keeps (and reaps) the handle."""
-        return isend(row, self.coordinator, self.tags.up, group=self.world, timeout=self.timeout)
+    def send_up(self, kind: int, iteration: int) -> None:
+        """Queue one up row (BYE; background thread)."""
+        self._sends.append(self.isend_up(kind, iteration))
 
+    def _acknowledge(self, iteration: int) -> None:
+        """Record a finished replacement; say so at once only if a newer report already went up
+        without it (the coordinator may be waiting), else the next row carries it."""
+        with self._up_lock:
+            self._acked = iteration
+            at_once = self._reported > iteration
+            if at_once:
+                row = up_row(ACK, iteration, acked=iteration)
+                self._sends.append(isend(row, self.coordinator, self.tags.up, group=self.world, timeout=self.timeout))
+
+    # ---- background thread ----------------------------------------------------------------------
     def poll(self) -> bool:
-        """Advance everything that can advance; True if a message arrived, was sent or a job finished
+        """Advance everything that can advance; True if a message arrived or a job finished
         (reaping a completed send is not progress: nothing follows from it)."""
-        self._sends = reap(self._sends, self.timeout)  # a completed send is no progress: nothing follows
+        self._sends = reap(self._sends, self.timeout)
         progress = False
-        if self._down.done():
+        if self._down is not None and self._down.done():
             _, message = self._down.wait()
             self._down = irecv(self.coordinator, self.tags.down, group=self.world)
-            self._handle(message)
+            self.handle(message)
             progress = True
-        if self._job is not None:
-            progress |= self._advance_job(self._job)
+        while self._data is not None and self._data.done():
+            src, payload = self._data.wait()
+            self._data = irecv(self._peers, self.tags.data, group=self.world)
+            self._stream(src, payload)
+            progress = True
+        if self._job is not None and time.monotonic() > self._job.deadline:
+            self._fail_job(self._job)
         return progress
 
-    def _handle(self, message: dict[str, Any]) -> None:
+    def handle(self, message: dict[str, Any]) -> None:
+        """One message of the coordinator (from the down channel, or handed over in-process)."""
         kind = message.get("kind")
         if kind == "fin":
             self.finished = True
@@ -170,12 +251,12 @@ class TrainerLink:
             raise PeerFailure(f"the population coordinator (rank {self.coordinator}) stopped: {message.get('reason')}",
                               (self.coordinator,))
         elif kind == "decision":
-            self._decision(Decision.from_dict(message["decision"]), [int(r) for r in message["ranks"]],
-                           metrics_by_rank(message["ranks"], message["metrics"]))
+            self._decision(message)
         else:
             raise PopmeshError(f"unknown message {kind!r} from the population coordinator: mixed popmesh versions?")
 
-    def _decision(self, decision: Decision, ranks: list[int], metrics: dict[int, float]) -> None:
+    def _decision(self, message: dict[str, Any]) -> None:
+        decision, ranks = Decision.from_dict(message["decision"]), [int(r) for r in message["ranks"]]
         me = ranks.index(self.me)
         recipients = [ranks[r] for r in decision.recipients(me)]
         if recipients:
@@ -183,57 +264,72 @@ class TrainerLink:
             if snap is None:
                 raise PopmeshError(f"rank {self.me} was asked to donate before taking any snapshot")
             payload = snap.payload(int(decision.iteration))
+            payload["decision"] = decision_bytes(message)
             for dst in recipients:
                 self._sends.append(isend(payload, dst, self.tags.data, group=self.world, timeout=self.timeout,
                                          checksum=False))
-        if me in decision.replaced:
-            handles = {ranks[d]: irecv(ranks[d], self.tags.data, group=self.world) for d in decision.donors[me]}
-            self._job = _Job(decision, ranks, metrics, handles, time.monotonic() + self.timeout)
+        if me in decision.replaced and not decision.donors[me]:  # reset_weights: nothing to wait for
+            job = _Job(decision, ranks, metrics_by_rank(ranks, message["metrics"]), [], math.inf)
+            self._finish(job)
 
-    def _advance_job(self, job: _Job) -> bool:
-        progress = False
-        for donor, handle in list(job.handles.items()):
-            if handle.done():
-                job.received[donor] = handle.wait()[1]
-                del job.handles[donor]
-                progress = True
-        if job.handles and time.monotonic() > job.deadline:
-            self._fail_job(job)
-        if not job.handles:
-            self._deliver(self._combine(job))
-            self.send_up(up_row(ACK, int(job.decision.iteration)))
-            self._job = None
-            progress = True
-        return progress
+    def _stream(self, src: int, payload: dict[str, Any]) -> None:
+        """A donor's stream: open the job on the first one, combine those whose turn has come."""
+        job = self._job
+        if job is None:
+            message = decision_from_bytes(payload["decision"])
+            ranks = [int(r) for r in message["ranks"]]
+            decision = Decision.from_dict(message["decision"])
+            me = ranks.index(self.me)
+            if me not in decision.replaced or not decision.donors[me]:
+                raise PopmeshError(f"rank {self.me} got weights from rank {src} for a decision that does not replace "
+                                   "it by donors: mixed popmesh versions?")
+            donors = [ranks[d] for d in decision.donors[me]]
+            job = self._job = _Job(decision, ranks, metrics_by_rank(ranks, message["metrics"]), donors,
+                                   time.monotonic() + self.timeout)
+            self._combiner.begin(len(donors), decision.weights[me])
+        iteration = int(payload["meta"][1])
+        if src not in job.missing() or iteration != job.iteration:
+            raise PopmeshError(f"rank {self.me} got weights from rank {src} for decision {iteration} while combining "
+                               f"decision {job.iteration} from donors {job.donors}: streams must not interleave")
+        job.waiting[src] = payload
+        while job.combined < len(job.donors) and job.donors[job.combined] in job.waiting:
+            self._add(job, job.donors[job.combined])
+        if job.combined == len(job.donors):
+            self._finish(job)
+
+    def _add(self, job: _Job, donor: int) -> None:
+        payload = job.waiting.pop(donor)
+        self._combiner.add({k[2:]: _as_numpy(v) for k, v in payload.items() if k.startswith("p/")})
+        job.seen[donor] = int(payload["meta"][0])
+        source = job.decision.copy_optimizer_from[job.ranks.index(self.me)]
+        if source is not None and job.ranks[source] == donor:
+            job.state = {k[2:]: v for k, v in payload.items() if k.startswith("o/")}
+        job.combined += 1
+
+    def _finish(self, job: _Job) -> None:
+        d, me = job.decision, job.ranks.index(self.me)
+        combined = self._combiner.result() if job.donors else None
+        source = d.copy_optimizer_from[me]
+        self._deliver(Pending(job.iteration, tuple(job.donors), d.weights[me], combined, job.state,
+                              None if source is None else job.ranks[source], d.strategy, d.summary,
+                              d.reasons.get(me, ""), job.metrics, tuple(job.seen[g] for g in job.donors)))
+        self._job = None
+        self._acknowledge(job.iteration)
 
     def _fail_job(self, job: _Job) -> None:
-        donor, handle = next(iter(job.handles.items()))
+        donor = job.missing()[0]
+        probe = irecv(donor, self.tags.data, group=self.world)
         try:
-            handle.wait(0.05)  # the engine tells a dead donor (PeerFailure) from a silent one
+            src, payload = probe.wait(0.05)  # the engine tells a dead donor (PeerFailure) from a silent one
         except (PeerFailure, CommTimeout) as e:
-            raise type(e)(f"rank {self.me} was replaced at iteration {job.decision.iteration} but donor(s) "
-                          f"{sorted(job.handles)} sent nothing within {self.timeout:g} s: {e}",
-                          (donor,)) from e
-
-    def _combine(self, job: _Job) -> Pending:
-        d, me = job.decision, job.ranks.index(self.me)
-        donors = [job.ranks[x] for x in d.donors[me]]
-        combined = None
-        if donors:
-            per_donor = [{k[2:]: _as_numpy(v) for k, v in job.received[g].items() if k.startswith("p/")}
-                         for g in donors]
-            combined = self._combine_flat(per_donor, d.weights[me])
-        source = d.copy_optimizer_from[me]
-        src = None if source is None else job.ranks[source]
-        state = None if src is None else {k[2:]: v for k, v in job.received[src].items() if k.startswith("o/")}
-        seen = tuple(int(job.received[g]["meta"][0]) for g in donors)
-        return Pending(int(d.iteration), tuple(donors), d.weights[me], combined, state, src, d.strategy,
-                       d.summary, d.reasons.get(me, ""), job.metrics, seen)
+            raise type(e)(f"rank {self.me} was replaced at iteration {job.iteration} but donor(s) {job.missing()} "
+                          f"sent nothing within {self.timeout:g} s: {e}", (donor,)) from e
+        self._stream(src, payload)  # it arrived just now
 
     def waiting_for(self) -> str:
         """What this side still waits for, for timeout messages."""
         if self._job is not None:
-            return f"weights from donor(s) {sorted(self._job.handles)}"
+            return f"weights from donor(s) {self._job.missing()}"
         return f"FIN from the coordinator (rank {self.coordinator})" if not self.finished else "nothing"
 
     def drain(self, timeout: float) -> None:
@@ -245,5 +341,5 @@ class TrainerLink:
     def close(self) -> None:
         """Withdraw the posted receives (dropping the handles withdraws them)."""
         self._down = None
+        self._data = None
         self._job = None
-
