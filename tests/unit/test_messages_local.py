@@ -156,6 +156,16 @@ def test_envelope_plan_round_trips(sizes, tag):
     assert np.array_equal(reassemble(env, segments, tag), join_parts(parts) if parts else np.empty(0, np.uint8))
 
 
+def test_a_frame_of_several_parts_that_fits_is_one_inline_envelope():
+    parts = [np.arange(40, dtype=np.uint8), np.full(300_000, 7, np.uint8), np.arange(5, dtype=np.uint8)]
+    env, segments = plan_frame(parts, 9, inline_nbytes=1 << 19)
+    assert segments == []
+    parsed = parse_envelope(np.frombuffer(env, np.uint8), inline_nbytes=1 << 19)
+    assert parsed.tag == 9 and parsed.lengths == [] and parsed.inline.tobytes() == b"".join(p.tobytes() for p in parts)
+    env, segments = plan_frame(parts, 9)  # over the default (MPI) inline limit: the big part is a segment
+    assert [s.size for s in segments] == [300_000, 5]  # the leading 40 bytes stay inline
+
+
 def test_small_frames_travel_inline_and_big_parts_without_copy():
     env, segments = plan_frame([np.ones(INLINE_NBYTES, np.uint8)], 0)
     assert segments == [] and len(env) == HEADER_NBYTES + INLINE_NBYTES <= ENVELOPE_MAX_NBYTES

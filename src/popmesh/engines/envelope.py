@@ -5,8 +5,8 @@ variable-length and says everything the receiver must know before it receives th
 popmesh tag of the frame (gloo carries every tag of a sender on one internal channel), the frame
 length, the segment lengths, and the frame's first bytes inline. A frame of at most the engine's
 inline limit is the envelope alone: one engine message (MPI: :data:`INLINE_NBYTES`, so an envelope
-is at most :data:`ENVELOPE_MAX_NBYTES`; gloo, whose every message costs three socket hops, inlines
-up to its posted envelope receive of 256 KiB). Buffers of 64 KiB or more that do not fit inline are
+is at most :data:`ENVELOPE_MAX_NBYTES`; gloo, whose every message costs three socket hops and whose
+segments wait for the receiver to post them, inlines up to its posted envelope receive of 1 MiB). Buffers of 64 KiB or more that do not fit inline are
 sent as their own segments, straight from the caller's memory (no copy, and no derived datatype,
 which MPICH packs).
 
@@ -73,6 +73,14 @@ def plan_frame(parts: list[np.ndarray], tag: int,
         env[HEADER_NBYTES:] = part.data
         return env, []
     total = sum(p.size for p in parts)
+    if total <= inline_nbytes:  # several parts, inline whole: one copy of each into the envelope
+        env = bytearray(HEADER_NBYTES + total)
+        _HEAD.pack_into(env, 0, _MAGIC, _VERSION, 0, total, total, tag, 0)
+        view, pos = memoryview(env), HEADER_NBYTES
+        for part in parts:
+            view[pos:pos + part.size] = part.data
+            pos += part.size
+        return env, []
     count = len(parts)
     if total > inline_nbytes:
         count, used = 0, 0

@@ -81,8 +81,8 @@ class BufferPool:
 
     MIN_NBYTES = 1 << 20
 
-    def __init__(self, keep: int = 4) -> None:
-        self._keep = keep
+    def __init__(self, keep: int = 4, min_nbytes: int = MIN_NBYTES) -> None:
+        self._keep, self._min = keep, min_nbytes
         self._bufs: list[tuple[np.ndarray, int]] = []  # (buffer, its address): ``.ctypes`` costs ~10 us cold
         self._lock = threading.Lock()
 
@@ -91,7 +91,7 @@ class BufferPool:
         ``page_offset`` bytes into a memory page (where the sender's segment lay: see
         :mod:`~popmesh.engines.envelope`). The alignment applies to pooled buffers only: below
         :data:`MIN_NBYTES` the copy is short either way."""
-        if nbytes < self.MIN_NBYTES:
+        if nbytes < self._min:
             return np.empty(nbytes, dtype=np.uint8)
         with self._lock:
             for base, address in self._bufs:

@@ -14,7 +14,7 @@ hops per message (twice the round trip). One pump carries all tags from its peer
 
 Sends are completed by a daemon thread per (destination, tag) channel
 (:mod:`~popmesh.engines.torch_p2p_send`), so a send timeout leaves the message in flight instead of
-breaking the connection; frames carried whole in their envelope (up to 256 KiB) are sent eagerly.
+breaking the connection; frames carried whole in their envelope (up to 1 MiB) are sent eagerly.
 A dead peer surfaces as PeerFailure when gloo reports the closed connection, and on a receive
 timeout a zero-byte probe tells a dead source (PeerFailure) from a silent one (CommTimeout).
 
@@ -52,13 +52,15 @@ _ENV_TAG, _SEG_TAG, _PING_TAG = _TAG_BASE, _TAG_BASE + 1, _TAG_BASE - 1
 EXIT_GRACE_S = 30.0
 GOODBYE_GRACE_S = 2.0
 _DEPTH = 2  # envelope receives posted ahead per peer
-# Frames up to ~256 KiB travel inline: one gloo message (three socket hops, each waking gloo's
-# loop thread on both sides) instead of an envelope and a segment. Measured against 64 KiB, in the
-# same processes: 150 KB round trip -16 % time and -25 % CPU, 250 KB +4 % time and -9 % CPU (two
-# copies start to cost), 30 KB unchanged. The posted buffers are virtual memory until a frame that
+# Frames up to ~1 MiB travel inline: one gloo message, sent at once into a receive posted ahead,
+# instead of an envelope and a segment that waits until the receiver has read the envelope and
+# posted its receive (a round of socket hops and thread wake-ups more). Inline payloads of
+# HANDOVER_NBYTES or more are handed to the receiver in the posted buffer itself (no copy) and a
+# pooled buffer is posted in its place. The posted buffers are virtual memory until a frame that
 # large arrives from that peer.
-GLOO_ENVELOPE_NBYTES = 1 << 18
+GLOO_ENVELOPE_NBYTES = 1 << 19
 GLOO_INLINE_NBYTES = GLOO_ENVELOPE_NBYTES - HEADER_NBYTES - 8 * MAX_SEGMENTS
+HANDOVER_NBYTES = 1 << 16
 
 
 class _Pump:
@@ -74,7 +76,7 @@ class _Pump:
         self.owner, self.peer = owner, peer
         self._lock = threading.Lock()
         self._posted: deque[tuple[Any, np.ndarray]] = deque()
-        self._spare = [np.empty(GLOO_ENVELOPE_NBYTES, dtype=np.uint8) for _ in range(_DEPTH)]
+        self._spare = [owner._envelopes.take(GLOO_ENVELOPE_NBYTES) for _ in range(_DEPTH)]
         self.ended = False
         self.thread = threading.Thread(target=self._run, name=f"popmesh-p2p-recv-{peer}", daemon=True)
 
@@ -123,6 +125,8 @@ class _Pump:
                 return self._end(PeerFailure(f"rank {peer} closed its point-to-point transport (it finalized its "
                                              "world or exited): it sends nothing more", (peer,)))
             item = owner._receive_rest(envelope, peer)
+            if item[1] is envelope.inline:  # handed over: post a buffer nobody holds in its place
+                buf = owner._envelopes.take(GLOO_ENVELOPE_NBYTES)
             with self._lock:
                 self._spare.append(buf)
             try:
@@ -158,6 +162,8 @@ class TorchP2P(P2PBase):
         # single lock made every other destination's sends wait for it.
         self._post_locks: dict[int, threading.Lock] = {}
         self._pool = BufferPool()
+        # Posted envelope buffers, reused once a handed-over payload is dropped (a pump holds two).
+        self._envelopes = BufferPool(keep=_DEPTH * engine.size + 8, min_nbytes=GLOO_ENVELOPE_NBYTES)
         self._pings: list[Any] = []
         self._goodbyes: dict[int, Any] = {}  # peer -> our goodbye send to it
         self._closed = False
@@ -324,6 +330,8 @@ class TorchP2P(P2PBase):
 
     def _receive_rest(self, envelope: Any, src: int) -> Item:
         if not envelope.lengths:
+            if envelope.inline.size >= HANDOVER_NBYTES:
+                return src, envelope.inline  # the pump posts another buffer instead of this one
             return src, envelope.inline.copy()  # the receive buffer is reused for the next envelope
         buf = self._pool.take(envelope.total, envelope.inline.size, envelope.page_offset)
         buf[:envelope.inline.size] = envelope.inline

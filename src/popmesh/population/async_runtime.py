@@ -30,7 +30,7 @@ from popmesh.world import World
 
 __all__ = ["Runtime", "surface"]
 
-_MIN_PAUSE = 5e-4
+_MIN_PAUSE = 2e-3
 _TOLD_IDLE_S = 0.25
 _GRACE = 2.0
 

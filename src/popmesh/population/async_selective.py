@@ -61,7 +61,7 @@ class AsyncSelectiveAveraging:
     name = "async_selective"
 
     def __init__(self, every: int, *, coordinator: int | None = None, channel: int | None = None,
-                 poll_interval: float = 0.02, **options: Any) -> None:
+                 poll_interval: float = 0.05, **options: Any) -> None:
         self.options = SelectiveOptions.build(every, options, "AsyncSelectiveAveraging")
         if coordinator is not None and (isinstance(coordinator, bool) or not isinstance(coordinator, int)
                                         or coordinator < 0):
