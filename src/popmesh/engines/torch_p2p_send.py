@@ -4,7 +4,7 @@ the per-channel threads that complete them (see :mod:`popmesh.engines.torch_p2p`
 A gloo send whose timed ``wait`` expires closes the connection, so no caller ever waits on a gloo
 send with a deadline: each (destination, tag) channel has a daemon thread that completes its sends
 in order, and callers wait on an event with their own timeout. Frames carried whole in their
-envelope (up to 256 KiB) are sent eagerly: the caller returns once the envelope (popmesh's own
+envelope (up to 512 KiB) are sent eagerly: the caller returns once the envelope (popmesh's own
 copy) is handed to gloo, as long as the channel holds at most 256 such sends and 16 MiB; the
 channel thread reaps them in batches every :data:`REAP_S` seconds, and a failure surfaces at the
 next send on the channel.
@@ -28,7 +28,7 @@ LONG = timedelta(days=30)  # gloo closes the connection when a wait expires: nev
 REAP_S = 0.05
 _IDLE_S = 5.0
 _EAGER_BACKLOG = 256
-_EAGER_NBYTES = 16 << 20  # what 256 envelopes of 64 KiB held before gloo inlined frames up to 256 KiB
+_EAGER_NBYTES = 16 << 20  # what 256 envelopes of 64 KiB held before gloo inlined larger frames
 _ZERO_COPY_MIN = 1 << 16
 _GONE = ("connection closed", "connection reset", "broken pipe", "socket closed", "connection refused",
          "pair closure", "closed by peer")
