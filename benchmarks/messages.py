@@ -1,12 +1,14 @@
 """Point-to-point messages through popmesh vs the raw engine call, same processes, same run: 2 ranks.
 
 Ping-pong between ranks 0 and 1. 64 MB (float32): one-way time = round trip / 2, reported as
-throughput; 4 B: round-trip latency. Contenders: ``raw`` (``dist.send/recv`` on gloo,
+throughput; 336 KB (a population policy's weight stream, 84 k float32) and 4 B: round-trip latency. Contenders: ``raw`` (``dist.send/recv`` on gloo,
 ``comm.Send/Recv`` on MPI, into preallocated buffers), ``popmesh`` (``popmesh.send/recv``: wire
 frame, tags, timeouts, a new receive buffer per message) and ``p2p`` (the engine's frame
 transport under it, bytes only). On MPI at 4 B also ``floor``: the same frame and envelope over bare
 mpi4py calls (:func:`codec_floor_pingpong`), the least a pure-Python implementation of the wire
-format can cost.
+format can cost. At 336 KB also ``no CRC``: popmesh with ``checksum=False``, as the population
+policies send weights (the payload CRC, on by default up to 1 MiB, costs four passes over the bytes
+per round trip).
 Targets: popmesh >= 0.9x raw throughput at 64 MB, <= 1.5x raw round trip at 4 B.
 Run: .venv/bin/python benchmarks/messages.py   (the driver launches both worlds itself)
 """
@@ -21,9 +23,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import interleaved, launch_json, write_result  # noqa: E402
 
-SIZES = {"64 MB": 16 << 20, "4 B": 1}  # float32 elements
-REPS = {"64 MB": 3, "4 B": 400}
-ROUNDS = {"64 MB": 9, "4 B": 5}  # 64 MB: the VM drifts by up to 40 % within a run; nine rounds tame it
+SIZES = {"64 MB": 16 << 20, "336 KB": 84_000, "4 B": 1}  # float32 elements
+REPS = {"64 MB": 3, "336 KB": 40, "4 B": 400}
+ROUNDS = {"64 MB": 9, "336 KB": 5, "4 B": 5}  # 64 MB: the VM drifts by up to 40 % within a run; nine rounds tame it
 
 
 def raw_pingpong(engine: str, rank: int, numel: int):
@@ -43,13 +45,13 @@ def raw_pingpong(engine: str, rank: int, numel: int):
     return lambda: (comm.Recv(buf, 0), comm.Send(buf, 0))
 
 
-def popmesh_pingpong(rank: int, numel: int):
+def popmesh_pingpong(rank: int, numel: int, checksum: bool | None = None):
     import popmesh
 
     data = np.ones(numel, dtype=np.float32)
     if rank == 0:
-        return lambda: (popmesh.send(data, 1, tag=1), popmesh.recv(1, tag=1))
-    return lambda: popmesh.send(popmesh.recv(0, tag=1)[1], 0, tag=1)
+        return lambda: (popmesh.send(data, 1, tag=1, checksum=checksum), popmesh.recv(1, tag=1))
+    return lambda: popmesh.send(popmesh.recv(0, tag=1)[1], 0, tag=1, checksum=checksum)
 
 
 def p2p_pingpong(world, rank: int, numel: int):
@@ -100,6 +102,8 @@ def worker() -> None:
                "p2p": p2p_pingpong(world, world.rank, numel)}
         if world.engine_name == "mpi" and label == "4 B":
             fns["floor"] = codec_floor_pingpong(world.rank, numel)
+        if label == "336 KB":  # without the payload CRC (default up to 1 MiB), as the population streams
+            fns["no CRC"] = popmesh_pingpong(world.rank, numel, checksum=False)
         rows[label] = interleaved(fns, REPS[label], rounds=ROUNDS[label])
         popmesh.barrier()
     if world.is_main:
@@ -109,8 +113,8 @@ def worker() -> None:
 
 
 def main() -> None:
-    print(f"{'engine':7} {'size':>6} {'raw':>14} {'popmesh':>14} {'p2p':>14} {'popmesh/raw':>12} {'floor':>10} "
-          f"{'floor/raw':>10}")
+    print(f"{'engine':7} {'size':>6} {'raw':>14} {'popmesh':>14} {'p2p':>14} {'popmesh/raw':>12} {'extra':>10} "
+          f"{'extra/raw':>10}   (extra: 4 B on MPI the pure-Python floor, 336 KB popmesh without payload CRC)")
     for engine in ("torch", "mpi"):
         result = launch_json(os.path.abspath(__file__), 2, engine, "--worker")
         name = "gloo" if engine == "torch" else "mpich"
@@ -123,7 +127,8 @@ def main() -> None:
             else:
                 cells = [f"{t[k] * 1e6:9.1f} us  " for k in ("raw", "popmesh", "p2p")]
                 ratio = f"{t['popmesh'] / t['raw']:.2f}x rtt"
-            floor = (f"{t['floor'] * 1e6:7.1f} us", f"{t['floor'] / t['raw']:.2f}x") if "floor" in t else ("-", "-")
+            extra = "floor" if "floor" in t else "no CRC" if "no CRC" in t else None
+            floor = (f"{t[extra] * 1e6:7.1f} us", f"{t[extra] / t['raw']:.2f}x") if extra else ("-", "-")
             print(f"{name:7} {label:>6} {cells[0]:>14} {cells[1]:>14} {cells[2]:>14} {ratio:>12} {floor[0]:>10} "
                   f"{floor[1]:>10}")
 
