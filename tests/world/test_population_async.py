@@ -23,3 +23,14 @@ def test_dead_peer_is_an_error_not_a_hang():
     for rank in (0, 1):
         assert run.outcome("dead_peer_surfaces_at_shutdown")[rank] == "ok", run.output[-3000:]
     assert run.returncodes[2] == 3
+
+
+@pytest.mark.timeout(120)
+def test_dead_donor_is_an_error_on_the_replaced_rank():
+    from workers import population_async_failure_worker as failure
+
+    run = run_world(Path(failure.__file__), "torch", 3, timeout=90, env={"POPMESH_TEST_DEAD": "donor"})
+    assert not run.timed_out, run.output[-3000:]
+    for rank in (0, 2):
+        assert run.outcome("dead_donor_surfaces_on_the_replaced_rank")[rank] == "ok", run.output[-3000:]
+    assert run.returncodes[1] == 3

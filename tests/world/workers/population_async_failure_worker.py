@@ -15,8 +15,13 @@ DEAD = 2
 SHUTDOWN_S = 3.0
 
 
+WHO_DIES = os.environ.get("POPMESH_TEST_DEAD", "replaced")
+
+
 @check
 def dead_peer_surfaces_at_shutdown(w):
+    if WHO_DIES != "replaced":
+        return
     policy = AsyncSelectiveAveraging(every=10, rule=ReplacementRule(ratio=0.25))
     model = make_agent(w.rank + 1)
     metrics = [3.0, 2.0, 1.0]  # the rank that dies is the one replaced
@@ -36,6 +41,34 @@ def dead_peer_surfaces_at_shutdown(w):
             assert "did not shut the policy down" in str(e) or "did not finish" in str(e), str(e)
     else:
         raise AssertionError("shutting down with a dead peer must raise")
+
+
+@check
+def dead_donor_surfaces_on_the_replaced_rank(w):
+    """Rank 2 is replaced by ranks 0 and 1; rank 1 dies when asked to donate, so rank 2 receives one
+    stream of two and must fail at its deadline naming the silent donor, not wait forever."""
+    if WHO_DIES != "donor":
+        return
+    from popmesh.population import async_trainer
+
+    if w.rank == 1:
+        async_trainer.TrainerLink._decision = lambda self, message: os._exit(3)
+    policy = AsyncSelectiveAveraging(every=10, rule=ReplacementRule(ratio=0.25), timeout=SHUTDOWN_S)
+    model = make_agent(w.rank + 1)
+    policy(0, model, None, [3.0, 2.0, 1.0][w.rank])
+    start = time.monotonic()
+    try:
+        while time.monotonic() - start < SHUTDOWN_S + 10:  # keep training: the error surfaces at a call
+            policy(1, model, None, None)
+            time.sleep(0.01)
+        policy.shutdown()
+    except (PeerFailure, CommTimeout) as e:
+        assert time.monotonic() - start < SHUTDOWN_S + 10, "took too long"
+        assert "1" in str(e), str(e)
+        if w.rank == 2:
+            assert "donor" in str(e), str(e)
+    else:
+        raise AssertionError("a dead donor must surface as an error")
 
 
 if __name__ == "__main__":
