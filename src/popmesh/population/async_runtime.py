@@ -8,11 +8,11 @@ and reaping sends every :data:`_TOLD_IDLE_S` seconds. With more ranks than cores
 that thread takes the GIL and CPU from training: polling from 0.5 ms cost more than all its real
 work, and waking it to send the metric row stalled the main thread for the whole wake-up (so the
 main thread sends the row, ~20 us). Elsewhere (MPI) it polls, sleeping with a back-off between
-2 ms and ``poll_interval`` when idle: a decision a few milliseconds later costs nothing, and
-with the back-off starting at 0.5 ms after every message (20 ms idle) the policy added 7.5-7.7 %
-to a 4-rank, 2-core MPI world's step, against 1-5 % now (benchmarks/population.py, two runs each). Only a received message, a BYE sent or a finished replacement
-count as progress (a completed send does not: it creates no follow-up work), so a completed send
-does not restart the back-off.
+2 ms and ``poll_interval`` when idle: a decision a few milliseconds later costs nothing, and with
+the back-off starting at 0.5 ms after every message (20 ms idle) the policy added 7.5-7.7 % to a
+4-rank, 2-core MPI world's step, against 1-5 % now (benchmarks/population.py, two runs each).
+Only a received message, a BYE sent or a finished replacement count as progress (a completed send
+does not: it creates no follow-up work), so a completed send does not restart the back-off.
 """
 
 from __future__ import annotations

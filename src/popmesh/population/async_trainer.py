@@ -82,7 +82,7 @@ class _Combiner:
 
     def __init__(self) -> None:
         self._scratch: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]] = {}
-        self._begin((), ())
+        self._begin(())
 
     def __call__(self, per_donor: list[dict[str, np.ndarray]], weights: Any) -> dict[str, np.ndarray]:
         """All donors at once (same result as feeding them one by one)."""
@@ -93,10 +93,11 @@ class _Combiner:
 
     def begin(self, donors: int, weights: Any) -> None:
         """Start a combination of ``donors`` donors with ``weights`` (checked like ``combine``)."""
-        self._begin(tuple(_check_weights(weights, donors)), ())
+        self._begin(tuple(_check_weights(weights, donors)))
 
-    def _begin(self, weights: tuple[float, ...], given: tuple[dict[str, np.ndarray], ...]) -> None:
-        self._weights, self._given = weights, list(given)
+    def _begin(self, weights: tuple[float, ...]) -> None:
+        self._weights: tuple[float, ...] = weights
+        self._given: list[dict[str, np.ndarray]] = []
         self._sums: dict[str, np.ndarray] | None = None
         self._flat = True
 
@@ -132,7 +133,7 @@ class _Combiner:
             raise PopmeshError(f"combined {len(given)} donors, expected {len(weights)}")
         out = ({k: acc.astype(given[0][k].dtype) for k, acc in self._sums.items()}
                if self._flat and self._sums is not None else combine(given, weights))
-        self._begin((), ())
+        self._begin(())
         return out
 
     def _buffers(self, key: str, n: int) -> tuple[np.ndarray, np.ndarray]:
