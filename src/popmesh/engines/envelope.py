@@ -6,9 +6,9 @@ popmesh tag of the frame (gloo carries every tag of a sender on one internal cha
 length, the segment lengths, and the frame's first bytes inline. A frame of at most the engine's
 inline limit is the envelope alone: one engine message (MPI: :data:`INLINE_NBYTES`, so an envelope
 is at most :data:`ENVELOPE_MAX_NBYTES`; gloo, whose every message costs three socket hops and whose
-segments wait for the receiver to post them, inlines up to its posted envelope receive of 1 MiB). Buffers of 64 KiB or more that do not fit inline are
-sent as their own segments, straight from the caller's memory (no copy, and no derived datatype,
-which MPICH packs).
+segments wait for the receiver to post them, inlines up to its posted envelope receive of
+512 KiB). Buffers of 64 KiB or more that do not fit inline are sent as their own segments,
+straight from the caller's memory (no copy, and no derived datatype, which MPICH packs).
 
 Layout, little-endian: magic ``b"PMTE"``, u16 version, u16 segment count, u64 frame length,
 u32 inline length, u32 tag, u32 page offset, then one u64 length per segment, then the inline
