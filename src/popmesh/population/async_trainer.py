@@ -168,6 +168,7 @@ class _Job:
     ranks: list[int]
     metrics: dict[int, float]
     donors: list[int]  # global, in the decision's order
+    source: int | None  # global rank whose optimizer state is copied, if any
     deadline: float
     waiting: dict[int, dict[str, Any]] = field(default_factory=dict)  # arrived, not yet combined
     combined: int = 0  # donors[:combined] are in the sum
@@ -206,8 +207,10 @@ class TrainerLink:
         """Start sending one up row carrying the newest acknowledgement; the caller reaps the handle."""
         with self._up_lock:
             self._reported = max(self._reported, math.inf if kind == BYE else iteration)
-            row = up_row(kind, iteration, metric, fingerprint, self._acked)
-            return isend(row, self.coordinator, self.tags.up, group=self.world, timeout=self.timeout)
+            return self._send_row(up_row(kind, iteration, metric, fingerprint, self._acked))
+
+    def _send_row(self, row: np.ndarray) -> Any:
+        return isend(row, self.coordinator, self.tags.up, group=self.world, timeout=self.timeout)
 
     def send_up(self, kind: int, iteration: int) -> None:
         """Queue one up row (BYE; background thread)."""
@@ -218,10 +221,8 @@ class TrainerLink:
         without it (the coordinator may be waiting), else the next row carries it."""
         with self._up_lock:
             self._acked = iteration
-            at_once = self._reported > iteration
-            if at_once:
-                row = up_row(ACK, iteration, acked=iteration)
-                self._sends.append(isend(row, self.coordinator, self.tags.up, group=self.world, timeout=self.timeout))
+            if self._reported > iteration:
+                self._sends.append(self._send_row(up_row(ACK, iteration, acked=iteration)))
 
     # ---- background thread ----------------------------------------------------------------------
     def poll(self) -> bool:
@@ -256,9 +257,19 @@ class TrainerLink:
         else:
             raise PopmeshError(f"unknown message {kind!r} from the population coordinator: mixed popmesh versions?")
 
-    def _decision(self, message: dict[str, Any]) -> None:
+    def _job_of(self, message: dict[str, Any], deadline: float) -> tuple[_Job, int]:
+        """The decision in ``message`` as a job for this rank (donors empty unless it is replaced by
+        donors), and this rank's group rank in it."""
         decision, ranks = Decision.from_dict(message["decision"]), [int(r) for r in message["ranks"]]
         me = ranks.index(self.me)
+        donors = [ranks[d] for d in decision.donors.get(me, ())]
+        source = decision.copy_optimizer_from.get(me)
+        return _Job(decision, ranks, metrics_by_rank(ranks, message["metrics"]), donors,
+                    None if source is None else ranks[source], deadline), me
+
+    def _decision(self, message: dict[str, Any]) -> None:
+        job, me = self._job_of(message, math.inf)
+        decision, ranks = job.decision, job.ranks
         recipients = [ranks[r] for r in decision.recipients(me)]
         if recipients:
             snap = self._latest()
@@ -269,25 +280,19 @@ class TrainerLink:
             for dst in recipients:
                 self._sends.append(isend(payload, dst, self.tags.data, group=self.world, timeout=self.timeout,
                                          checksum=False))
-        if me in decision.replaced and not decision.donors[me]:  # reset_weights: nothing to wait for
-            job = _Job(decision, ranks, metrics_by_rank(ranks, message["metrics"]), [], math.inf)
+        if me in decision.replaced and not job.donors:  # reset_weights: nothing to wait for
             self._finish(job)
 
     def _stream(self, src: int, payload: dict[str, Any]) -> None:
         """A donor's stream: open the job on the first one, combine those whose turn has come."""
         job = self._job
         if job is None:
-            message = decision_from_bytes(payload["decision"])
-            ranks = [int(r) for r in message["ranks"]]
-            decision = Decision.from_dict(message["decision"])
-            me = ranks.index(self.me)
-            if me not in decision.replaced or not decision.donors[me]:
+            job, me = self._job_of(decision_from_bytes(payload["decision"]), time.monotonic() + self.timeout)
+            if not job.donors:
                 raise PopmeshError(f"rank {self.me} got weights from rank {src} for a decision that does not replace "
                                    "it by donors: mixed popmesh versions?")
-            donors = [ranks[d] for d in decision.donors[me]]
-            job = self._job = _Job(decision, ranks, metrics_by_rank(ranks, message["metrics"]), donors,
-                                   time.monotonic() + self.timeout)
-            self._combiner.begin(len(donors), decision.weights[me])
+            self._job = job
+            self._combiner.begin(len(job.donors), job.decision.weights[me])
         iteration = int(payload["meta"][1])
         if src not in job.missing() or iteration != job.iteration:
             raise PopmeshError(f"rank {self.me} got weights from rank {src} for decision {iteration} while combining "
@@ -302,18 +307,16 @@ class TrainerLink:
         payload = job.waiting.pop(donor)
         self._combiner.add({k[2:]: _as_numpy(v) for k, v in payload.items() if k.startswith("p/")})
         job.seen[donor] = int(payload["meta"][0])
-        source = job.decision.copy_optimizer_from[job.ranks.index(self.me)]
-        if source is not None and job.ranks[source] == donor:
+        if donor == job.source:
             job.state = {k[2:]: v for k, v in payload.items() if k.startswith("o/")}
         job.combined += 1
 
     def _finish(self, job: _Job) -> None:
         d, me = job.decision, job.ranks.index(self.me)
         combined = self._combiner.result() if job.donors else None
-        source = d.copy_optimizer_from[me]
-        self._deliver(Pending(job.iteration, tuple(job.donors), d.weights[me], combined, job.state,
-                              None if source is None else job.ranks[source], d.strategy, d.summary,
-                              d.reasons.get(me, ""), job.metrics, tuple(job.seen[g] for g in job.donors)))
+        self._deliver(Pending(job.iteration, tuple(job.donors), d.weights[me], combined, job.state, job.source,
+                              d.strategy, d.summary, d.reasons.get(me, ""), job.metrics,
+                              tuple(job.seen[g] for g in job.donors)))
         self._job = None
         self._acknowledge(job.iteration)
 
