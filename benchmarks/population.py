@@ -1,9 +1,11 @@
 """Population policies: what they add to a training step, at the same cadence (every 10 steps).
 
 4 ranks on torch/gloo (``--engine mpi``: on MPI), each training its own MLP (64 → 256 → 256 → 8,
-~84 k float32 parameters, batch 256, Adam) for a few ms per step. Contenders, each with its own model and optimizer, run
-interleaved in blocks of one cadence (10 steps), the order reversed every other round, so a noisy
-neighbour hits all of them alike:
+~84 k float32 parameters, batch 256, Adam) for a few ms per step. Contenders, each with its own model
+and optimizer, take turns, the order reversed every other round, so a noisy neighbour hits all of
+them alike. A turn is a run of 3 blocks of one cadence (10 steps); its first block is not counted:
+it absorbs what the previous contender's background threads left, so every counted block carries
+its own contender's background work and no other's:
 
   none        the bare training step
   average     AverageAll(every=10): all_reduce of the parameters every 10 steps
@@ -27,8 +29,11 @@ slowest rank, ratios to ``none``, the time spent inside the policy call per step
 cost, without waiting noise from other contenders), the 90th percentile of single steps on rank 0,
 and the replacements applied on all ranks (a sanity check that the policies act).
 
+``--every 100`` runs every policy at spawn_policy's default cadence (``--average_every 100``)
+instead; 10 is the stress setting, a decision every ~40 ms of each rank's compute.
+
 Run: .venv/bin/python benchmarks/population.py [--rounds N] [--ranks N] [--engine torch|mpi]
-(the driver launches the world)
+     [--every N] [--run N]   (the driver launches the world)
 """
 
 from __future__ import annotations
@@ -41,10 +46,12 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import launch_json, write_result  # noqa: E402
 
-EVERY, WIDTH, BATCH = 10, 256, 256
+WIDTH, BATCH = 256, 256
 ROUNDS = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 40
 RANKS = int(sys.argv[sys.argv.index("--ranks") + 1]) if "--ranks" in sys.argv else 4
 ENGINE = sys.argv[sys.argv.index("--engine") + 1] if "--engine" in sys.argv else "torch"
+EVERY = int(sys.argv[sys.argv.index("--every") + 1]) if "--every" in sys.argv else 10
+RUN = int(sys.argv[sys.argv.index("--run") + 1]) if "--run" in sys.argv else 3
 
 
 def build(seed: int):
@@ -88,12 +95,16 @@ class Contender:
         self.iteration += 1
         self.steps.append(time.perf_counter() - start)
 
-    def block(self) -> None:
-        start, cpu = time.perf_counter(), time.process_time()
+    def block(self, counted: bool = True) -> None:
+        start, cpu, steps, in_policy = time.perf_counter(), time.process_time(), len(self.steps), self.in_policy
         for _ in range(EVERY):
             self.step()
-        self.blocks.append(time.perf_counter() - start)
-        self.cpu.append(time.process_time() - cpu)
+        if counted:
+            self.blocks.append(time.perf_counter() - start)
+            self.cpu.append(time.process_time() - cpu)
+        else:  # it absorbed what the previous contender's background threads had left
+            del self.steps[steps:]
+            self.in_policy = in_policy
 
 
 def bare_policy(iteration: int, model, optimizer, metric):
@@ -130,8 +141,9 @@ def worker() -> None:
         c.in_policy = 0.0
     for r in range(ROUNDS):
         for c in contenders if r % 2 == 0 else contenders[::-1]:
-            popmesh.barrier()  # every block starts with all ranks computing (2 shared cores here)
-            c.block()
+            for b in range(RUN):
+                popmesh.barrier()  # every block starts with all ranks computing (2 shared cores here)
+                c.block(counted=b > 0)
     for c in contenders:
         if hasattr(c.policy, "shutdown"):
             c.policy.shutdown(timeout=60)
@@ -156,7 +168,7 @@ def report(rows: dict) -> None:
     cpu = rows["none"]["cpu"]
     engine = "torch/gloo" if ENGINE == "torch" else ENGINE
     print(f"\n{engine}, {RANKS} ranks, MLP 64-{WIDTH}-{WIDTH}-8 (batch {BATCH}, Adam), policy every {EVERY} "
-          f"steps, {ROUNDS} rounds")
+          f"steps, {ROUNDS} rounds of {RUN}-block turns (first block not counted)")
     print(f"{'contender':12} {'world step':>11} {'/ none':>8} {'step, rank 0':>13} {'/ none':>8} {'slowest rank':>13} "
           f"{'/ none':>8} {'CPU/block':>10} {'/ none':>8} {'in policy':>10} {'p90 step r0':>12} {'replaced':>9}")
     for name, row in rows.items():
@@ -168,7 +180,10 @@ def report(rows: dict) -> None:
 
 
 def main() -> None:
-    args = ["--worker", "--rounds", str(ROUNDS)]
+    if RUN < 2 or EVERY < 1 or ROUNDS < 1:
+        sys.exit(f"--run must be >= 2 (its first block is not counted), --every and --rounds >= 1; got "
+                 f"--run {RUN} --every {EVERY} --rounds {ROUNDS}")
+    args = ["--worker", "--rounds", str(ROUNDS), "--run", str(RUN), "--every", str(EVERY)]
     report(launch_json(os.path.abspath(__file__), RANKS, ENGINE, *args, timeout=900))
 
 

@@ -50,6 +50,7 @@ from popmesh.population.model_state import (
     model_tensors,
     optimizer_tensors,
     pack_bytes,
+    refresh_,
     snapshot,
     to_numpy,
     unpack_bytes,
@@ -107,6 +108,25 @@ def test_snapshot_is_a_copy_and_load_writes_back_in_place():
     ident = id(model.b)
     load_(tensors, flat)
     assert id(model.b) == ident and torch.equal(model.b, torch.arange(4, dtype=torch.float64))
+
+
+def test_snapshot_packs_interleaved_dtypes_in_layout_order_and_refresh_reuses_its_buffers():
+    model = Mixed()  # float32 (a.weight, a.bias), float64 (b), bfloat16 (c), float32 again (norm)
+    tensors = model_tensors(model, include_buffers=True)
+    layout = layout_of(tensors)
+    flat = snapshot(tensors, layout)
+    for e in layout.entries:
+        got = flat.buffers[e.dtype][e.offset:e.offset + e.numel]
+        assert torch.equal(got, tensors[e.name].detach().reshape(-1)), e.name
+    assert not any(b.requires_grad for b in flat.buffers.values()), "a snapshot must not hold an autograd graph"
+    assert layout.names_by_dtype["float32"][-1] == "buffer:norm.running_var"
+    before = {dt: b.data_ptr() for dt, b in flat.buffers.items()}
+    with torch.no_grad():
+        model.a.weight.fill_(7.0)
+    refresh_(flat, tensors)
+    assert {dt: b.data_ptr() for dt, b in flat.buffers.items()} == before
+    assert torch.equal(flat.buffers["float32"][:6], torch.full((6,), 7.0))
+    assert layout.fingerprint() == layout_of(model_tensors(Mixed(), include_buffers=True)).fingerprint()
 
 
 def test_pack_and_unpack_bytes_round_trip_mixed_dtypes():

@@ -59,26 +59,20 @@ class Envelope(NamedTuple):
 
 
 def plan_frame(parts: list[np.ndarray], tag: int,
-               inline_nbytes: int = INLINE_NBYTES) -> tuple[bytearray, list[np.ndarray]]:
+               inline_nbytes: int = INLINE_NBYTES) -> tuple[np.ndarray | bytearray, list[np.ndarray]]:
     """The envelope (a new, writable buffer) and payload segments that carry ``parts`` (flat uint8 arrays) on ``tag``.
 
     A frame of at most ``inline_nbytes`` goes inline whole; otherwise leading parts that fit go
     inline, parts of 64 KiB or more become their own segment (no copy), runs of smaller parts are
     joined into one segment; at most :data:`MAX_SEGMENTS` segments.
     """
-    if len(parts) == 1 and parts[0].size <= inline_nbytes:  # the common small frame: the envelope alone
-        part = parts[0]
-        env = bytearray(HEADER_NBYTES + part.size)
-        _HEAD.pack_into(env, 0, _MAGIC, _VERSION, 0, part.size, part.size, tag, 0)
-        env[HEADER_NBYTES:] = part.data
-        return env, []
     total = sum(p.size for p in parts)
-    if total <= inline_nbytes:  # several parts, inline whole: one copy of each into the envelope
-        env = bytearray(HEADER_NBYTES + total)
+    if total <= inline_nbytes:  # inline whole: one copy of each part into an envelope not zero-filled first
+        env = np.empty(HEADER_NBYTES + total, dtype=np.uint8)
         _HEAD.pack_into(env, 0, _MAGIC, _VERSION, 0, total, total, tag, 0)
-        view, pos = memoryview(env), HEADER_NBYTES
+        pos = HEADER_NBYTES
         for part in parts:
-            view[pos:pos + part.size] = part.data
+            env[pos:pos + part.size] = part
             pos += part.size
         return env, []
     count = len(parts)

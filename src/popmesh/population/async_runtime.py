@@ -8,9 +8,11 @@ and reaping sends every :data:`_TOLD_IDLE_S` seconds. With more ranks than cores
 that thread takes the GIL and CPU from training: polling from 0.5 ms cost more than all its real
 work, and waking it to send the metric row stalled the main thread for the whole wake-up (so the
 main thread sends the row, ~20 us). Elsewhere (MPI) it polls, sleeping with a back-off between
-2 ms and ``poll_interval`` when idle: a decision a few milliseconds later costs nothing, and with
-the back-off starting at 0.5 ms after every message (20 ms idle) the policy added 7.5-7.7 % to a
-4-rank, 2-core MPI world's step, against 1-5 % now (benchmarks/population.py, two runs each).
+5 ms and ``poll_interval`` when idle: a decision a few milliseconds later costs nothing, while a
+poll costs ~0.1-0.2 ms of CPU when it runs cold between training steps. Starting the back-off at
+5 ms instead of 2 ms took a 4-rank, 2-core MPI world from 7-10 polls per rank and decision to 5-7,
+and the thread's CPU per decision from 12-14 ms to ~10 ms (in-situ thread clocks; 0.5 ms, the
+first setting, cost more than the thread's real work).
 Only a received message, a BYE sent or a finished replacement count as progress (a completed send
 does not: it creates no follow-up work), so a completed send does not restart the back-off.
 """
@@ -32,7 +34,7 @@ from popmesh.world import World
 
 __all__ = ["Runtime", "surface"]
 
-_MIN_PAUSE = 2e-3
+_MIN_PAUSE = 5e-3
 _TOLD_IDLE_S = 0.25
 _GRACE = 2.0
 

@@ -75,10 +75,15 @@ class Layout:
             used[dtype] = used.get(dtype, 0) + numel
         return cls(tuple(entries))
 
-    @property
+    @functools.cached_property
     def dtypes(self) -> tuple[str, ...]:
         """The dtypes present, in order of first appearance."""
         return tuple(dict.fromkeys(e.dtype for e in self.entries))
+
+    @functools.cached_property
+    def names_by_dtype(self) -> dict[str, tuple[str, ...]]:
+        """``dtype -> names`` in buffer order (cached: snapshots ask for it every decision)."""
+        return {dt: tuple(e.name for e in self.entries if e.dtype == dt) for dt in self.dtypes}
 
     def numel(self, dtype: str) -> int:
         """Elements of the flat buffer of ``dtype``."""
@@ -101,6 +106,10 @@ class Layout:
 
     def fingerprint(self) -> int:
         """A 52-bit hash of names, dtypes and shapes: exact as a float64, equal iff layouts match."""
+        return self._fingerprint
+
+    @functools.cached_property
+    def _fingerprint(self) -> int:
         text = ";".join(f"{e.name}:{e.dtype}:{e.shape}" for e in self.entries)
         return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 12
 
@@ -180,9 +189,9 @@ def refresh_(flat: FlatState, tensors: Mapping[str, Any]) -> FlatState:
     """Copy the current values of ``tensors`` into ``flat``'s buffers (no allocation)."""
     torch = _torch()
     _check_same(flat.layout, tensors)
-    with torch.no_grad():
-        for e in flat.layout.entries:
-            flat.buffers[e.dtype][e.offset:e.offset + e.numel].copy_(tensors[e.name].reshape(-1))
+    with torch.no_grad():  # one cat per dtype: a snapshot runs between training steps, cold
+        for dt, names in flat.layout.names_by_dtype.items():
+            torch.cat([tensors[n].reshape(-1) for n in names], out=flat.buffers[dt])
     return flat
 
 
