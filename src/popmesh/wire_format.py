@@ -177,12 +177,14 @@ def frame_nbytes(parts: Sequence[bytes | memoryview]) -> int:
     return sum(len(_as_bytes_view(p)) for p in parts)
 
 
-def join_frame(parts: Sequence[bytes | memoryview]) -> np.ndarray:
-    """Copy the buffers of :func:`popmesh.wire.encode` into one contiguous uint8 numpy array (one copy)."""
-    views = [_as_bytes_view(p) for p in parts]
-    out = np.empty(sum(len(v) for v in views), dtype=np.uint8)
+def join_frame(parts: Sequence[Any]) -> np.ndarray:
+    """Copy byte buffers (those :func:`popmesh.wire.encode` returns, or flat uint8 arrays) into one
+    new contiguous, writable uint8 numpy array (one copy)."""
+    arrays = [p if isinstance(p, np.ndarray) and p.dtype == np.uint8 and p.ndim == 1
+              else np.frombuffer(_as_bytes_view(p), dtype=np.uint8) for p in parts]
+    out = np.empty(sum(a.size for a in arrays), dtype=np.uint8)
     pos = 0
-    for view in views:
-        out[pos:pos + len(view)] = np.frombuffer(view, dtype=np.uint8)
-        pos += len(view)
+    for a in arrays:
+        out[pos:pos + a.size] = a
+        pos += a.size
     return out

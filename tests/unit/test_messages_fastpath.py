@@ -11,7 +11,7 @@ import pytest
 from popmesh import MessageError
 from popmesh import wire
 from popmesh.engines.envelope import INLINE_NBYTES, parse_envelope, plan_frame
-from popmesh.engines.p2p_base import frame_parts, join_parts
+from popmesh.engines.p2p_base import frame_parts
 from popmesh.wire import SMALL_FRAME_NBYTES, decode, encode, encode_message, join_frame
 
 SMALL = [
@@ -139,7 +139,7 @@ def test_corrupt_small_envelope_is_refused():
 def test_frame_parts_of_a_small_frame():
     frame = encode_message(np.ones(2))
     parts = frame_parts(frame)
-    assert len(parts) == 1 and parts[0].dtype == np.uint8 and join_parts(parts).tobytes() == frame
+    assert len(parts) == 1 and parts[0].dtype == np.uint8 and join_frame(parts).tobytes() == frame
 
 
 def test_read_header_kinds_are_enum_members():

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import popmesh
 from popmesh import CommTimeout, ConfigError, MessageError
 from popmesh import messages as m
-from popmesh.engines.p2p_base import BufferPool, LoopbackP2P, P2PBase, frame_parts, join_parts
+from popmesh.engines.p2p_base import BufferPool, LoopbackP2P, P2PBase, frame_parts
 from popmesh.engines.envelope import (ENVELOPE_MAX_NBYTES, GOODBYE_TAG, HEADER_NBYTES, INLINE_NBYTES, MAX_SEGMENTS, PAGE_NBYTES,
                                       goodbye_envelope, parse_envelope, plan_frame)
 from popmesh.wire import encode, join_frame
@@ -153,7 +153,7 @@ def test_envelope_plan_round_trips(sizes, tag):
     parts = [np.full(n, i % 251, dtype=np.uint8) for i, n in enumerate(sizes)]
     env, segments = plan_frame(parts, tag)
     assert HEADER_NBYTES <= len(env) <= ENVELOPE_MAX_NBYTES
-    assert np.array_equal(reassemble(env, segments, tag), join_parts(parts) if parts else np.empty(0, np.uint8))
+    assert np.array_equal(reassemble(env, segments, tag), join_frame(parts) if parts else np.empty(0, np.uint8))
 
 
 def test_a_frame_of_several_parts_that_fits_is_one_inline_envelope():
@@ -258,7 +258,7 @@ def test_parse_envelope_rejects_wrong_sizes():
 def test_frame_parts_accepts_every_buffer_kind():
     parts = frame_parts([b"ab", bytearray(b"c"), memoryview(b"de"), np.arange(2, dtype=np.int16),
                          np.arange(6, dtype=np.uint8).reshape(2, 3)[:, ::2]])
-    assert join_parts(parts).tobytes() == b"abcde" + np.arange(2, dtype=np.int16).tobytes() + bytes([0, 2, 3, 5])
+    assert join_frame(parts).tobytes() == b"abcde" + np.arange(2, dtype=np.int16).tobytes() + bytes([0, 2, 3, 5])
 
 
 def test_loopback_refuses_other_ranks():

@@ -30,7 +30,8 @@ from typing import NamedTuple
 import numpy as np
 
 from ..errors import MessageError
-from .p2p_base import PAGE_NBYTES, join_parts
+from ..wire_format import join_frame
+from .p2p_base import PAGE_NBYTES
 
 __all__ = [
     "ENVELOPE_MAX_NBYTES", "GOODBYE_TAG", "HEADER_NBYTES", "INLINE_NBYTES", "MAX_SEGMENTS", "PAGE_NBYTES", "Envelope",
@@ -100,15 +101,15 @@ def _segments(parts: list[np.ndarray]) -> list[np.ndarray]:
     for p in parts:
         if p.size >= _ZERO_COPY_MIN:
             if run:
-                segments.append(join_parts(run))
+                segments.append(join_frame(run))
                 run = []
             segments.append(p)
         elif p.size:
             run.append(p)
     if run:
-        segments.append(join_parts(run))
+        segments.append(join_frame(run))
     if len(segments) > MAX_SEGMENTS:
-        segments = segments[:MAX_SEGMENTS - 1] + [join_parts(segments[MAX_SEGMENTS - 1:])]
+        segments = segments[:MAX_SEGMENTS - 1] + [join_frame(segments[MAX_SEGMENTS - 1:])]
     return segments
 
 

@@ -23,17 +23,18 @@ import sys
 import threading
 import weakref
 from collections import deque
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection
 from typing import Any, Protocol
 
 import numpy as np
 
 from ..errors import CommTimeout, ConfigError
+from ..wire_format import join_frame
 from .base import poll_until
 
 __all__ = [
     "TAG_LIMIT", "Frame", "Item", "SendRequest", "SentRequest", "RecvRequest", "P2PBase", "LoopbackP2P",
-    "BufferPool", "PAGE_NBYTES", "frame_parts", "join_parts",
+    "BufferPool", "PAGE_NBYTES", "frame_parts",
 ]
 
 TAG_LIMIT = 1 << 15  # the MPI standard guarantees tags up to 32767 on every implementation
@@ -58,16 +59,6 @@ def frame_parts(frame: Frame) -> list[np.ndarray]:
             view = memoryview(view.tobytes())
         parts.append(np.frombuffer(view.cast("B") if view.format != "B" or view.ndim != 1 else view, np.uint8))
     return parts
-
-
-def join_parts(parts: Sequence[np.ndarray]) -> np.ndarray:
-    """One new contiguous, writable uint8 array holding ``parts`` back to back."""
-    out = np.empty(sum(p.size for p in parts), dtype=np.uint8)
-    pos = 0
-    for p in parts:
-        out[pos:pos + p.size] = p
-        pos += p.size
-    return out
 
 
 class BufferPool:
@@ -183,7 +174,7 @@ class P2PBase:
         self._check(dst, tag, "dst")
         parts = frame_parts(frame)
         if dst == self.rank:
-            self._deliver_local(tag, join_parts(parts))
+            self._deliver_local(tag, join_frame(parts))
             return SentRequest()
         return self._post_send(parts, dst, tag)
 

@@ -22,12 +22,12 @@ from ..errors import CommTimeout, ConfigError, EngineUnavailable, PeerFailure, P
 from ..ops import ReduceOp
 from .base import GroupSpec, timeout_message
 from .interop import numpy_to_torch, torch_to_numpy
+from .torch_p2p_send import is_gone
 
 __all__ = ["TorchEngine"]
 
 _NARROW_INTS: tuple[Any, ...] = ()
 _KEEP_FINISHED_WORKS = 4
-_PEER_GONE = ("Connection closed", "Connection reset", "Broken pipe", "Socket closed", "connection refused")
 
 
 def _import_dist() -> Any:
@@ -221,7 +221,7 @@ class TorchEngine:
         if "timed out" in text.lower() or "timeout" in text.lower():
             missing = self._missing_ranks(group, timeout)
             raise CommTimeout(timeout_message(what, timeout, group.spec, missing), missing) from e
-        if any(marker.lower() in text.lower() for marker in _PEER_GONE):
+        if is_gone(e):
             raise PeerFailure(f"{what}: a peer closed its connection (did a rank die?): {text}") from e
         raise PopmeshError(
             f"{what} failed in torch.distributed: {text}. If ranks passed different shapes or dtypes, "
