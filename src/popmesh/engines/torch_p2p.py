@@ -126,7 +126,7 @@ class _Pump:
                 return self._end(PeerFailure(f"rank {peer} closed its point-to-point transport (it finalized its "
                                              "world or exited): it sends nothing more", (peer,)))
             item = owner._receive_rest(envelope, peer)
-            if item[1] is envelope.inline:  # handed over: post a buffer nobody holds in its place
+            if _hands_over(envelope):  # the payload keeps ``buf``: post a buffer nobody holds in its place
                 buf = owner._envelopes.take(GLOO_ENVELOPE_NBYTES)
             with self._lock:
                 self._spare.append(buf)
@@ -141,6 +141,11 @@ class _Pump:
         """No thread waits on this peer's receives any more (those still posted are left to gloo)."""
         self.ended = True
         self.owner._end_pump(self.peer, why)
+
+
+def _hands_over(envelope: Any) -> bool:
+    """Whether a received frame is given to the receiver in its posted buffer (large, all inline)."""
+    return not envelope.lengths and envelope.inline.size >= HANDOVER_NBYTES
 
 
 class TorchP2P(P2PBase):
@@ -331,7 +336,7 @@ class TorchP2P(P2PBase):
 
     def _receive_rest(self, envelope: Any, src: int) -> Item:
         if not envelope.lengths:
-            if envelope.inline.size >= HANDOVER_NBYTES:
+            if _hands_over(envelope):
                 return src, envelope.inline  # the pump posts another buffer instead of this one
             return src, envelope.inline.copy()  # the receive buffer is reused for the next envelope
         buf = self._pool.take(envelope.total, envelope.inline.size, envelope.page_offset)
