@@ -1,4 +1,4 @@
-"""Population policies: what they add to a training step, at the same cadence (every 10 steps).
+"""Population policies: what they add to a training step, at the same cadence (every 10 steps unless --every).
 
 4 ranks on torch/gloo (``--engine mpi``: on MPI), each training its own MLP (64 → 256 → 256 → 8,
 ~84 k float32 parameters, batch 256, Adam) for a few ms per step. Contenders, each with its own model

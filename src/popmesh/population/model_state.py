@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -81,9 +82,9 @@ class Layout:
         return tuple(dict.fromkeys(e.dtype for e in self.entries))
 
     @functools.cached_property
-    def names_by_dtype(self) -> dict[str, tuple[str, ...]]:
-        """``dtype -> names`` in buffer order (cached: snapshots ask for it every decision)."""
-        return {dt: tuple(e.name for e in self.entries if e.dtype == dt) for dt in self.dtypes}
+    def names_by_dtype(self) -> Mapping[str, tuple[str, ...]]:
+        """``dtype -> names`` in buffer order (read-only, cached: snapshots ask for it every decision)."""
+        return types.MappingProxyType({dt: tuple(e.name for e in self.entries if e.dtype == dt) for dt in self.dtypes})
 
     def numel(self, dtype: str) -> int:
         """Elements of the flat buffer of ``dtype``."""
