@@ -84,13 +84,6 @@ class _Combiner:
         self._scratch: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]] = {}
         self._begin(())
 
-    def __call__(self, per_donor: list[dict[str, np.ndarray]], weights: Any) -> dict[str, np.ndarray]:
-        """All donors at once (same result as feeding them one by one)."""
-        self.begin(len(per_donor), weights)
-        for arrays in per_donor:
-            self.add(arrays)
-        return self.result()
-
     def begin(self, donors: int, weights: Any) -> None:
         """Start a combination of ``donors`` donors with ``weights`` (checked like ``combine``)."""
         self._begin(tuple(_check_weights(weights, donors)))
