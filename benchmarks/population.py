@@ -144,8 +144,8 @@ class RawStreams:
             import torch.distributed as dist
 
             self._comm, self._group = None, dist.new_group(list(range(size)))
-        self._n = sum(p.numel() for p in build(0)[0].parameters())
-        self._bufs = [torch.empty(self._n) for _ in range(size)]
+        numel = sum(p.numel() for p in build(0)[0].parameters())
+        self._bufs = [torch.empty(numel) for _ in range(size)]
         self._thread = threading.Thread(target=self._receive, args=(decisions,), daemon=True)
         self._thread.start()
 

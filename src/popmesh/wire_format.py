@@ -177,13 +177,14 @@ def frame_nbytes(parts: Sequence[bytes | memoryview]) -> int:
     return sum(len(_as_bytes_view(p)) for p in parts)
 
 
-def join_frame(parts: Sequence[Any]) -> np.ndarray:
+def join_frame(parts: Sequence[Any], head: int = 0) -> np.ndarray:
     """Copy byte buffers (those :func:`popmesh.wire.encode` returns, or flat uint8 arrays) into one
-    new contiguous, writable uint8 numpy array (one copy)."""
+    new contiguous, writable uint8 numpy array (one copy), after ``head`` bytes left for the caller
+    to fill (not zeroed)."""
     arrays = [p if isinstance(p, np.ndarray) and p.dtype == np.uint8 and p.ndim == 1
               else np.frombuffer(_as_bytes_view(p), dtype=np.uint8) for p in parts]
-    out = np.empty(sum(a.size for a in arrays), dtype=np.uint8)
-    pos = 0
+    out = np.empty(head + sum(a.size for a in arrays), dtype=np.uint8)
+    pos = head
     for a in arrays:
         out[pos:pos + a.size] = a
         pos += a.size

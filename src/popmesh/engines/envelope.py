@@ -68,20 +68,14 @@ def plan_frame(parts: list[np.ndarray], tag: int,
     joined into one segment; at most :data:`MAX_SEGMENTS` segments.
     """
     total = sum(p.size for p in parts)
-    if total <= inline_nbytes:  # inline whole: one copy of each part into an envelope not zero-filled first
-        env = np.empty(HEADER_NBYTES + total, dtype=np.uint8)
+    if total <= inline_nbytes:  # inline whole: one copy of each part, after a header left unzeroed
+        env = join_frame(parts, head=HEADER_NBYTES)
         _HEAD.pack_into(env, 0, _MAGIC, _VERSION, 0, total, total, tag, 0)
-        pos = HEADER_NBYTES
-        for part in parts:
-            env[pos:pos + part.size] = part
-            pos += part.size
         return env, []
-    count = len(parts)
-    if total > inline_nbytes:
-        count, used = 0, 0
-        while count < len(parts) and used + parts[count].size <= inline_nbytes:
-            used += parts[count].size
-            count += 1
+    count, used = 0, 0  # leading parts that fit inline
+    while count < len(parts) and used + parts[count].size <= inline_nbytes:
+        used += parts[count].size
+        count += 1
     segments = _segments(parts[count:])
     inline = [p.tobytes() for p in parts[:count]]
     page_offset = segments[0].ctypes.data % PAGE_NBYTES if segments else 0
