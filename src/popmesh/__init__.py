@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .errors import (
+from popmesh.core.errors import (
     CollectiveMismatch,
     CommTimeout,
     ConfigError,
@@ -24,16 +24,16 @@ from .errors import (
 __version__ = "0.1.0"
 
 _LAZY = {
-    "collectives": (
+    "comm.collectives": (
         "all_reduce", "all_reduce_", "all_gather", "all_gather_ragged", "broadcast", "broadcast_", "gather",
         "reduce_scatter", "barrier", "all_gather_object", "broadcast_object", "gather_object",
     ),
-    "asynchronous": ("all_reduce_async", "all_reduce_async_", "AsyncHandle"),
-    "messages": ("send", "recv", "isend", "irecv", "SendHandle", "RecvHandle"),
-    "context": ("DistributedContext", "make_context"),
-    "timing": ("gather_timings", "report_time_info", "report_load_imbalance"),
-    "ops": ("ReduceOp",),
-    "world": ("init", "finalize", "current_world", "World", "Group"),
+    "comm.asynchronous": ("all_reduce_async", "all_reduce_async_", "AsyncHandle"),
+    "comm.messages": ("send", "recv", "isend", "irecv", "SendHandle", "RecvHandle"),
+    "topology.roles": ("DistributedContext", "make_context"),
+    "observe.timing": ("gather_timings", "report_time_info", "report_load_imbalance"),
+    "core.ops": ("ReduceOp",),
+    "comm.world": ("init", "finalize", "current_world", "World", "Group"),
 }
 _HOME = {name: module for module, names in _LAZY.items() for name in names}
 

@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import popmesh.jax as pj
-from popmesh.errors import ConfigError
+from popmesh.core.errors import ConfigError
 
 N = 8
 RANK_PLUS_ONE = np.arange(1, N + 1, dtype=np.float32)

@@ -14,7 +14,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import popmesh.jax as pj
-from popmesh.errors import ConfigError
+from popmesh.core.errors import ConfigError
 
 N = 8
 

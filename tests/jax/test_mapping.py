@@ -10,7 +10,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import popmesh.jax as pj
-from popmesh.errors import ConfigError
+from popmesh.core.errors import ConfigError
 
 POP = 16  # two members per device
 

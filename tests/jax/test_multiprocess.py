@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from popmesh.errors import ConfigError
+from popmesh.core.errors import ConfigError
 
 WORKER = Path(__file__).parent / "workers" / "multiprocess_worker.py"
 

@@ -12,7 +12,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import popmesh.jax as pj
-from popmesh.errors import ConfigError
+from popmesh.core.errors import ConfigError
 from popmesh.population.combine import averaging_weights
 from popmesh.population.selection import donors_all_others, worst_by_ratio
 

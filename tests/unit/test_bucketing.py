@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from popmesh.bucketing import (
+from popmesh.torch.bucketing import (
     DEFAULT_CAP_BYTES,
     BucketPlan,
     ParamSpec,
@@ -17,7 +17,7 @@ from popmesh.bucketing import (
     plan_buckets,
     plan_differs,
 )
-from popmesh.errors import ConfigError
+from popmesh.core.errors import ConfigError
 
 FAST = settings(max_examples=80, deadline=None)
 

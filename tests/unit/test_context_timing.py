@@ -8,8 +8,8 @@ import pytest
 
 import popmesh
 from popmesh import ConfigError
-from popmesh.reports import ImbalanceReport, TimeReport, Timer
-from popmesh.topology import RankLayout
+from popmesh.observe.reports import ImbalanceReport, TimeReport, Timer
+from popmesh.topology.layout import RankLayout
 
 
 @pytest.fixture(scope="module")

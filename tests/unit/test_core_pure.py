@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 
 import popmesh
-from popmesh.arrays import dtype_name, flatten, restore_scalar, unflatten
-from popmesh.errors import ConfigError, MessageError
-from popmesh.fusion import apply_fused, fuse_groups
-from popmesh.objects import decode_object, encode_object
-from popmesh.ops import ReduceOp
+from popmesh.core.arrays import dtype_name, flatten, restore_scalar, unflatten
+from popmesh.core.errors import ConfigError, MessageError
+from popmesh.comm.fusion import apply_fused, fuse_groups
+from popmesh.wire.objects import decode_object, encode_object
+from popmesh.core.ops import ReduceOp
 
 Pair = namedtuple("Pair", "a b")
 

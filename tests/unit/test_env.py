@@ -2,8 +2,8 @@
 
 import pytest
 
-from popmesh.env import detect_engine, read_check, read_timeout, read_torch_env
-from popmesh.errors import ConfigError
+from popmesh.core.launch_env import detect_engine, read_check, read_timeout, read_torch_env
+from popmesh.core.errors import ConfigError
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from popmesh.errors import ConfigError, EngineUnavailable, PeerFailure
+from popmesh.core.errors import ConfigError, EngineUnavailable, PeerFailure
 from popmesh.launch import cli, errorfile
 from popmesh.launch.api import launch
 from popmesh.launch.fork import fork, in_launched_world, parse_invocation

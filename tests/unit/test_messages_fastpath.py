@@ -161,7 +161,7 @@ def test_the_checksum_option_reaches_large_frames_and_small_ones_keep_theirs():
 
 def test_messages_take_the_checksum_option_in_a_world_of_one():
     import popmesh
-    from popmesh.messages import isend
+    from popmesh.comm.messages import isend
 
     world = popmesh.init("local")
     try:

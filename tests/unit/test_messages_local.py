@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import popmesh
 from popmesh import CommTimeout, ConfigError, MessageError
-from popmesh import messages as m
+from popmesh.comm import messages as m
 from popmesh.engines.p2p_base import BufferPool, LoopbackP2P, P2PBase, frame_parts
 from popmesh.engines.envelope import (ENVELOPE_MAX_NBYTES, GOODBYE_TAG, HEADER_NBYTES, INLINE_NBYTES, MAX_SEGMENTS, PAGE_NBYTES,
                                       goodbye_envelope, parse_envelope, plan_frame)

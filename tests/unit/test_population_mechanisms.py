@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from popmesh.errors import ConfigError, PopmeshError
-from popmesh.messages import POPULATION_TAGS
+from popmesh.core.errors import ConfigError, PopmeshError
+from popmesh.comm.messages import POPULATION_TAGS
 from popmesh.population import (
     AsyncSelectiveAveraging,
     AverageAll,

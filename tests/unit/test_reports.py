@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from popmesh.errors import ConfigError
-from popmesh.reports import (
+from popmesh.core.errors import ConfigError
+from popmesh.observe.reports import (
     ImbalanceReport,
     TimeReport,
     Timer,
@@ -193,7 +193,7 @@ def test_save_chart_writes_png(tmp_path):
 
 
 def test_import_starts_nothing_heavy():
-    code = ("import sys, popmesh.reports, popmesh.bucketing, popmesh.population; "
+    code = ("import sys, popmesh.observe.reports, popmesh.torch.bucketing, popmesh.population; "
             "heavy = {'matplotlib', 'rich', 'torch'} & set(sys.modules); assert not heavy, heavy")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 

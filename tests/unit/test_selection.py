@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from popmesh.errors import ConfigError
+from popmesh.core.errors import ConfigError
 from popmesh.population import (
     DEFAULT_OPTIMIZER_POLICY,
     Decision,

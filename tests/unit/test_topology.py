@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from popmesh.errors import ConfigError
-from popmesh.topology import LayoutWarning, RankLayout
+from popmesh.core.errors import ConfigError
+from popmesh.topology.layout import LayoutWarning, RankLayout
 
 
 def check_invariants(layout: RankLayout) -> None:

@@ -1,4 +1,4 @@
-"""popmesh.torch and popmesh.stats in a world of one: layouts, views, hooks, re-planning, types.
+"""popmesh.torch and popmesh.observe.stats in a world of one: layouts, views, hooks, re-planning, types.
 
 Cross-rank behaviour is tested on real worlds in tests/world/; here the collectives are the identity,
 so every check is about what happens on one rank.
@@ -20,8 +20,8 @@ torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 
 import popmesh.torch.sync as sync_module  # noqa: E402
-from popmesh.errors import ConfigError  # noqa: E402
-from popmesh.stats import (  # noqa: E402
+from popmesh.core.errors import ConfigError  # noqa: E402
+from popmesh.observe.stats import (  # noqa: E402
     dist_avg,
     dist_op,
     dist_statistics_scalar,
@@ -278,7 +278,7 @@ def test_gather_rows_of_lists_and_errors():
 
 
 def test_setup_distributed_prints_once():
-    import popmesh.stats as stats
+    import popmesh.observe.stats as stats
 
     stats._ANNOUNCED = False
     threads = torch.get_num_threads()

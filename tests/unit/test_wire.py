@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from popmesh import wire
-from popmesh.errors import MessageError
+from popmesh.wire import encoding as wire_encode
+from popmesh.core.errors import MessageError
 from popmesh.wire import CHECKSUM_AUTO_LIMIT, DTYPE_CODES, Kind, decode, encode, join_frame, read_header
 
 try:
@@ -240,7 +241,7 @@ def test_unpicklable_object_raises_message_error():
 
 
 def test_unpickling_failure_raises_message_error():
-    bogus = wire._frame(Kind.PICKLE, 0, 0, (), [b"\x80\x05not a pickle"], True)
+    bogus = wire_encode._frame(Kind.PICKLE, 0, 0, (), [b"\x80\x05not a pickle"], True)
     with pytest.raises(MessageError, match="cannot unpickle"):
         decode(bogus, allow_pickle=True)
 
@@ -472,7 +473,7 @@ def test_malformed_batch_index(index, match):
 def test_batch_entry_must_be_an_array_frame():
     inner = join_frame(encode(b"12345678", checksum=False)).tobytes()
     index = b'{"keys":["a"]}'.ljust(16)
-    bogus = join_frame(wire._frame(Kind.DICT, 0, 0, (16,), [index, inner], True)).tobytes()
+    bogus = join_frame(wire_encode._frame(Kind.DICT, 0, 0, (16,), [index, inner], True)).tobytes()
     with pytest.raises(MessageError, match="is a BYTES frame, not an array"):
         decode(bogus)
 

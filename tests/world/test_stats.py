@@ -1,4 +1,4 @@
-"""popmesh.stats on real worlds: local (1 rank), torch/gloo and MPI at 2 and 3 ranks."""
+"""popmesh.observe.stats on real worlds: local (1 rank), torch/gloo and MPI at 2 and 3 ranks."""
 
 import pytest
 

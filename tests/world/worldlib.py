@@ -23,7 +23,7 @@ def checks_of(module) -> list[str]:
 
 def main(**init_kwargs) -> None:
     import popmesh
-    from popmesh.errors import CommTimeout, PeerFailure
+    from popmesh.core.errors import CommTimeout, PeerFailure
 
     world = popmesh.init(**init_kwargs)
     results: dict[str, str] = {}

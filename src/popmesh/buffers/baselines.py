@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ..errors import ConfigError
+from popmesh.core.errors import ConfigError
 
 __all__ = ["BASELINE_STRATEGIES", "Strategy", "check_strategy", "batch_min", "update_ema", "local_baseline",
            "choose_baseline", "reduce_baselines", "keep_mask"]

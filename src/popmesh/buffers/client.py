@@ -20,14 +20,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import messages
-from ..errors import ConfigError, PopmeshError
-from ..world import Comm, resolve_group
-from .baselines import keep_mask
-from .manager import Outgoing, send_outgoing
-from .protocol import (COORDINATOR_TAG, METADATA_TAG, REQUEST_TAG, SCORE_TAG, STATS_TAG, Message, MessageType,
+from popmesh.comm import messages
+from popmesh.core.errors import ConfigError, PopmeshError
+from popmesh.comm.world import Comm, resolve_group
+from popmesh.buffers.baselines import keep_mask
+from popmesh.buffers.manager import Outgoing, send_outgoing
+from popmesh.buffers.protocol import (COORDINATOR_TAG, METADATA_TAG, REQUEST_TAG, SCORE_TAG, STATS_TAG, Message, MessageType,
                        batch_size, from_payload)
-from .store import LocalStore, concat_batches, select_rows, to_numpy
+from popmesh.buffers.store import LocalStore, concat_batches, select_rows, to_numpy
 
 __all__ = ["ReplayBufferClient", "MODES"]
 
@@ -63,7 +63,7 @@ class ReplayBufferClient:
 
     @classmethod
     def from_context(cls, ctx: Any, **options: Any) -> ReplayBufferClient:
-        """The client of this training rank of a :class:`~popmesh.context.DistributedContext`."""
+        """The client of this training rank of a :class:`~popmesh.topology.roles.DistributedContext`."""
         if not ctx.is_training_rank():
             raise ConfigError(f"rank {ctx.my_rank} is not a training rank")
         options.setdefault("coordinator_rank", ctx.coordinator_rank)

@@ -18,12 +18,12 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from .. import messages
-from ..errors import CommTimeout, ConfigError
-from ..world import Comm, resolve_group
-from .baselines import reduce_baselines
-from .manager import Outgoing, send_outgoing
-from .protocol import COORDINATOR_TAG, REQUEST_TAG, STATS_TAG, Message, MessageType, ProtocolError, from_payload
+from popmesh.comm import messages
+from popmesh.core.errors import CommTimeout, ConfigError
+from popmesh.comm.world import Comm, resolve_group
+from popmesh.buffers.baselines import reduce_baselines
+from popmesh.buffers.manager import Outgoing, send_outgoing
+from popmesh.buffers.protocol import COORDINATOR_TAG, REQUEST_TAG, STATS_TAG, Message, MessageType, ProtocolError, from_payload
 
 __all__ = ["Coordinator"]
 
@@ -50,7 +50,7 @@ class Coordinator:
 
     @classmethod
     def from_context(cls, ctx: Any, **options: Any) -> Coordinator:
-        """The coordinator of a :class:`~popmesh.context.DistributedContext` (run it on the coordinator rank)."""
+        """The coordinator of a :class:`~popmesh.topology.roles.DistributedContext` (run it on the coordinator rank)."""
         if not ctx.is_coordinator_rank():
             raise ConfigError(f"rank {ctx.my_rank} is not the coordinator (rank {ctx.coordinator_rank})")
         options.setdefault("group", ctx.world)

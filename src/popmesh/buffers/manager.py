@@ -25,13 +25,13 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .. import messages
-from ..errors import CommTimeout, ConfigError
-from ..world import Comm, resolve_group
-from .baselines import check_strategy, choose_baseline, local_baseline, update_ema
-from .protocol import (COORDINATOR_TAG, METADATA_TAG, REQUEST_TAG, SCORE_TAG, Message, MessageType,
+from popmesh.comm import messages
+from popmesh.core.errors import CommTimeout, ConfigError
+from popmesh.comm.world import Comm, resolve_group
+from popmesh.buffers.baselines import check_strategy, choose_baseline, local_baseline, update_ema
+from popmesh.buffers.protocol import (COORDINATOR_TAG, METADATA_TAG, REQUEST_TAG, SCORE_TAG, Message, MessageType,
                        ProtocolError, batch_size, from_payload, to_payload)
-from .store import LocalStore, to_numpy
+from popmesh.buffers.store import LocalStore, to_numpy
 
 __all__ = ["ReplayBufferManager", "ManagerStats", "Outgoing", "ScoringFunction", "novelty_score", "send_outgoing"]
 
@@ -126,7 +126,7 @@ class ReplayBufferManager:
 
     @classmethod
     def from_context(cls, ctx: Any, **options: Any) -> ReplayBufferManager:
-        """A manager for this buffer rank of a :class:`~popmesh.context.DistributedContext`."""
+        """A manager for this buffer rank of a :class:`~popmesh.topology.roles.DistributedContext`."""
         if not ctx.is_buffer_rank():
             raise ConfigError(f"rank {ctx.my_rank} is not a buffer rank: run a manager on {sorted(ctx.buffer_rank_set)}")
         options.setdefault("coordinator_rank", ctx.coordinator_rank)

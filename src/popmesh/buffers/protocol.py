@@ -1,11 +1,11 @@
 """Messages of the replay-buffer service, the tags they travel on, and their (pickle-free) wire form.
 
-Every message is one :mod:`popmesh.wire` DICT frame: a JSON header ``{"v": 1, "type": ..., "data":
+Every message is one :mod:`popmesh.wire.encoding` DICT frame: a JSON header ``{"v": 1, "type": ..., "data":
 {...}}`` stored as a uint8 array under :data:`HEADER_KEY`, plus, for DATA, the batch's arrays under
 their own keys. So a trainer, a manager and the coordinator may run on any engine and never unpickle
 anything a peer sent.
 
-Channels (all in popmesh's reserved tag range, :data:`popmesh.messages.BUFFERS_TAGS`):
+Channels (all in popmesh's reserved tag range, :data:`popmesh.comm.messages.BUFFERS_TAGS`):
 
 ==================  ===============================================================================
 ``REQUEST_TAG``      manager inbox: DATA, GET_METADATA, EXIT (agents), BASELINE_SYNC and EXIT_ACK
@@ -32,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import MessageError
-from ..messages import internal_tag
+from popmesh.core.errors import MessageError
+from popmesh.comm.messages import internal_tag
 
 __all__ = [
     "MessageType", "Message", "ProtocolError", "HEADER_KEY", "PROTOCOL_VERSION", "REQUEST_TAG", "SCORE_TAG",
@@ -96,7 +96,7 @@ def batch_size(batch: Any) -> int:
 
 
 def to_payload(message: Message) -> dict[str, Any]:
-    """The dict of arrays that carries ``message`` (send it with :func:`popmesh.messages.send`)."""
+    """The dict of arrays that carries ``message`` (send it with :func:`popmesh.comm.messages.send`)."""
     header = {"v": PROTOCOL_VERSION, "type": message.type.value, "data": message.data}
     try:
         text = json.dumps(header, separators=(",", ":"), allow_nan=True).encode("utf-8")

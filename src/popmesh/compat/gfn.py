@@ -43,13 +43,13 @@ from typing import Any
 import torch
 
 import popmesh
-import popmesh.context as _context
-import popmesh.stats as _stats
+import popmesh.topology.roles as _context
+import popmesh.observe.stats as _stats
 import popmesh.torch as _pt
-from popmesh.errors import ConfigError
-from popmesh.reports import format_report
-from popmesh.timing import report_load_imbalance as _imbalance, report_time_info as _time_info
-from popmesh.world import Comm, World
+from popmesh.core.errors import ConfigError
+from popmesh.observe.reports import format_report
+from popmesh.observe.timing import report_load_imbalance as _imbalance, report_time_info as _time_info
+from popmesh.comm.world import Comm, World
 
 __all__ = [
     "Group",

@@ -1,4 +1,4 @@
-"""``omnisafe.utils.distributed`` (OmniSafe) over :mod:`popmesh.stats`, :mod:`popmesh.torch` and
+"""``omnisafe.utils.distributed`` (OmniSafe) over :mod:`popmesh.observe.stats`, :mod:`popmesh.torch` and
 :mod:`popmesh.launch`.
 
 Same names, parameters, order, defaults and return values as the original. The world is popmesh's
@@ -35,11 +35,11 @@ from __future__ import annotations
 from typing import Any
 
 import popmesh
-import popmesh.stats as _stats
+import popmesh.observe.stats as _stats
 import popmesh.torch as _pt
-from popmesh.errors import ConfigError
+from popmesh.core.errors import ConfigError
 from popmesh.launch import fork as _fork, in_launched_world, launch as _launch
-from popmesh.world import World
+from popmesh.comm.world import World
 
 __all__ = [
     "setup_distributed",

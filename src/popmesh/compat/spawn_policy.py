@@ -39,7 +39,7 @@ import math
 import sys
 from typing import Any
 
-from popmesh.errors import ConfigError
+from popmesh.core.errors import ConfigError
 from popmesh.population import (
     AsyncSelectiveAveraging,
     AverageAll,
@@ -50,7 +50,7 @@ from popmesh.population import (
     worst_by_ratio,
 )
 from popmesh.population.options import due
-from popmesh.world import Comm, resolve_group
+from popmesh.comm.world import Comm, resolve_group
 
 __all__ = [
     "AsyncSelectiveAveragingPolicy",

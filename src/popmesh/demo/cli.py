@@ -9,8 +9,8 @@ import argparse
 import json
 import sys
 
-from ..launch.cli import Command
-from .config import POLICIES, STRATEGIES, DemoConfig
+from popmesh.launch.cli import Command
+from popmesh.demo.config import POLICIES, STRATEGIES, DemoConfig
 
 __all__ = ["COMMAND", "configure", "run_command"]
 
@@ -33,7 +33,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def run_command(ns: argparse.Namespace) -> int:
-    from ..launch.api import launch
+    from popmesh.launch.api import launch
 
     config = DemoConfig(ranks=ns.ranks, engine=ns.engine, policy=ns.policy, seed=ns.seed, steps=ns.steps,
                         every=ns.every, strategy=ns.strategy, donors=ns.donors, warmup=ns.warmup, out_dir=ns.out, live=not ns.no_live, stop_at_target=ns.stop_at_target)

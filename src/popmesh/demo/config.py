@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ConfigError
-from .learner import Hyper
+from popmesh.core.errors import ConfigError
+from popmesh.demo.learner import Hyper
 
 __all__ = ["POLICIES", "STRATEGIES", "DemoConfig", "rank_hyper", "rank_seed"]
 

@@ -13,9 +13,9 @@ import time
 from collections import deque
 from typing import Any
 
-from .. import messages
-from ..world import World
-from .view import PopulationView, describe_event
+from popmesh.comm import messages
+from popmesh.comm.world import World
+from popmesh.demo.view import PopulationView, describe_event
 
 __all__ = ["Reporter", "STATS_TAG", "STOP_TAG"]
 

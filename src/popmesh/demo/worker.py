@@ -14,14 +14,14 @@ from typing import Any
 
 import popmesh
 
-from ..population import AsyncSelectiveAveraging, AverageAll, DonorRule, ReplacementRule, SelectiveAveraging
-from ..reports import Timer, print_report
-from ..timing import report_load_imbalance, report_time_info
-from .config import DemoConfig, rank_hyper, rank_seed
-from .learner import CartPoleLearner
-from .outputs import new_run_dir, plot_returns, write_events, write_summary
-from .reporter import Reporter
-from .view import PopulationView
+from popmesh.population import AsyncSelectiveAveraging, AverageAll, DonorRule, ReplacementRule, SelectiveAveraging
+from popmesh.observe.reports import Timer, print_report
+from popmesh.observe.timing import report_load_imbalance, report_time_info
+from popmesh.demo.config import DemoConfig, rank_hyper, rank_seed
+from popmesh.demo.learner import CartPoleLearner
+from popmesh.demo.outputs import new_run_dir, plot_returns, write_events, write_summary
+from popmesh.demo.reporter import Reporter
+from popmesh.demo.view import PopulationView
 
 __all__ = ["make_policy", "run", "main"]
 

@@ -6,9 +6,9 @@ import importlib.util
 import sys
 from typing import Any
 
-from ..env import read_torch_env
-from ..errors import ConfigError
-from .base import Engine, GroupSpec
+from popmesh.core.launch_env import read_torch_env
+from popmesh.core.errors import ConfigError
+from popmesh.engines.base import Engine, GroupSpec
 
 __all__ = ["Engine", "GroupSpec", "create_engine", "available_engines", "mpi_library_version"]
 
@@ -23,15 +23,15 @@ def available_engines() -> list[str]:
 def create_engine(name: str, timeout: float, **options: Any) -> Engine:
     """Start the named engine (``local``, ``torch`` or ``mpi``) from the environment."""
     if name == "local":
-        from .local import LocalEngine
+        from popmesh.engines.local import LocalEngine
 
         return LocalEngine()
     if name == "torch":
-        from .torch_dist import TorchEngine
+        from popmesh.engines.torch.engine import TorchEngine
 
         return TorchEngine(read_torch_env(), timeout, backend=options.get("backend"))
     if name == "mpi":
-        from .mpi import MpiEngine
+        from popmesh.engines.mpi.engine import MpiEngine
 
         return MpiEngine()
     raise ConfigError(f"unknown engine {name!r}: use 'auto', 'local', 'torch' or 'mpi'")

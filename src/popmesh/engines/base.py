@@ -3,8 +3,8 @@
 Adapters receive *contiguous* numpy arrays or torch tensors (the collectives layer prepares them),
 global ranks are translated to group ranks above this layer, and AVG/bool reductions are reduced to
 SUM/MAX/MIN/PROD before they get here. Every blocking method takes ``timeout`` in seconds and raises
-:class:`~popmesh.errors.CommTimeout` (naming the ranks that did not arrive where it can tell) or
-:class:`~popmesh.errors.PeerFailure` instead of hanging.
+:class:`~popmesh.core.errors.CommTimeout` (naming the ranks that did not arrive where it can tell) or
+:class:`~popmesh.core.errors.PeerFailure` instead of hanging.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, runtime_checkable
 
-from ..ops import ReduceOp
+from popmesh.core.ops import ReduceOp
 
 __all__ = ["GroupSpec", "Engine", "Pending", "Completed", "poll_until", "timeout_message"]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import socket
 from typing import Any
 
-from ..ops import ReduceOp
-from .base import Completed, GroupSpec
+from popmesh.core.ops import ReduceOp
+from popmesh.engines.base import Completed, GroupSpec
 
 __all__ = ["LocalEngine"]
 
@@ -28,7 +28,7 @@ class LocalEngine:
     def p2p(self) -> Any:
         """A world of one may message itself: sends to rank 0 are delivered locally (a copy)."""
         if self._p2p is None:
-            from .p2p_base import LoopbackP2P
+            from popmesh.engines.p2p_base import LoopbackP2P
 
             self._p2p = LoopbackP2P()
         return self._p2p

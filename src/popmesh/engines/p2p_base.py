@@ -28,9 +28,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..errors import CommTimeout, ConfigError
-from ..wire_format import join_frame
-from .base import poll_until
+from popmesh.core.errors import CommTimeout, ConfigError
+from popmesh.wire.format import join_frame
+from popmesh.engines.base import poll_until
 
 __all__ = [
     "TAG_LIMIT", "Frame", "Item", "SendRequest", "SentRequest", "RecvRequest", "P2PBase", "LoopbackP2P",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from popmesh.errors import EngineUnavailable
+from popmesh.core.errors import EngineUnavailable
 
 _missing = [name for name in ("jax", "flax", "optax") if importlib.util.find_spec(name) is None]
 if _missing:

@@ -15,7 +15,7 @@ from typing import Any, TypeAlias
 import jax
 import jax.numpy as jnp
 
-from popmesh.errors import ConfigError
+from popmesh.core.errors import ConfigError
 
 __all__ = [
     "DP_AXIS_NAME",

@@ -14,7 +14,7 @@ from typing import Mapping
 
 import jax
 
-from popmesh.errors import ConfigError
+from popmesh.core.errors import ConfigError
 
 __all__ = ["JaxProcess", "read_jax_env", "init", "shutdown"]
 

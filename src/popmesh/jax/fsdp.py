@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import struct
 from jax.sharding import Mesh, PartitionSpec
 
-from popmesh.errors import ConfigError
+from popmesh.core.errors import ConfigError
 from popmesh.jax.axes import _checked, axis_size, require_bound, varying_axes
 
 __all__ = [

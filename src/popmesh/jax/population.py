@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from popmesh.errors import ConfigError
+from popmesh.core.errors import ConfigError
 from popmesh.jax.axes import POP_AXIS_NAME, AxisName, all_gather, psum
 
 __all__ = [

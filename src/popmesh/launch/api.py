@@ -15,7 +15,7 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from typing import TextIO
 
-from popmesh.errors import ConfigError
+from popmesh.core.errors import ConfigError
 from popmesh.launch import mpirun
 from popmesh.launch.output import OutputPump
 from popmesh.launch.plan import LaunchSpec, base_env, cpu_count, plan_mpi_env, plan_ranks, validate

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from popmesh.errors import ConfigError
+from popmesh.core.errors import ConfigError
 
 __all__ = ["Command", "register_command", "commands", "build_parser", "main", "ENTRY_POINT_GROUP"]
 

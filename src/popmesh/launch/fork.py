@@ -20,7 +20,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from popmesh.errors import ConfigError
+from popmesh.core.errors import ConfigError
 from popmesh.launch.api import launch
 
 __all__ = ["fork", "in_launched_world", "Invocation", "parse_invocation"]

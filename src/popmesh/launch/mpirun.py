@@ -8,7 +8,7 @@ import shutil
 import subprocess
 from collections.abc import Sequence
 
-from popmesh.errors import EngineUnavailable
+from popmesh.core.errors import EngineUnavailable
 
 __all__ = ["find_mpiexec", "is_hydra", "mpi_command", "HYDRA_PREFIX"]
 

@@ -21,7 +21,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from popmesh.errors import ConfigError
+from popmesh.core.errors import ConfigError
 
 __all__ = [
     "ENGINES",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import signal
 from dataclasses import dataclass, field
 
-from popmesh.errors import PeerFailure
+from popmesh.core.errors import PeerFailure
 from popmesh.launch.errorfile import ErrorRecord
 
 __all__ = ["RankFailure", "LaunchResult", "LaunchFailed", "exit_status", "format_summary"]

@@ -2,7 +2,7 @@
 
 Runs inside a trainer's background thread (the group's first rank by default) or in the calling
 thread of a dedicated coordinator rank (:meth:`AsyncSelectiveAveraging.coordinate`). Like the
-trainer side it only polls, and only uses :mod:`popmesh.messages` on internal tags. A decision for
+trainer side it only polls, and only uses :mod:`popmesh.comm.messages` on internal tags. A decision for
 its own rank is handed to that rank's trainer side directly (``local``), not sent to itself.
 """
 
@@ -12,13 +12,13 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from popmesh.errors import CommTimeout, PeerFailure
-from popmesh.messages import irecv, isend
+from popmesh.core.errors import CommTimeout, PeerFailure
+from popmesh.comm.messages import irecv, isend
 from popmesh.population.async_protocol import Channels, CoordinatorBook, decision_message, parse_up, told_directly
 from popmesh.population.async_trainer import reap
 from popmesh.population.options import SelectiveOptions
 from popmesh.population.selection import update_state
-from popmesh.world import World
+from popmesh.comm.world import World
 
 __all__ = ["CoordinatorLink"]
 

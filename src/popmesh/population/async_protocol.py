@@ -1,6 +1,6 @@
 """The asynchronous policy's messages and the coordinator's bookkeeping: pure, no communication.
 
-Three channels per policy instance, on popmesh-internal tags (:data:`popmesh.messages.POPULATION_TAGS`):
+Three channels per policy instance, on popmesh-internal tags (:data:`popmesh.comm.messages.POPULATION_TAGS`):
 
 * **up** (trainer → coordinator), one float64 row ``[kind, iteration, metric, fingerprint, acked]``
   where kind is METRIC, ACK (a replaced rank has combined its donors' weights for a decision) or
@@ -38,8 +38,8 @@ from typing import Any
 
 import numpy as np
 
-from popmesh.errors import ConfigError
-from popmesh.messages import INTERNAL_TAG_BASE, POPULATION_TAGS, internal_tag
+from popmesh.core.errors import ConfigError
+from popmesh.comm.messages import INTERNAL_TAG_BASE, POPULATION_TAGS, internal_tag
 
 __all__ = [
     "METRIC", "ACK", "BYE", "MAX_INSTANCES", "Channels", "channels", "up_row", "parse_up", "decision_message",

@@ -3,7 +3,7 @@
 The main thread hands over weight snapshots and takes combined replacements under a lock, and
 sends its metric row itself (one small point-to-point send on an internal tag). Everything else
 happens in the background thread. Where the engine reports arrivals (gloo,
-:func:`popmesh.messages.on_arrival`), the thread sleeps until a message arrives, checking liveness
+:func:`popmesh.comm.messages.on_arrival`), the thread sleeps until a message arrives, checking liveness
 and reaping sends every :data:`_TOLD_IDLE_S` seconds. With more ranks than cores, every wake-up of
 that thread takes the GIL and CPU from training: polling from 0.5 ms cost more than all its real
 work, and waking it to send the metric row stalled the main thread for the whole wake-up (so the
@@ -24,13 +24,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from popmesh.errors import CommTimeout, PopmeshError
-from popmesh.messages import on_arrival
+from popmesh.core.errors import CommTimeout, PopmeshError
+from popmesh.comm.messages import on_arrival
 from popmesh.population.async_coordinator import CoordinatorLink
 from popmesh.population.async_protocol import BYE, METRIC, Channels
 from popmesh.population.async_trainer import Pending, Snapshot, TrainerLink, reap
 from popmesh.population.options import SelectiveOptions
-from popmesh.world import World
+from popmesh.comm.world import World
 
 __all__ = ["Runtime", "surface"]
 

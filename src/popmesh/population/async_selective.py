@@ -5,7 +5,7 @@ donor never streams a tensor the optimizer is modifying) and queues its metric f
 coordinator. The coordinator decides with the same pure :func:`~popmesh.population.decide` as the
 synchronous policy and instructs the ranks involved; donors stream their snapshot; the replaced
 rank combines in its background thread, and its main thread swaps the result in at its next
-policy call. All of it runs over :mod:`popmesh.messages` on popmesh-internal tags, from one
+policy call. All of it runs over :mod:`popmesh.comm.messages` on popmesh-internal tags, from one
 background thread per rank; no collective is issued from that thread.
 
 Fixes over torchgfn's ``AsyncSelectiveAveragingPolicy``: combined weights are actually applied;
@@ -22,7 +22,7 @@ import warnings
 import weakref
 from typing import Any
 
-from popmesh.errors import ConfigError, PopmeshError
+from popmesh.core.errors import ConfigError, PopmeshError
 from popmesh.population.async_coordinator import CoordinatorLink
 from popmesh.population.async_protocol import Channels, channels
 from popmesh.population.async_runtime import Runtime, surface
@@ -33,7 +33,7 @@ from popmesh.population.info import Clock, PolicyInfo
 from popmesh.population.model_state import layout_of, model_tensors, optimizer_tensors, snapshot
 from popmesh.population.options import SelectiveOptions, check_metric, due
 from popmesh.population.replace import apply_replacement
-from popmesh.world import Comm, resolve_group
+from popmesh.comm.world import Comm, resolve_group
 
 __all__ = ["AsyncSelectiveAveraging"]
 

@@ -2,7 +2,7 @@
 
 Every step is a poll (``done()`` on posted receives and sends), never a blocking receive, so one
 thread can also run the coordinator and a rank can be coordinator, donor and replaced at once
-without deadlock. Only :mod:`popmesh.messages` point-to-point calls on internal tags are used here:
+without deadlock. Only :mod:`popmesh.comm.messages` point-to-point calls on internal tags are used here:
 no collective is ever issued from this thread.
 """
 
@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from popmesh.errors import CommTimeout, PeerFailure, PopmeshError
-from popmesh.messages import irecv, isend
+from popmesh.core.errors import CommTimeout, PeerFailure, PopmeshError
+from popmesh.comm.messages import irecv, isend
 from popmesh.population.async_protocol import (
     ACK,
     BYE,
@@ -30,7 +30,7 @@ from popmesh.population.async_protocol import (
 )
 from popmesh.population.combine import _check_weights, combine
 from popmesh.population.decision import Decision
-from popmesh.world import World
+from popmesh.comm.world import World
 
 __all__ = ["Pending", "Snapshot", "TrainerLink", "reap"]
 

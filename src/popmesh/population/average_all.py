@@ -5,12 +5,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from popmesh.collectives import all_reduce_
+from popmesh.comm.collectives import all_reduce_
 from popmesh.population.events import EventLog
 from popmesh.population.info import PolicyInfo
 from popmesh.population.model_state import load_, model_tensors, snapshot
 from popmesh.population.options import check_every, due
-from popmesh.world import Comm, resolve_group
+from popmesh.comm.world import Comm, resolve_group
 
 __all__ = ["AverageAll"]
 

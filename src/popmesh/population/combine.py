@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from popmesh.errors import ConfigError
+from popmesh.core.errors import ConfigError
 from popmesh.population.selection import as_metrics
 
 __all__ = [

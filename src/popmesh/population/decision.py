@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from popmesh.errors import ConfigError
+from popmesh.core.errors import ConfigError
 from popmesh.population.combine import (
     DEFAULT_OPTIMIZER_POLICY,
     OptimizerPolicy,

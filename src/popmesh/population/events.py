@@ -14,7 +14,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from popmesh.errors import ConfigError
+from popmesh.core.errors import ConfigError
 from popmesh.population.info import json_number
 
 __all__ = ["EventLog", "replacement_event"]

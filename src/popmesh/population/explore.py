@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from popmesh.errors import ConfigError
+from popmesh.core.errors import ConfigError
 from popmesh.population.selection import RngLike, as_generator
 
 __all__ = ["explore", "SpaceEntry"]

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from popmesh.errors import ConfigError
+from popmesh.core.errors import ConfigError
 
 __all__ = [
     "Entry",

@@ -5,7 +5,7 @@ buffers, and its optimizer state when ``optimizer_policy='copy'``) together with
 decision point a rank publishes its own snapshot, reads every peer's metric from their windows,
 runs the pure :func:`~popmesh.population.decide` on what it sees, and, if it is among the replaced,
 reads its donors' snapshots and combines them. Donors never take part: the engine layer
-(:mod:`popmesh.engines.mpi_rma`) makes reads tear-free with double buffering and a sequence counter.
+(:mod:`popmesh.engines.mpi.window`) makes reads tear-free with double buffering and a sequence counter.
 
 Each rank decides for itself from possibly stale metrics (a peer's latest publication), so two
 ranks may momentarily see different populations; a rank acts only on its own replacement.
@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from popmesh.collectives import all_gather
-from popmesh.errors import ConfigError
+from popmesh.comm.collectives import all_gather
+from popmesh.core.errors import ConfigError
 from popmesh.population.combine import OptimizerPolicy, combine
 from popmesh.population.decision import Decision
 from popmesh.population.events import EventLog, replacement_event
@@ -41,7 +41,7 @@ from popmesh.population.model_state import (
 from popmesh.population.options import SelectiveOptions, check_metric, due
 from popmesh.population.replace import apply_replacement
 from popmesh.population.selection import SelectionState, update_state
-from popmesh.world import Comm, resolve_group
+from popmesh.comm.world import Comm, resolve_group
 
 __all__ = ["OneSidedAveraging"]
 
@@ -147,7 +147,7 @@ class OneSidedAveraging:
             raise ConfigError(f"OneSidedAveraging needs the mpi engine (MPI one-sided windows), this world runs "
                               f"on {comm.world.engine.name!r}: launch under mpiexec or popmesh.init(engine='mpi'), "
                               "or use AsyncSelectiveAveraging, which runs on every engine")
-        from popmesh.engines.mpi_rma import SnapshotWindow
+        from popmesh.engines.mpi.window import SnapshotWindow
 
         params = snapshot(tensors, layout_of(tensors))
         optim = self._optimizer_layout(optimizer)

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from popmesh.errors import ConfigError
+from popmesh.core.errors import ConfigError
 from popmesh.population.combine import DEFAULT_OPTIMIZER_POLICY, OptimizerPolicy, Strategy, _check_momentum
 from popmesh.population.decision import Decision, decide
 from popmesh.population.explore import SpaceEntry, explore

@@ -24,7 +24,7 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
-from popmesh.errors import ConfigError
+from popmesh.core.errors import ConfigError
 
 __all__ = [
     "RngLike",

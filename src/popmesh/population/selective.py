@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from popmesh.collectives import all_gather, all_reduce_, broadcast_, broadcast_object
-from popmesh.errors import ConfigError
+from popmesh.comm.collectives import all_gather, all_reduce_, broadcast_, broadcast_object
+from popmesh.core.errors import ConfigError
 from popmesh.population.decision import Decision
 from popmesh.population.events import EventLog, replacement_event
 from popmesh.population.info import Clock, PolicyInfo
@@ -32,7 +32,7 @@ from popmesh.population.model_state import (
 from popmesh.population.options import SelectiveOptions, check_metric, due
 from popmesh.population.replace import apply_replacement
 from popmesh.population.selection import SelectionState, update_state
-from popmesh.world import Comm, resolve_group
+from popmesh.comm.world import Comm, resolve_group
 
 __all__ = ["SelectiveAveraging", "combination_groups", "gather_metrics"]
 

@@ -2,7 +2,8 @@
 (:class:`GradientSync`, :func:`avg_grads`), parameter averaging and broadcasting
 (:func:`avg_params`, :func:`sync_params`), and torchgfn's names for them.
 
-Needs PyTorch (``pip install 'popmesh[torch]'``); importing ``popmesh`` alone does not import this.
+Needs PyTorch (``pip install 'popmesh[torch]'``); importing ``popmesh`` alone does not import this,
+and importing this imports torch only when a public name is first used.
 Communication goes through popmesh's collectives, so the same code runs on gloo, MPI and a world
 of one.
 """
@@ -12,21 +13,31 @@ from __future__ import annotations
 import importlib.util
 
 if importlib.util.find_spec("torch") is None:  # pragma: no cover - torch is an extra
-    from ..errors import EngineUnavailable
+    from popmesh.core.errors import EngineUnavailable
 
     raise EngineUnavailable("popmesh.torch needs PyTorch: pip install 'popmesh[torch]'")
 
-from .params import average_gradients, average_models, avg_grads, avg_params, sync_params  # noqa: E402
-from .sync import CPU_CAP_BYTES, IN_FLIGHT, GradientSync, default_cap_bytes  # noqa: E402
+from typing import Any  # noqa: E402
 
-__all__ = [
-    "GradientSync",
-    "avg_grads",
-    "sync_params",
-    "avg_params",
-    "average_gradients",
-    "average_models",
-    "default_cap_bytes",
-    "CPU_CAP_BYTES",
-    "IN_FLIGHT",
-]
+_LAZY = {
+    "popmesh.torch.params": ("average_gradients", "average_models", "avg_grads", "avg_params", "sync_params"),
+    "popmesh.torch.sync": ("CPU_CAP_BYTES", "IN_FLIGHT", "GradientSync", "default_cap_bytes"),
+}
+_HOME = {name: module for module, names in _LAZY.items() for name in names}
+
+__all__ = [name for names in _LAZY.values() for name in names]
+
+
+def __getattr__(name: str) -> Any:
+    """Load a public name's module on first use, so that the pure planning in
+    :mod:`popmesh.torch.bucketing` imports without torch."""
+    module = _HOME.get(name)
+    if module is None:
+        raise AttributeError(f"module 'popmesh.torch' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

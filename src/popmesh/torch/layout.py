@@ -2,7 +2,7 @@
 
 :class:`ParamSource` reads the parameters of a module (or of a tensor or list of tensors) each time
 they are needed, so a changed model is noticed. :class:`FlatGrads` turns a
-:class:`~popmesh.bucketing.BucketPlan` into one persistent flat buffer per bucket and hands every
+:class:`~popmesh.torch.bucketing.BucketPlan` into one persistent flat buffer per bucket and hands every
 parameter a *view* of its slice as ``param.grad``: autograd then accumulates straight into the
 bucket, and no flatten/unflatten copy happens per step.
 
@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from ..bucketing import BucketPlan, ParamSpec
-from ..errors import ConfigError
+from popmesh.torch.bucketing import BucketPlan, ParamSpec
+from popmesh.core.errors import ConfigError
 
 __all__ = ["ParamSource", "FlatGrads", "specs_of", "signature_of"]
 

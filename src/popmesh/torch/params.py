@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from ..bucketing import ParamSpec, plan_buckets
-from ..collectives import all_reduce_, broadcast_
-from ..world import Comm, resolve_group
-from .sync import GradientSync, default_cap_bytes
+from popmesh.torch.bucketing import ParamSpec, plan_buckets
+from popmesh.comm.collectives import all_reduce_, broadcast_
+from popmesh.comm.world import Comm, resolve_group
+from popmesh.torch.sync import GradientSync, default_cap_bytes
 
 __all__ = ["avg_grads", "sync_params", "avg_params", "average_gradients", "average_models"]
 

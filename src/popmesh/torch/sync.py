@@ -1,6 +1,6 @@
 """Bucketed gradient averaging for torch modules: one collective per bucket, overlapped with backward.
 
-:class:`GradientSync` plans buckets once (per dtype and device, ``popmesh.bucketing``), keeps every
+:class:`GradientSync` plans buckets once (per dtype and device, ``popmesh.torch.bucketing``), keeps every
 gradient as a view into a persistent flat buffer (no flatten/unflatten copy per step) and averages
 each bucket with one non-blocking all-reduce. With ``overlap=True`` a bucket's reduction starts
 during backward, as soon as all its gradients are ready; :meth:`GradientSync.wait` (or calling the
@@ -23,13 +23,13 @@ from typing import Any, Callable
 
 import torch
 
-from ..agreement import agree
-from ..asynchronous import AsyncHandle, all_reduce_async_
-from ..bucketing import DEFAULT_CAP_BYTES, BucketPlan, plan_buckets, plan_differs
-from ..errors import ConfigError
-from ..ops import ReduceOp
-from ..world import Comm, resolve_group
-from .layout import FlatGrads, Named, ParamSource, signature_of, specs_of
+from popmesh.comm.agreement import agree
+from popmesh.comm.asynchronous import AsyncHandle, all_reduce_async_
+from popmesh.torch.bucketing import DEFAULT_CAP_BYTES, BucketPlan, plan_buckets, plan_differs
+from popmesh.core.errors import ConfigError
+from popmesh.core.ops import ReduceOp
+from popmesh.comm.world import Comm, resolve_group
+from popmesh.torch.layout import FlatGrads, Named, ParamSource, signature_of, specs_of
 
 __all__ = ["GradientSync", "default_cap_bytes", "CPU_CAP_BYTES", "IN_FLIGHT"]
 

@@ -8,8 +8,8 @@ import time
 import numpy as np
 
 import popmesh
-from popmesh import messages as m
-from popmesh.errors import PeerFailure
+from popmesh.comm import messages as m
+from popmesh.core.errors import PeerFailure
 
 world = popmesh.init()
 rank, size = world.rank, world.size

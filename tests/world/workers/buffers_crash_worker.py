@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import popmesh  # noqa: E402
 from popmesh import CommTimeout, PeerFailure  # noqa: E402
-from popmesh import messages as m  # noqa: E402
+from popmesh.comm import messages as m  # noqa: E402
 from popmesh.buffers import ReplayBufferClient, ReplayBufferManager  # noqa: E402
 from popmesh.buffers.manager import send_outgoing  # noqa: E402
 from popmesh.buffers.protocol import REQUEST_TAG, from_payload  # noqa: E402

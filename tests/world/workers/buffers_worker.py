@@ -17,10 +17,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import popmesh  # noqa: E402
 from popmesh import ConfigError  # noqa: E402
-from popmesh import messages as m  # noqa: E402
+from popmesh.comm import messages as m  # noqa: E402
 from popmesh.buffers import Coordinator, ReplayBufferClient, ReplayBufferManager, novelty_score  # noqa: E402
 from popmesh.buffers.protocol import REQUEST_TAG, SCORE_TAG, Message, MessageType, from_payload, to_payload  # noqa: E402
-from popmesh.topology import RankLayout  # noqa: E402
+from popmesh.topology.layout import RankLayout  # noqa: E402
 from worldlib import check, main  # noqa: E402
 
 CTX = {}
@@ -172,7 +172,7 @@ def manager_errors_are_not_fatal_but_misuse_is_refused(w):
 
 @check
 def timing_reports_across_ranks(w):
-    from popmesh.reports import Timer
+    from popmesh.observe.reports import Timer
 
     timer = Timer()
     for _ in range(3):

@@ -17,7 +17,7 @@ import torch  # noqa: E402
 
 import popmesh  # noqa: E402
 from popmesh import CommTimeout, ConfigError, MessageError, NotInGroup  # noqa: E402
-from popmesh import messages as m  # noqa: E402
+from popmesh.comm import messages as m  # noqa: E402
 from popmesh.wire import encode, join_frame  # noqa: E402
 from worldlib import check, main  # noqa: E402
 

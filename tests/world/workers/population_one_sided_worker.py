@@ -10,7 +10,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import popmesh  # noqa: E402
-from popmesh.engines.mpi_rma import SnapshotWindow  # noqa: E402
+from popmesh.engines.mpi.window import SnapshotWindow  # noqa: E402
 from popmesh.population import OneSidedAveraging, ReplacementRule  # noqa: E402
 from worldlib import check, main  # noqa: E402
 from workers.population_common import adam_for, assert_all, exp_avg_of, make_agent, mean  # noqa: E402

@@ -1,4 +1,4 @@
-"""Checks of popmesh.stats on a real world; rank r contributes r + 1 so results have closed forms."""
+"""Checks of popmesh.observe.stats on a real world; rank r contributes r + 1 so results have closed forms."""
 
 import contextlib
 import io
@@ -12,7 +12,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from popmesh import CollectiveMismatch, ConfigError, NotInGroup, ReduceOp  # noqa: E402
-from popmesh.stats import (  # noqa: E402
+from popmesh.observe.stats import (  # noqa: E402
     avg_tensor,
     dist_avg,
     dist_max,

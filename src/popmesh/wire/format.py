@@ -1,6 +1,6 @@
 """The layout of a popmesh wire frame: constants, kind and dtype codes, the header tuple and its
-consistency rules, and a frame's buffers joined or measured. :mod:`popmesh.wire` encodes and
-:mod:`popmesh.wire_decode` decodes frames with these.
+consistency rules, and a frame's buffers joined or measured. :mod:`popmesh.wire.encoding` encodes and
+:mod:`popmesh.wire.decoding` decodes frames with these.
 
 A frame is a fixed 32-byte header, ``ndim`` shape entries, then the payload (all little-endian):
 
@@ -41,7 +41,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from popmesh.errors import MessageError
+from popmesh.core.errors import MessageError
 
 __all__ = [
     "CHECKSUM_AUTO_LIMIT", "DTYPE_CODES", "FORMAT_VERSION", "HEADER_NBYTES", "MAGIC", "SMALL_FRAME_NBYTES",
@@ -173,12 +173,12 @@ def _as_bytes_view(obj: Any) -> memoryview:
 
 
 def frame_nbytes(parts: Sequence[bytes | memoryview]) -> int:
-    """Total length in bytes of the buffers :func:`popmesh.wire.encode` returned."""
+    """Total length in bytes of the buffers :func:`popmesh.wire.encoding.encode` returned."""
     return sum(len(_as_bytes_view(p)) for p in parts)
 
 
 def join_frame(parts: Sequence[Any], head: int = 0) -> np.ndarray:
-    """Copy byte buffers (those :func:`popmesh.wire.encode` returns, or flat uint8 arrays) into one
+    """Copy byte buffers (those :func:`popmesh.wire.encoding.encode` returns, or flat uint8 arrays) into one
     new contiguous, writable uint8 numpy array (one copy), after ``head`` bytes left for the caller
     to fill (not zeroed)."""
     arrays = [p if isinstance(p, np.ndarray) and p.dtype == np.uint8 and p.ndim == 1

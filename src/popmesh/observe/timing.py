@@ -1,6 +1,6 @@
-"""Timing reports across ranks: gather every rank's :class:`~popmesh.reports.Timer`, then report.
+"""Timing reports across ranks: gather every rank's :class:`~popmesh.observe.reports.Timer`, then report.
 
-:mod:`popmesh.reports` computes and prints reports from per-rank timings without communicating;
+:mod:`popmesh.observe.reports` computes and prints reports from per-rank timings without communicating;
 this module adds the gathering. ``gather_timings`` is collective over ``group`` and adds no barrier
 unless asked (torchgfn's ``--timing`` put barriers around timed sections, perturbing what it
 measured). The ``report_*`` entry points take either already gathered timings (one dict per rank,
@@ -14,10 +14,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from .collectives import all_gather_object, barrier as _barrier, gather_object
-from .errors import ConfigError
-from .reports import ImbalanceReport, TimeReport, Timer, imbalance_report, print_report, save_chart, time_report
-from .world import Comm
+from popmesh.comm.collectives import all_gather_object, barrier as _barrier, gather_object
+from popmesh.core.errors import ConfigError
+from popmesh.observe.reports import ImbalanceReport, TimeReport, Timer, imbalance_report, print_report, save_chart, time_report
+from popmesh.comm.world import Comm
 
 __all__ = ["gather_timings", "report_time_info", "report_load_imbalance"]
 
@@ -63,7 +63,7 @@ def report_time_info(timing: Timings | Sequence[Mapping[str, Any]], world_size: 
     """Per-step time across ranks (torchgfn ``report_time_info``): build, print, optionally save a PNG.
 
     ``timing`` is one dict per rank, or this rank's Timer/dict (then collective over ``group``;
-    ranks other than ``dst`` get None). Returns the :class:`~popmesh.reports.TimeReport`.
+    ranks other than ``dst`` get None). Returns the :class:`~popmesh.observe.reports.TimeReport`.
     """
     all_timing = _gathered(timing, group, dst, timeout)
     if all_timing is None:

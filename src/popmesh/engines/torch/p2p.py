@@ -13,7 +13,7 @@ receive to the sender, which then sends at once; an any-source receive costs two
 hops per message (twice the round trip). One pump carries all tags from its peer, in order.
 
 Sends are completed by a daemon thread per (destination, tag) channel
-(:mod:`~popmesh.engines.torch_p2p_send`), so a send timeout leaves the message in flight instead of
+(:mod:`~popmesh.engines.torch.send`), so a send timeout leaves the message in flight instead of
 breaking the connection; frames carried whole in their envelope (up to 512 KiB) are sent eagerly.
 A dead peer surfaces as PeerFailure when gloo reports the closed connection, and on a receive
 timeout a zero-byte probe tells a dead source (PeerFailure) from a silent one (CommTimeout).
@@ -40,10 +40,10 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ConfigError, MessageError, PeerFailure, PopmeshError
-from .envelope import GOODBYE_TAG, HEADER_NBYTES, MAX_SEGMENTS, goodbye_envelope, parse_envelope, plan_frame
-from .p2p_base import BufferPool, Item, P2PBase, RecvRequest
-from .torch_p2p_send import LONG, Outbox, TorchSend, failure, is_gone, tensor
+from popmesh.core.errors import ConfigError, MessageError, PeerFailure, PopmeshError
+from popmesh.engines.envelope import GOODBYE_TAG, HEADER_NBYTES, MAX_SEGMENTS, goodbye_envelope, parse_envelope, plan_frame
+from popmesh.engines.p2p_base import BufferPool, Item, P2PBase, RecvRequest
+from popmesh.engines.torch.send import LONG, Outbox, TorchSend, failure, is_gone, tensor
 
 __all__ = ["TorchP2P", "EXIT_GRACE_S", "GOODBYE_GRACE_S"]
 

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 from typing import Mapping
 
-from .errors import ConfigError
+from popmesh.core.errors import ConfigError
 
 __all__ = [
     "ENGINES",

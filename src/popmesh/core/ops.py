@@ -5,7 +5,7 @@ from __future__ import annotations
 from enum import Enum
 from typing import Any
 
-from .errors import ConfigError
+from popmesh.core.errors import ConfigError
 
 __all__ = ["ReduceOp"]
 

@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .arrays import device_name, dtype_name, is_torch
+from popmesh.core.arrays import device_name, dtype_name, is_torch
 
 __all__ = ["fresh_copy", "is_contiguous", "fuse_groups", "write_back", "apply_fused"]
 

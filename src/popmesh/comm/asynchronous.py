@@ -11,12 +11,12 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .arrays import dtype_name, is_torch
-from .collectives import _divide_, _require_reducible, _setup, _uint8_of
-from .engines.base import Completed, Pending
-from .fusion import fresh_copy, is_contiguous, write_back
-from .ops import ReduceOp
-from .world import Comm
+from popmesh.core.arrays import dtype_name, is_torch
+from popmesh.comm.collectives import _divide_, _require_reducible, _setup, _uint8_of
+from popmesh.engines.base import Completed, Pending
+from popmesh.comm.fusion import fresh_copy, is_contiguous, write_back
+from popmesh.core.ops import ReduceOp
+from popmesh.comm.world import Comm
 
 __all__ = ["AsyncHandle", "all_reduce_async", "all_reduce_async_"]
 

@@ -1,4 +1,4 @@
-"""Roles to groups: the :class:`DistributedContext` of a world split by a :class:`~popmesh.topology.RankLayout`.
+"""Roles to groups: the :class:`DistributedContext` of a world split by a :class:`~popmesh.topology.layout.RankLayout`.
 
 :func:`make_context` turns a pure layout (training ranks in agent groups, replay-buffer managers, an
 optional coordinator) into Groups, the same code on every engine. It is collective: **every rank of
@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .collectives import all_gather_object
-from .errors import ConfigError
-from .topology import RankLayout
-from .world import Group, World
+from popmesh.comm.collectives import all_gather_object
+from popmesh.core.errors import ConfigError
+from popmesh.topology.layout import RankLayout
+from popmesh.comm.world import Group, World
 
 __all__ = ["DistributedContext", "make_context"]
 

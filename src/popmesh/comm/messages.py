@@ -2,7 +2,7 @@
 
 ``send(payload, dst, tag)`` / ``recv(src, tag) -> (src, payload)`` move bytes, numpy arrays, torch
 tensors (dtype and shape kept, bfloat16 included; ``device=`` on receive), JSON values and dicts of
-arrays (replay batches) between **global** ranks. Every payload is one :mod:`popmesh.wire` frame, so
+arrays (replay batches) between **global** ranks. Every payload is one :mod:`popmesh.wire.encoding` frame, so
 a message is the same bytes on torch and on MPI. Pickled objects travel only with
 ``allow_pickle=True`` on both ends.
 
@@ -27,10 +27,10 @@ import operator
 from collections.abc import Callable, Collection
 from typing import Any
 
-from .engines.p2p_base import TAG_LIMIT
-from .errors import ConfigError, MessageError
-from .wire import decode, encode_message
-from .world import Comm, resolve_group
+from popmesh.engines.p2p_base import TAG_LIMIT
+from popmesh.core.errors import ConfigError, MessageError
+from popmesh.wire import decode, encode_message
+from popmesh.comm.world import Comm, resolve_group
 
 __all__ = [
     "INTERNAL_TAG_BASE", "TAG_LIMIT", "BUFFERS_TAGS", "POPULATION_TAGS", "InternalTag", "internal_tag",
@@ -129,7 +129,7 @@ def send(payload: Any, dst: int, tag: int = 0, *, group: Comm | None = None, tim
 
     ``dst`` must be a member of ``group`` (default: the world). Raises MessageError if the payload
     needs pickle and ``allow_pickle`` is False, CommTimeout/PeerFailure if it cannot be delivered.
-    ``checksum``: the payload CRC (:mod:`popmesh.wire`): None covers payloads up to 1 MiB, True all,
+    ``checksum``: the payload CRC (:mod:`popmesh.wire.encoding`): None covers payloads up to 1 MiB, True all,
     False none beyond small frames (the header is always covered); CRC32 runs at ~3-6 GB/s, so
     False saves ~0.1 ms per 300 KB on each side where the transport's own checks suffice.
     """

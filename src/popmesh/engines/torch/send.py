@@ -1,5 +1,5 @@
 """The sending half of the gloo point-to-point transport: buffers as tensors, sends in flight, and
-the per-channel threads that complete them (see :mod:`popmesh.engines.torch_p2p`).
+the per-channel threads that complete them (see :mod:`popmesh.engines.torch.p2p`).
 
 A gloo send whose timed ``wait`` expires closes the connection, so no caller ever waits on a gloo
 send with a deadline: each (destination, tag) channel has a daemon thread that completes its sends
@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CommTimeout, PeerFailure, PopmeshError
+from popmesh.core.errors import CommTimeout, PeerFailure, PopmeshError
 
 __all__ = ["LONG", "REAP_S", "TorchSend", "Outbox", "failure", "is_gone", "tensor"]
 

@@ -1,7 +1,7 @@
 """MPI adapter over mpi4py: COMM_WORLD and sub-communicators, non-blocking calls with timeouts.
 
 Every collective is issued non-blocking (``Iallreduce``…) and polled, so a rank that never arrives
-becomes a :class:`~popmesh.errors.CommTimeout` instead of a hang. Data-movement collectives move raw
+becomes a :class:`~popmesh.core.errors.CommTimeout` instead of a hang. Data-movement collectives move raw
 bytes, so every dtype works (bfloat16 included); reductions of float16/bfloat16 run in float32 and
 are cast back, since MPI has no half-precision reduction.
 """
@@ -15,11 +15,11 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..arrays import is_torch
-from ..errors import CommTimeout, EngineUnavailable, PeerFailure
-from ..ops import ReduceOp
-from .base import GroupSpec, poll_until, timeout_message
-from .interop import numpy_bytes, torch_bytes
+from popmesh.core.arrays import is_torch
+from popmesh.core.errors import CommTimeout, EngineUnavailable, PeerFailure
+from popmesh.core.ops import ReduceOp
+from popmesh.engines.base import GroupSpec, poll_until, timeout_message
+from popmesh.engines.interop import numpy_bytes, torch_bytes
 
 __all__ = ["MpiEngine"]
 
@@ -65,9 +65,9 @@ class MpiEngine:
         return self._node.Get_rank(), self._node.Get_size()
 
     def p2p(self) -> Any:
-        """Point-to-point frames on global ranks (:class:`~popmesh.engines.mpi_p2p.MpiP2P`), made once."""
+        """Point-to-point frames on global ranks (:class:`~popmesh.engines.mpi.p2p.MpiP2P`), made once."""
         if self._p2p is None:
-            from .mpi_p2p import MpiP2P
+            from popmesh.engines.mpi.p2p import MpiP2P
 
             self._p2p = MpiP2P(self)
         return self._p2p

@@ -10,9 +10,9 @@ from __future__ import annotations
 import atexit
 from typing import Any, Sequence
 
-from .engines import Engine, GroupSpec, create_engine
-from .env import detect_engine, read_check, read_timeout
-from .errors import ConfigError, NotInGroup
+from popmesh.engines import Engine, GroupSpec, create_engine
+from popmesh.core.launch_env import detect_engine, read_check, read_timeout
+from popmesh.core.errors import ConfigError, NotInGroup
 
 __all__ = ["Comm", "World", "Group", "init", "current_world", "resolve_group", "finalize"]
 
@@ -141,7 +141,7 @@ class World(Comm):
     def _gather_hostnames(self) -> list[str]:
         if self.size == 1:
             return [self.hostname]
-        from .collectives import all_gather_object
+        from popmesh.comm.collectives import all_gather_object
 
         return [str(h) for h in all_gather_object(self.hostname, group=self)]
 

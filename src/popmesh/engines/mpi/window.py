@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CommTimeout, ConfigError, PeerFailure
-from .mpi import _import_mpi
+from popmesh.core.errors import CommTimeout, ConfigError, PeerFailure
+from popmesh.engines.mpi.engine import _import_mpi
 
 __all__ = ["SnapshotWindow", "Snapshot"]
 

@@ -12,8 +12,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .arrays import dtype_name, leaf_shape
-from .errors import CollectiveMismatch
+from popmesh.core.arrays import dtype_name, leaf_shape
+from popmesh.core.errors import CollectiveMismatch
 
 __all__ = ["describe_leaves", "agree", "exchange_shapes", "exchange_all_shapes"]
 

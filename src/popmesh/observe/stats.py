@@ -25,13 +25,13 @@ from typing import Any
 
 import numpy as np
 
-from .agreement import exchange_shapes
-from .arrays import flatten, is_torch, unflatten
-from .asynchronous import all_reduce_async_
-from .collectives import all_reduce, all_reduce_, gather
-from .errors import ConfigError
-from .ops import ReduceOp
-from .world import Comm, current_world, resolve_group
+from popmesh.comm.agreement import exchange_shapes
+from popmesh.core.arrays import flatten, is_torch, unflatten
+from popmesh.comm.asynchronous import all_reduce_async_
+from popmesh.comm.collectives import all_reduce, all_reduce_, gather
+from popmesh.core.errors import ConfigError
+from popmesh.core.ops import ReduceOp
+from popmesh.comm.world import Comm, current_world, resolve_group
 
 __all__ = [
     "dist_op",

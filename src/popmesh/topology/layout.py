@@ -17,7 +17,7 @@ node whenever the numbers allow.
 
 Deliberate fixes over torchgfn's ``RankLayout``: the default is **no** buffer managers (its
 driver default of one silently took a rank away from training); bad sizes raise
-:class:`~popmesh.errors.ConfigError` saying what to change instead of ``assert``; every layout,
+:class:`~popmesh.core.errors.ConfigError` saying what to change instead of ``assert``; every layout,
 including one read back with :meth:`from_dict`, is checked to be an exact partition of the world;
 ``from_hostnames`` keeps agent groups node-local also without buffers; and the "agent groups
 span nodes" warning is not raised when a single agent group is asked for.
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Literal
 
-from popmesh.errors import ConfigError
+from popmesh.core.errors import ConfigError
 
 __all__ = ["RankLayout", "LayoutWarning", "Role"]
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from .wire import decode, encode, join_frame
+from popmesh.wire import decode, encode, join_frame
 
 __all__ = ["encode_object", "decode_object"]
 

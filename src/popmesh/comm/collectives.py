@@ -14,13 +14,13 @@ from typing import Any
 
 import numpy as np
 
-from .agreement import agree, describe_leaves, exchange_all_shapes, exchange_shapes
-from .arrays import dtype_name, flatten, is_torch, restore_scalar, to_array, unflatten
-from .errors import ConfigError
-from .fusion import apply_fused, fresh_copy, is_contiguous, write_back
-from .objects import decode_object, encode_object
-from .ops import ReduceOp
-from .world import Comm, resolve_group
+from popmesh.comm.agreement import agree, describe_leaves, exchange_all_shapes, exchange_shapes
+from popmesh.core.arrays import dtype_name, flatten, is_torch, restore_scalar, to_array, unflatten
+from popmesh.core.errors import ConfigError
+from popmesh.comm.fusion import apply_fused, fresh_copy, is_contiguous, write_back
+from popmesh.wire.objects import decode_object, encode_object
+from popmesh.core.ops import ReduceOp
+from popmesh.comm.world import Comm, resolve_group
 
 __all__ = [
     "ReduceOp",

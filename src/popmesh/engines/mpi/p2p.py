@@ -27,10 +27,10 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CommTimeout, ConfigError, MessageError, PeerFailure
-from .base import poll_until
-from .envelope import INLINE_NBYTES, parse_envelope, plan_frame
-from .p2p_base import TAG_LIMIT, BufferPool, Item, P2PBase, RecvRequest
+from popmesh.core.errors import CommTimeout, ConfigError, MessageError, PeerFailure
+from popmesh.engines.base import poll_until
+from popmesh.engines.envelope import INLINE_NBYTES, parse_envelope, plan_frame
+from popmesh.engines.p2p_base import TAG_LIMIT, BufferPool, Item, P2PBase, RecvRequest
 
 __all__ = ["MpiP2P"]
 

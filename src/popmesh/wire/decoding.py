@@ -1,6 +1,6 @@
 """Decoding popmesh wire frames (:mod:`popmesh.wire` re-exports :func:`decode` and :func:`read_header`).
 
-The frame layout is in :mod:`popmesh.wire_format`. :func:`decode` first tries a fast path for
+The frame layout is in :mod:`popmesh.wire.format`. :func:`decode` first tries a fast path for
 BYTES and numpy NDARRAY frames that returns only when every check of the full path passes;
 anything else goes through :func:`read_header`, which raises the precise MessageError for a
 truncated, corrupt or foreign frame.
@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from popmesh.errors import MessageError
-from popmesh.wire_format import (
+from popmesh.core.errors import MessageError
+from popmesh.wire.format import (
     FORMAT_VERSION,
     FrameHeader,
     HEADER_NBYTES,
@@ -73,7 +73,7 @@ def read_header(buf: Any) -> FrameHeader:
     magic, version, kind, flags, dtype, device, ndim, res1, pcrc, nbytes, res2 = _FIXED.unpack_from(mv)
     if magic != MAGIC:
         raise MessageError(f"not a popmesh frame (magic {bytes(magic)!r}, expected {MAGIC!r}): the sender did not "
-                           "use popmesh.wire or the stream is misaligned")
+                           "use popmesh.wire.encoding or the stream is misaligned")
     if version != FORMAT_VERSION:
         raise MessageError(f"frame format version {version} is not supported (this popmesh reads version "
                            f"{FORMAT_VERSION}); run the same popmesh version on every rank")

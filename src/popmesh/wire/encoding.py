@@ -1,9 +1,9 @@
-"""The one framed wire format of popmesh point-to-point messages.
+"""Encoding popmesh wire frames: the one framed format of point-to-point messages.
 
 Every engine carries the same bytes: :func:`encode` is a pure function of the payload, so a message
 sent over torch.distributed and over MPI is byte-for-byte identical, and either side can decode it.
 The frame layout (a fixed 32-byte header, ``ndim`` shape entries, then the payload) is documented
-in :mod:`popmesh.wire_format`.
+in :mod:`popmesh.wire.format`.
 
 Checksum cost: CRC32 runs at about 6 GB/s here (zlib 1.2.13, 64 MiB: 10.6 ms) against 4.4 ms
 for a 64 MiB memcpy (2.4x), and older zlib builds manage about 1 GB/s. So the payload CRC is
@@ -18,10 +18,11 @@ returns only when every check of the full path passes; the bytes on the wire are
 
 No pickle by default: anything that is not bytes, an array, a tensor, a JSON-able value or a dict
 of str to arrays needs ``allow_pickle=True`` on both the sender and the receiver. Decoding a
-truncated, corrupt or foreign frame raises :class:`~popmesh.errors.MessageError`.
+truncated, corrupt or foreign frame raises :class:`~popmesh.core.errors.MessageError`.
 
-This module encodes; decoding lives in :mod:`popmesh.wire_decode` and the buffer helpers
-(:func:`join_frame`, :func:`frame_nbytes`) in :mod:`popmesh.wire_format`, all re-exported here.
+This module encodes; decoding lives in :mod:`popmesh.wire.decoding` and the buffer helpers
+(:func:`join_frame`, :func:`frame_nbytes`) in :mod:`popmesh.wire.format`; :mod:`popmesh.wire`
+re-exports the public names of all three.
 """
 
 from __future__ import annotations
@@ -34,19 +35,15 @@ from typing import Any
 
 import numpy as np
 
-from popmesh.errors import MessageError
-from popmesh.wire_decode import decode, read_header  # noqa: F401 - re-exported
-from popmesh.wire_format import (  # noqa: F401 - the public names are re-exported
+from popmesh.core.errors import MessageError
+from popmesh.wire.format import (
     CHECKSUM_AUTO_LIMIT,
     DTYPE_CODES,
     FORMAT_VERSION,
-    FrameHeader,
-    HEADER_NBYTES,
     Kind,
     MAGIC,
     SMALL_FRAME_NBYTES,
     frame_nbytes,
-    join_frame,
     _CRC,
     _DEVICE_CODES,
     _FIXED,
@@ -61,11 +58,7 @@ from popmesh.wire_format import (  # noqa: F401 - the public names are re-export
     _torch,
 )
 
-__all__ = [
-    "CHECKSUM_AUTO_LIMIT", "DTYPE_CODES", "FORMAT_VERSION", "HEADER_NBYTES", "MAGIC",
-    "FrameHeader", "Kind", "SMALL_FRAME_NBYTES", "decode", "encode", "encode_message", "frame_nbytes", "join_frame",
-    "read_header",
-]
+__all__ = ["encode", "encode_message"]
 
 # --- encoding -------------------------------------------------------------------------------
 

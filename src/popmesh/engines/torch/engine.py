@@ -17,12 +17,12 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..env import TorchEnv
-from ..errors import CommTimeout, ConfigError, EngineUnavailable, PeerFailure, PopmeshError
-from ..ops import ReduceOp
-from .base import GroupSpec, timeout_message
-from .interop import numpy_to_torch, torch_to_numpy
-from .torch_p2p_send import is_gone
+from popmesh.core.launch_env import TorchEnv
+from popmesh.core.errors import CommTimeout, ConfigError, EngineUnavailable, PeerFailure, PopmeshError
+from popmesh.core.ops import ReduceOp
+from popmesh.engines.base import GroupSpec, timeout_message
+from popmesh.engines.interop import numpy_to_torch, torch_to_numpy
+from popmesh.engines.torch.send import is_gone
 
 __all__ = ["TorchEngine"]
 
@@ -99,9 +99,9 @@ class TorchEngine:
         return None
 
     def p2p(self) -> Any:
-        """Point-to-point frames on global ranks (:class:`~popmesh.engines.torch_p2p.TorchP2P`), made once."""
+        """Point-to-point frames on global ranks (:class:`~popmesh.engines.torch.p2p.TorchP2P`), made once."""
         if self._p2p is None:
-            from .torch_p2p import TorchP2P
+            from popmesh.engines.torch.p2p import TorchP2P
 
             self._p2p = TorchP2P(self)
         return self._p2p

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from popmesh.errors import ConfigError
+from popmesh.core.errors import ConfigError
 
 __all__ = [
     "Timer",

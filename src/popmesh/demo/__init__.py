@@ -1,0 +1,1 @@
+"""The CartPole population demo behind ``popmesh demo``: a user of everything below it."""

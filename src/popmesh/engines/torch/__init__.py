@@ -1,0 +1,1 @@
+"""The torch.distributed adapter: collectives over a process group and its point-to-point transport."""

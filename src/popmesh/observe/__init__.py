@@ -1,0 +1,1 @@
+"""Seeing a run: step timers, timing and load-imbalance reports, distributed statistics."""
