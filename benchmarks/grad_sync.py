@@ -3,7 +3,7 @@
 Model: 100 Linear(316, 316) layers = 200 parameter tensors, 10.0 M float32 elements (40 MB).
 2 ranks, gloo (torch) and MPICH (mpi), each in one run, contenders interleaved (medians of rounds):
 
-  popmesh        popmesh.torch.avg_grads(model): cached GradientSync, gradients are bucket views
+  popmesh        popmesh.torch.mean_grads_(model): cached GradientSync, gradients are bucket views
   per-tensor     one raw all-reduce per gradient, then divide (OmniSafe's avg_grads, torchgfn's
                  average_gradients)
   flatten        torch.cat the gradients, one raw all-reduce, divide, copy back
@@ -12,7 +12,7 @@ Model: 100 Linear(316, 316) layers = 200 parameter tensors, 10.0 M float32 eleme
 and, on gloo, a full training step (zero_grad, forward, backward, sync, SGD step) with
 GradientSync(overlap=True) against torch DDP. ``--sweep`` also times GradientSync at several caps,
 and the raw engine on the 40 MB in pieces, one call after another vs all queued at once (the
-measurements behind popmesh.torch.CPU_CAP_BYTES and IN_FLIGHT).
+measurements behind each engine adapter's ``tuning``: bucket cap and reductions in flight).
 
 Run: .venv/bin/python benchmarks/grad_sync.py [--sweep]   (the driver launches both worlds)
 """
@@ -90,7 +90,7 @@ def raw_all_reduce(engine: str):
 def sync_contenders(world, model, flat):
     import torch
 
-    from popmesh.torch import avg_grads
+    from popmesh.torch import mean_grads_
 
     reduce_, n = raw_all_reduce(world.engine_name), world.size
     grads = [p.grad for p in model.parameters()]
@@ -109,9 +109,9 @@ def sync_contenders(world, model, flat):
             g.copy_(buf[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
 
-    avg_grads(model)  # build the cached sync; from here the gradients are its bucket views
+    mean_grads_(model)  # build the cached sync; from here the gradients are its bucket views
     grads[:] = [p.grad for p in model.parameters()]
-    return {"popmesh": lambda: avg_grads(model), "per-tensor": per_tensor, "flatten": flatten,
+    return {"popmesh": lambda: mean_grads_(model), "per-tensor": per_tensor, "flatten": flatten,
             "flat floor": lambda: reduce_(flat)}
 
 

@@ -2,7 +2,7 @@
 
 Three ways to train the same flax MLP for one adamw step on a batch split over 8 devices:
 
-* ``dp``     plain data parallelism: parameters replicated, gradients averaged (popmesh gradient_update);
+* ``dp``     plain data parallelism: parameters replicated, gradients averaged (popmesh make_update);
 * ``fsdp``   popmesh FSDP inside shard_map: kernels stored as 1/8 shards, gathered per layer;
 * ``fsdp-last``  the same with xLSTM's tie rule (square kernels sharded on their last dimension);
 * ``gspmd``  the raw engine: jit with the same parameter shardings, collectives left to the compiler.
@@ -48,7 +48,7 @@ class MLP(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        dense = pj.shard_module_params(nn.Dense, AXIS, tie_break=self.tie_break) if self.fsdp else nn.Dense
+        dense = pj.shard_module(nn.Dense, AXIS, tie_break=self.tie_break) if self.fsdp else nn.Dense
         x = nn.relu(dense(self.width, name="l0")(x))
         x = nn.relu(dense(self.width, name="l1")(x))
         return dense(16, name="head")(x)
@@ -75,7 +75,7 @@ def _shard_map_step(
     def loss(params, x, y):
         return jnp.mean((model.apply({"params": params}, x) - y) ** 2)
 
-    update = pj.gradient_update(loss, optimizer, dp_axis_name=AXIS)
+    update = pj.make_update(loss, optimizer, dp_axis_name=AXIS)
 
     def step(opt_state, params, x, y):
         _, params, opt_state = update(opt_state, params, x, y)

@@ -8,7 +8,7 @@ from popmesh.torch import GradientSync
 world = popmesh.init()  # torch/gloo here; mpiexec → MPI; plain python → one rank
 torch.manual_seed(world.rank)
 model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
-popmesh.torch.sync_params(model, src=0)  # everyone starts from rank 0's weights
+popmesh.torch.broadcast_params_(model, src=0)  # everyone starts from rank 0's weights
 sync = GradientSync(model)  # bucketed, overlaps with backward, grads are views
 opt = torch.optim.Adam(model.parameters(), lr=1e-3)
 for step in range(100):

@@ -2,7 +2,7 @@
 
 Eight small regressors (a population, e.g. for population-based training), each with its own learning
 rate, are split over the ``POP`` mesh axis (2 members per device column); each member's batch is split
-over the ``DP`` axis and its gradients are averaged there by ``popmesh.jax.gradient_update``. After
+over the ``DP`` axis and its gradients are averaged there by ``popmesh.jax.make_update``. After
 each round the worst quarter of the population takes the best member's weights (in-graph, with
 ``popmesh.jax.population_update``), keeping its own learning rate.
 
@@ -29,12 +29,12 @@ from jax.sharding import Mesh  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from popmesh.jax import (  # noqa: E402
-    DP_AXIS_NAME,
-    POP_AXIS_NAME,
-    gradient_update,
+    DATA_AXIS,
+    POPULATION_AXIS,
+    make_update,
     pmean,
     population_update,
-    shmap_vmap,
+    vmap_per_device,
 )
 
 POP_SIZE, N_POP, N_DP = 8, 4, 2
@@ -57,7 +57,7 @@ def mse(params, x, y):
 
 def member_train(params, opt_state, x, y):
     """One member, ``STEPS_PER_CALL`` steps on its DP shard of the batch; returns its mean loss."""
-    step = gradient_update(mse, OPTIMIZER, dp_axis_name=DP_AXIS_NAME)
+    step = make_update(mse, OPTIMIZER, dp_axis_name=DATA_AXIS)
 
     def body(carry, _):
         params, opt_state = carry
@@ -65,11 +65,11 @@ def member_train(params, opt_state, x, y):
         return (params, opt_state), loss
 
     (params, opt_state), losses = jax.lax.scan(body, (params, opt_state), length=STEPS_PER_CALL)
-    return params, opt_state, pmean(losses[-1], DP_AXIS_NAME)
+    return params, opt_state, pmean(losses[-1], DATA_AXIS)
 
 
 def main() -> None:
-    mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(N_POP, N_DP), (POP_AXIS_NAME, DP_AXIS_NAME))
+    mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(N_POP, N_DP), (POPULATION_AXIS, DATA_AXIS))
     x = jnp.linspace(-2.0, 2.0, BATCH)[:, None]
     y = jnp.sin(3.0 * x) + 0.05 * jax.random.normal(jax.random.key(1), x.shape)
     learning_rates = jnp.logspace(-3.5, -1.0, POP_SIZE)
@@ -77,13 +77,13 @@ def main() -> None:
     opt_state = jax.vmap(lambda p, lr: optax.inject_hyperparams(optax.adam)(learning_rate=lr).init(p))(
         params, learning_rates
     )
-    train = jax.jit(shmap_vmap(
+    train = jax.jit(vmap_per_device(
         member_train, mesh,
-        in_specs=(P(POP_AXIS_NAME), P(POP_AXIS_NAME), P(DP_AXIS_NAME), P(DP_AXIS_NAME)),
-        out_specs=(P(POP_AXIS_NAME), P(POP_AXIS_NAME), P(POP_AXIS_NAME)),
+        in_specs=(P(POPULATION_AXIS), P(POPULATION_AXIS), P(DATA_AXIS), P(DATA_AXIS)),
+        out_specs=(P(POPULATION_AXIS), P(POPULATION_AXIS), P(POPULATION_AXIS)),
         in_axes=(0, 0, None, None),  # members are mapped; the data shard is shared by a device's members
     ))
-    exploit = population_update(mesh, P(POP_AXIS_NAME), replacement_ratio=0.25, strategy="best_only")
+    exploit = population_update(mesh, P(POPULATION_AXIS), replacement_ratio=0.25, strategy="best_only")
     start = time.perf_counter()
     for call in range(1, CALLS + 1):
         params, opt_state, losses = train(params, opt_state, x, y)

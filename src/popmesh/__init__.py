@@ -30,8 +30,8 @@ _LAZY = {
     ),
     "comm.asynchronous": ("all_reduce_async", "all_reduce_async_", "AsyncHandle"),
     "comm.messages": ("send", "recv", "isend", "irecv", "SendHandle", "RecvHandle"),
-    "topology.roles": ("DistributedContext", "make_context"),
-    "observe.timing": ("gather_timings", "report_time_info", "report_load_imbalance"),
+    "topology.roles": ("Roles", "assign_roles"),
+    "observe.timing": ("gather_timings", "report_timings", "report_imbalance"),
     "core.ops": ("ReduceOp",),
     "comm.world": ("init", "finalize", "current_world", "World", "Group"),
 }

@@ -27,7 +27,7 @@ def _per_device(fn, mesh, out_specs=P(), check_vma=True):
     [(pj.pmean, np.mean), (pj.psum, np.sum), (pj.pmin, np.min), (pj.pmax, np.max)],
 )
 def test_reductions_match_numpy_over_pytrees(dp_mesh, op, reference):
-    out = _per_device(lambda t: op(t, pj.DP_AXIS_NAME), dp_mesh)
+    out = _per_device(lambda t: op(t, pj.DATA_AXIS), dp_mesh)
     assert np.allclose(out["a"], reference(RANK_PLUS_ONE))
     assert np.allclose(out["b"][0], np.full((1, 2), reference(RANK_PLUS_ONE)))
 

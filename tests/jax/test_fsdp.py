@@ -36,11 +36,11 @@ def _full_params():
 
 
 def _shard_on_every_device(mesh, params, **kwargs):
-    """shard_params on each device; returns (structure seen on device 0, values stacked per device)."""
+    """shard_tree on each device; returns (structure seen on device 0, values stacked per device)."""
     seen = {}
 
     def body(params):
-        sharded = pj.shard_params(params, "fsdp", **kwargs)
+        sharded = pj.shard_tree(params, "fsdp", **kwargs)
         seen["tree"] = sharded
         return pj.all_gather(sharded, "fsdp")
 
@@ -50,7 +50,7 @@ def _shard_on_every_device(mesh, params, **kwargs):
 
 
 @pytest.mark.parametrize("tie_break", ["first", "last"])
-def test_shard_params_picks_the_largest_divisible_dim(fsdp_mesh, caplog, tie_break):
+def test_shard_tree_picks_the_largest_divisible_dim(fsdp_mesh, caplog, tie_break):
     params = _full_params()
     with caplog.at_level(logging.DEBUG, logger="popmesh.jax.fsdp"):
         tree, stacked = _shard_on_every_device(fsdp_mesh, params, min_weight_size=4, tie_break=tie_break)
@@ -66,7 +66,7 @@ def test_shard_params_picks_the_largest_divisible_dim(fsdp_mesh, caplog, tie_bre
     assert "['tiny'] replicated: size 4 <= min_weight_size 4" in caplog.text
 
 
-def test_shard_params_default_threshold_keeps_small_leaves_replicated(fsdp_mesh):
+def test_shard_tree_default_threshold_keeps_small_leaves_replicated(fsdp_mesh):
     tree, _ = _shard_on_every_device(fsdp_mesh, _full_params())  # largest leaf: 384 values < 2**18
     assert all(not isinstance(leaf, nn.Partitioned) for leaf in tree.values())
 
@@ -91,14 +91,14 @@ def test_named_dims_are_not_resharded(fsdp_mesh):
 
 
 @pytest.mark.parametrize("pad", [False, True])
-def test_gather_params_round_trips_and_pad_trims_back(fsdp_mesh, pad):
+def test_gather_tree_round_trips_and_pad_trims_back(fsdp_mesh, pad):
     params = _full_params()
     seen = {}
 
     def body(params):
-        sharded = pj.shard_params(params, "fsdp", min_weight_size=4, pad=pad)
+        sharded = pj.shard_tree(params, "fsdp", min_weight_size=4, pad=pad)
         seen["odd"] = sharded["odd"]
-        return pj.gather_params(sharded, "fsdp")
+        return pj.gather_tree(sharded, "fsdp")
 
     # Gathered tensors stay typed as varying (their gradient is per-device), hence check_vma=False.
     out = jax.shard_map(body, mesh=fsdp_mesh, in_specs=P(), out_specs=P(), check_vma=False)(params)
@@ -115,7 +115,7 @@ def test_gather_keeps_other_sharded_axes(fsdp_mesh):
     seen = {}
 
     def body(w):
-        gathered = pj.gather_params({"w": nn.Partitioned(w, ("tp", "fsdp"))}, "fsdp")["w"]
+        gathered = pj.gather_tree({"w": nn.Partitioned(w, ("tp", "fsdp"))}, "fsdp")["w"]
         seen["names"] = gathered.names
         return gathered.value
 
@@ -131,7 +131,7 @@ def test_gather_gradient_is_the_mean_over_devices(fsdp_mesh, check_vma):
 
     def body(w_local, weight):
         def loss(w):
-            gathered = pj.gather_array_with_mean_grads(w, 1, "fsdp")
+            gathered = pj.gather_with_mean_grads(w, 1, "fsdp")
             return weight[0] * jnp.sum(gathered * coef), gathered
 
         grad, gathered = jax.grad(loss, has_aux=True)(pj.as_varying(w_local, "fsdp"))
@@ -150,7 +150,7 @@ def _scatter_dtype_grads(mesh, gather_dtype, scatter_dtype):
 
     def body(x, w):
         def loss(w):
-            full = pj.gather_array_with_mean_grads(w, 1, "fsdp", gather_dtype, scatter_dtype)
+            full = pj.gather_with_mean_grads(w, 1, "fsdp", gather_dtype, scatter_dtype)
             return jnp.mean((x @ full.astype(jnp.bfloat16)).astype(jnp.float32) ** 2)
 
         return jax.grad(loss)(pj.as_varying(w, "fsdp"))
@@ -170,17 +170,17 @@ def test_bfloat16_scatter_changes_gradients_a_little(fsdp_mesh):
 
 
 def test_gather_dtype_sets_the_forward_dtype(fsdp_mesh):
-    fn = jax.shard_map(lambda w: pj.gather_array_with_mean_grads(w, 0, "fsdp", gather_dtype=jnp.bfloat16),
+    fn = jax.shard_map(lambda w: pj.gather_with_mean_grads(w, 0, "fsdp", gather_dtype=jnp.bfloat16),
                        mesh=fsdp_mesh, in_specs=P("fsdp"), out_specs=P(), check_vma=False)
     assert fn(jnp.ones(16)).dtype == jnp.bfloat16
 
 
 @pytest.mark.parametrize("check_vma", [True, False])
-def test_sync_gradients_skips_axes_a_leaf_is_sharded_on(dp_fsdp_mesh, check_vma):
+def test_mean_grads_skips_axes_a_leaf_is_sharded_on(dp_fsdp_mesh, check_vma):
     grid = ("dp", "fsdp")
 
     def body(rank):  # device (d, f) holds rank + 1 = 4d + f + 1
-        synced = pj.sync_gradients({"replicated": rank, "sharded": nn.Partitioned(rank, ("fsdp",))}, grid)
+        synced = pj.mean_grads({"replicated": rank, "sharded": nn.Partitioned(rank, ("fsdp",))}, grid)
         return synced["replicated"], synced["sharded"].value
 
     fn = jax.shard_map(
@@ -191,9 +191,9 @@ def test_sync_gradients_skips_axes_a_leaf_is_sharded_on(dp_fsdp_mesh, check_vma)
     assert np.allclose(sharded, np.arange(N) % 4 + 3.0)  # mean over dp only: (f + 1 + f + 5) / 2
 
 
-def test_sync_gradients_leaves_jax_reduced_leaves_alone(dp_fsdp_mesh):
+def test_mean_grads_leaves_jax_reduced_leaves_alone(dp_fsdp_mesh):
     def body(invariant):
-        return pj.sync_gradients({"g": invariant}, ("dp", "fsdp"))["g"]
+        return pj.mean_grads({"g": invariant}, ("dp", "fsdp"))["g"]
 
     fn = jax.shard_map(body, mesh=dp_fsdp_mesh, in_specs=P(), out_specs=P())
     assert np.allclose(fn(jnp.full(3, 7.0)), 7.0)
@@ -208,7 +208,7 @@ class MLP(nn.Module):
     def __call__(self, x):
         dense = nn.Dense
         if self.sharded_axis is not None:
-            dense = pj.shard_module_params(nn.Dense, self.sharded_axis, min_weight_size=128)
+            dense = pj.shard_module(nn.Dense, self.sharded_axis, min_weight_size=128)
         x = nn.relu(dense(64, name="hidden")(x))
         return dense(4, name="out")(x)
 
@@ -219,7 +219,7 @@ def _train(model, mesh, axes, params, specs, x, y, check_vma, steps=3):
     def loss(params, x, y):
         return jnp.mean((model.apply({"params": params}, x) - y) ** 2)
 
-    step = pj.gradient_update(loss, optimizer, dp_axis_name=axes)
+    step = pj.make_update(loss, optimizer, dp_axis_name=axes)
 
     def body(params, x, y):
         opt_state = optimizer.init(params)

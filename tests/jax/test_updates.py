@@ -1,4 +1,4 @@
-"""gradient_update / agent_gradient_update: data-parallel steps equal the full-batch step."""
+"""make_update / make_agent_update: data-parallel steps equal the full-batch step."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def _reference(optimizer, params, x, y, steps):
 
 
 def _dp_run(optimizer, params, x, y, steps, mesh, axes, check_vma):
-    step = pj.gradient_update(mse, optimizer, dp_axis_name=axes)
+    step = pj.make_update(mse, optimizer, dp_axis_name=axes)
 
     def body(opt_state, params, x, y):
         for _ in range(steps):
@@ -83,7 +83,7 @@ def test_single_device_update_with_adamw_and_aux():
         loss = mse(params, x, y)
         return loss, {"twice": 2 * loss}
 
-    step = jax.jit(pj.gradient_update(loss_with_aux, optimizer, has_aux=True))
+    step = jax.jit(pj.make_update(loss_with_aux, optimizer, has_aux=True))
     (loss, aux), new_params, _ = step(optimizer.init(params), params, x, y)
     ref_loss, ref_params = _reference(optimizer, params, x, y, 1)
     assert np.allclose(loss, ref_loss) and np.allclose(aux["twice"], 2 * ref_loss)
@@ -92,7 +92,7 @@ def test_single_device_update_with_adamw_and_aux():
 
 def test_dp_update_under_vmap_axis_is_the_batch_mean():
     params, x, y = _problem()
-    step = pj.gradient_update(mse, optax.sgd(0.1), dp_axis_name="V")
+    step = pj.make_update(mse, optax.sgd(0.1), dp_axis_name="V")
     opt_state = optax.sgd(0.1).init(params)
     _, new_params, _ = jax.vmap(step, in_axes=(None, None, 0, 0), axis_name="V")(
         opt_state, params, x[:, None], y[:, None]
@@ -103,8 +103,8 @@ def test_dp_update_under_vmap_axis_is_the_batch_mean():
 
 def test_unbound_dp_axis_is_reported():
     params, x, y = _problem()
-    step = pj.gradient_update(mse, optax.sgd(0.1), dp_axis_name="DP")
-    with pytest.raises(pj.UnboundAxisError, match="gradient_update: axis 'DP'"):
+    step = pj.make_update(mse, optax.sgd(0.1), dp_axis_name="DP")
+    with pytest.raises(pj.UnboundAxisError, match="make_update: axis 'DP'"):
         jax.jit(step)(optax.sgd(0.1).init(params), params, x, y)
 
 
@@ -131,12 +131,12 @@ def agent_loss(agent_state, batch, key, *, scale=1.0):
 
 
 @pytest.mark.parametrize("kind", [AgentState, TupleState, dict])
-def test_agent_gradient_update_over_dp_equals_full_batch(dp_mesh, kind):
+def test_make_agent_update_over_dp_equals_full_batch(dp_mesh, kind):
     params, x, y = _problem()
     obs_mean = jnp.full((4,), 0.5)
     agent = kind(params=params, obs_mean=obs_mean)
     optimizer = optax.adamw(0.05, weight_decay=0.1)
-    step = pj.agent_gradient_update(agent_loss, optimizer, dp_axis_name="DP")
+    step = pj.make_agent_update(agent_loss, optimizer, dp_axis_name="DP")
 
     def body(opt_state, agent, x, y, key):
         loss, agent, opt_state = step(opt_state, agent, (x, y), key, scale=2.0)
@@ -153,10 +153,10 @@ def test_agent_gradient_update_over_dp_equals_full_batch(dp_mesh, kind):
     assert np.allclose(_field(new_agent, "params")["w"], ref_params["w"], rtol=1e-5, atol=1e-6)
 
 
-def test_agent_gradient_update_custom_attach_and_detach():
+def test_make_agent_update_custom_attach_and_detach():
     params, x, y = _problem()
     agent = {"net": params, "frozen": jnp.ones(())}
-    step = pj.agent_gradient_update(
+    step = pj.make_agent_update(
         lambda state, x, y: mse(state["net"], x, y) * state["frozen"],
         optax.sgd(0.1),
         attach_fn=lambda state, p: {**state, "net": p},
@@ -174,6 +174,6 @@ def test_default_attach_rejects_states_it_cannot_copy():
             self.params = params
 
     params, x, y = _problem()
-    step = pj.agent_gradient_update(lambda s, x, y: mse(s.params, x, y), optax.sgd(0.1))
+    step = pj.make_agent_update(lambda s, x, y: mse(s.params, x, y), optax.sgd(0.1))
     with pytest.raises(TypeError, match="attach_fn=/detach_fn="):
         step(optax.sgd(0.1).init(params), Bare(params), x, y)

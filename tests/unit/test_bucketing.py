@@ -9,11 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from popmesh.core.dtypes import itemsize
 from popmesh.torch.bucketing import (
     DEFAULT_CAP_BYTES,
     BucketPlan,
     ParamSpec,
-    dtype_itemsize,
     plan_buckets,
     plan_differs,
 )
@@ -33,7 +33,7 @@ def _check_plan(plan: BucketPlan, cap: int, align: int) -> None:
     seen = sorted(i for b in plan.buckets for i in b.indices)
     assert seen == list(range(len(specs)))                                   # each exactly once
     for b in plan.buckets:
-        size = dtype_itemsize(b.dtype)
+        size = itemsize(b.dtype)
         assert b.indices and len(b.indices) == len(b.offsets) == len(b.sizes)
         end = 0
         for i, off, n in zip(b.indices, b.offsets, b.sizes):
@@ -72,7 +72,7 @@ def test_greedy_buckets_are_full(specs, cap):
     for buckets in by_key.values():
         for prev, nxt in zip(buckets, buckets[1:]):
             assert min(prev.indices) > max(nxt.indices)                       # reverse ready order
-            assert (prev.numel + nxt.sizes[0]) * dtype_itemsize(prev.dtype) > cap
+            assert (prev.numel + nxt.sizes[0]) * itemsize(prev.dtype) > cap
 
 
 def test_reverse_order_and_cap():
@@ -147,7 +147,7 @@ def test_param_spec_from_array_duck_types():
             return 7
 
     assert ParamSpec.from_array("t", FakeTensor()) == ParamSpec("t", 7, "bfloat16", "cuda:1")
-    assert dtype_itemsize("float8_e4m3fn") == 1 and dtype_itemsize("complex128") == 16
+    assert itemsize("float8_e4m3fn") == 1 and itemsize("complex128") == 16
 
 
 @pytest.mark.parametrize("call, match", [

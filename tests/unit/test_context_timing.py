@@ -17,8 +17,8 @@ def world():
     return popmesh.init("local")
 
 
-def test_context_of_one_training_rank(world):
-    ctx = popmesh.make_context(world)
+def test_roles_of_one_training_rank(world):
+    ctx = popmesh.assign_roles(world)
     assert ctx.training_ranks == [0] and ctx.is_training_rank() and not ctx.is_buffer_rank()
     assert not ctx.is_coordinator_rank() and ctx.coordinator_rank is None and ctx.buffer_group is None
     assert ctx.assigned_buffer is None and ctx.assigned_training_ranks is None and ctx.buffer_rank_set == set()
@@ -29,11 +29,11 @@ def test_context_of_one_training_rank(world):
     assert ctx.agent_groups == [] and not world.finalized
 
 
-def test_context_checks_sizes(world):
+def test_roles_check_sizes(world):
     with pytest.raises(ConfigError):
-        popmesh.make_context(world, num_buffers=1)
+        popmesh.assign_roles(world, num_buffers=1)
     with pytest.raises(ConfigError):
-        popmesh.make_context(world, RankLayout.build(2))
+        popmesh.assign_roles(world, RankLayout.build(2))
 
 
 def gathered():
@@ -42,14 +42,14 @@ def gathered():
 
 def test_reports_from_gathered_timings(tmp_path):
     out = io.StringIO()
-    report = popmesh.report_time_info(gathered(), 2, file=out, chart=tmp_path / "t.png")
+    report = popmesh.report_timings(gathered(), 2, file=out, chart=tmp_path / "t.png")
     assert isinstance(report, TimeReport) and report.stragglers == (1,)
     assert "rollout" in out.getvalue() and (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
-    imbalance = popmesh.report_load_imbalance(gathered(), file=io.StringIO())
+    imbalance = popmesh.report_imbalance(gathered(), file=io.StringIO())
     assert isinstance(imbalance, ImbalanceReport)
     assert imbalance.steps[0].name == "rollout" and imbalance.steps[0].waiting_total == 1.0  # (max - mean) x 2
     with pytest.raises(ConfigError):
-        popmesh.report_time_info(gathered(), 3, show=False)
+        popmesh.report_timings(gathered(), 3, show=False)
 
 
 def test_reports_from_this_ranks_timer(world):
@@ -57,9 +57,9 @@ def test_reports_from_this_ranks_timer(world):
     timer.record("step", 0.25)
     assert popmesh.gather_timings(timer) == [{"step": [0.25]}]
     assert popmesh.gather_timings({"step": (0.5,)}, dst=None, barrier=True) == [{"step": [0.5]}]
-    report = popmesh.report_time_info(timer, show=False, group=world)
+    report = popmesh.report_timings(timer, show=False, group=world)
     assert report.world_size == 1 and report.step("step").totals == (0.25,)
     with pytest.raises(ConfigError):
-        popmesh.report_time_info(gathered(), group=world)
+        popmesh.report_timings(gathered(), group=world)
     with pytest.raises(ConfigError):
         popmesh.gather_timings(["not", "a", "timer"])

@@ -7,10 +7,10 @@ import pytest
 
 import popmesh
 from popmesh.core.arrays import dtype_name, flatten, restore_scalar, unflatten
-from popmesh.core.errors import ConfigError, MessageError
+from popmesh.core.errors import ConfigError, MessageError, PeerFailure
 from popmesh.comm.fusion import apply_fused, fuse_groups
 from popmesh.wire.objects import decode_object, encode_object
-from popmesh.core.ops import ReduceOp
+from popmesh.core.ops import Lowering, ReduceOp, lower
 
 Pair = namedtuple("Pair", "a b")
 
@@ -122,3 +122,82 @@ def test_world_finalize_is_idempotent_and_a_context_manager():
     env = {k: v for k, v in __import__("os").environ.items() if k not in ("RANK", "WORLD_SIZE", "POPMESH_ENGINE")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.strip() == "ok"
+
+
+def test_peer_failure_always_names_ranks():
+    with pytest.raises(ValueError, match="ranks at fault"):
+        PeerFailure("a peer died", ())
+    exact = PeerFailure("rank 2 died", (2,))
+    assert exact.ranks == (2,) and exact.exact
+    suspects = PeerFailure("a peer of the all_reduce died", [1, 3], exact=False)
+    assert suspects.ranks == (1, 3) and not suspects.exact
+
+
+def test_peer_failure_survives_pickling():
+    import pickle
+
+    back = pickle.loads(pickle.dumps(PeerFailure("rank 1 died", (1,), exact=False)))
+    assert isinstance(back, PeerFailure) and back.ranks == (1,) and not back.exact and str(back) == "rank 1 died"
+
+
+@pytest.mark.parametrize("op, dtype, expected", [
+    (ReduceOp.AVG, "float32", Lowering(ReduceOp.SUM, False, True)),
+    (ReduceOp.SUM, "int64", Lowering(ReduceOp.SUM, False, False)),
+    (ReduceOp.PROD, "float64", Lowering(ReduceOp.PROD, False, False)),
+    (ReduceOp.SUM, "bool", Lowering(ReduceOp.MAX, True, False)),
+    (ReduceOp.MAX, "bool", Lowering(ReduceOp.MAX, True, False)),
+    (ReduceOp.MIN, "bool", Lowering(ReduceOp.MIN, True, False)),
+    (ReduceOp.PROD, "bool", Lowering(ReduceOp.MIN, True, False)),
+    (ReduceOp.SUM, "complex64", Lowering(ReduceOp.SUM, False, False)),
+])
+def test_one_lowering_of_avg_and_booleans(op, dtype, expected):
+    assert lower(op, dtype) == expected
+
+
+@pytest.mark.parametrize("op, dtype", [(ReduceOp.AVG, "bool"), (ReduceOp.MAX, "complex64"), (ReduceOp.MIN, "complex128")])
+def test_undefined_reductions_are_refused(op, dtype):
+    with pytest.raises(ConfigError, match="undefined"):
+        lower(op, dtype)
+
+
+def test_one_dtype_table_agrees_with_numpy_and_torch():
+    import torch
+
+    from popmesh.core.dtypes import DTYPES, canonical_dtype, itemsize
+
+    assert len({d.wire_code for d in DTYPES}) == len(DTYPES)  # codes are unique
+    for d in DTYPES:
+        assert itemsize(d.name) == getattr(torch, d.name).itemsize
+        if d.name != "bfloat16":
+            assert itemsize(d.name) == np.dtype(d.name).itemsize
+        assert canonical_dtype(f"torch.{d.name}") == d.name
+    with pytest.raises(ConfigError, match="unknown dtype"):
+        itemsize("float12")
+
+
+class _Later:
+    """A Pending that finishes on the second poll and times out once before that."""
+
+    def __init__(self) -> None:
+        self.polls = 0
+
+    def done(self) -> bool:
+        self.polls += 1
+        return self.polls > 1
+
+    def wait(self, timeout: float) -> str:
+        if self.polls < 1:
+            self.polls += 1
+            raise popmesh.CommTimeout(f"not yet ({timeout} s)")
+        return "raw"
+
+
+def test_handle_finishes_once_and_survives_a_timed_out_wait():
+    from popmesh.core.handles import Handle
+
+    calls = []
+    handle = Handle(_Later(), 7.0, lambda raw: calls.append(raw) or f"done:{raw}")
+    with pytest.raises(popmesh.CommTimeout, match="7.0 s"):
+        handle.wait()  # the default timeout is the call's
+    assert handle.wait(1) == "done:raw" and handle.wait() == "done:raw" and handle.done()
+    assert calls == ["raw"]

@@ -19,17 +19,12 @@ from hypothesis import strategies as st
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 
+import popmesh  # noqa: E402
 import popmesh.torch.sync as sync_module  # noqa: E402
+from popmesh.engines.base import Tuning  # noqa: E402
 from popmesh.core.errors import ConfigError  # noqa: E402
-from popmesh.observe.stats import (  # noqa: E402
-    dist_avg,
-    dist_op,
-    dist_statistics_scalar,
-    dist_sum,
-    gather_distributed_data,
-    setup_distributed,
-)
-from popmesh.torch import GradientSync, avg_grads  # noqa: E402
+from popmesh.observe.stats import gather_rows, mean_std, reduce_value  # noqa: E402
+from popmesh.torch import GradientSync, mean_grads_  # noqa: E402
 
 
 def mlp(*widths: int) -> torch.nn.Sequential:
@@ -126,7 +121,7 @@ def test_in_flight_limit_orders_starts_and_waits(monkeypatch, limit):
         return Recorded(real(buf, *args, **kwargs), k)
 
     monkeypatch.setattr(sync_module, "all_reduce_async_", start)
-    monkeypatch.setitem(sync_module.IN_FLIGHT, "local", limit)
+    monkeypatch.setattr(popmesh.current_world().engine, "tuning", Tuning(max_in_flight=limit))
     model = mlp(3, 3, 3, 3)
     sync = GradientSync(model, cap_bytes=16, overlap=False)
     nb = len(sync.buffers)
@@ -178,13 +173,13 @@ def test_parameters_with_no_gradient_anywhere_stay_none():
     assert model[1].weight.grad is not None
 
 
-def test_avg_grads_cache_reuses_one_sync_and_does_not_keep_the_module_alive():
+def test_mean_grads_cache_reuses_one_sync_and_does_not_keep_the_module_alive():
     model = mlp(3, 3)
     for p in model.parameters():
         p.grad = torch.ones_like(p)
-    avg_grads(model)
+    mean_grads_(model)
     views = [p.grad for p in model.parameters()]
-    avg_grads(model)
+    mean_grads_(model)
     assert all(p.grad is v for p, v in zip(model.parameters(), views))
     ref = weakref.ref(model)
     del model, views, p
@@ -198,12 +193,12 @@ def test_a_sync_keeps_its_module_alive():
     sync()
 
 
-def test_sync_params_checks_src_even_alone():
-    from popmesh.torch import sync_params
+def test_broadcast_params_checks_src_even_alone():
+    from popmesh.torch import broadcast_params_
 
-    sync_params(mlp(2, 2), src=0)
+    broadcast_params_(mlp(2, 2), src=0)
     with pytest.raises(ConfigError, match="not in"):
-        sync_params(mlp(2, 2), src=1)
+        broadcast_params_(mlp(2, 2), src=1)
 
 
 def test_bad_arguments_say_what_to_do():
@@ -233,7 +228,7 @@ def test_packing_never_corrupts_gradients(shapes, cap, overlap):
 # ---- stats --------------------------------------------------------------------------------------
 def test_elementwise_results_never_alias_the_input():
     for x in (torch.tensor([1.0, 2.0]), np.array([1.0, 2.0]), {"a": torch.ones(2)}):
-        out = dist_sum(x)
+        out = reduce_value(x, "sum")
         if isinstance(x, dict):
             assert out is not x and out["a"] is not x["a"]
         else:
@@ -243,50 +238,50 @@ def test_elementwise_results_never_alias_the_input():
 
 
 def test_elementwise_types_and_op_spellings():
-    assert type(dist_sum(3)) is int and type(dist_avg(3)) is float and dist_avg(3) == 3.0
-    assert isinstance(dist_avg(np.int32(3)), np.float64)
-    assert dist_sum(np.float16(1.5)).dtype == np.float16
-    assert dist_avg(torch.tensor([2, 3])).is_floating_point()
-    assert dist_op(torch.tensor([1.0]), dist.ReduceOp.MIN).item() == 1.0
+    assert type(reduce_value(3, "sum")) is int and type(reduce_value(3, "avg")) is float
+    assert reduce_value(3, "avg") == 3.0 and isinstance(reduce_value(np.int32(3), "avg"), np.float64)
+    assert reduce_value(np.float16(1.5), "sum").dtype == np.float16
+    assert reduce_value(torch.tensor([2, 3]), "avg").is_floating_point()
+    assert reduce_value(torch.tensor([1.0]), dist.ReduceOp.MIN).item() == 1.0
     with pytest.raises(ConfigError):
-        dist_op(1.0, "median")
+        reduce_value(1.0, "median")
 
 
 def test_statistics_are_stable_and_typed():
     rng = np.random.default_rng(0)
     x = 1e9 + rng.standard_normal(1000)  # E[x^2] - E[x]^2 would lose every digit here
-    mean, std, lo, hi = dist_statistics_scalar(x, with_min_and_max=True)
+    mean, std, lo, hi = mean_std(x, with_min_max=True)
     assert np.isclose(std, x.std(), rtol=1e-9) and mean == pytest.approx(x.mean(), rel=1e-15)
     assert (lo, hi) == (x.min(), x.max())
-    t = dist_statistics_scalar(torch.tensor([1.0, 3.0], dtype=torch.float16))
+    t = mean_std(torch.tensor([1.0, 3.0], dtype=torch.float16))
     assert [v.dtype for v in t] == [torch.float16] * 2 and t[0].item() == 2.0 and t[1].item() == 1.0
-    assert all(np.isnan(v) for v in dist_statistics_scalar([], True))
+    assert all(np.isnan(v) for v in mean_std([], True))
 
 
 def test_gather_rows_of_lists_and_errors():
-    assert gather_distributed_data([1, 2, 3]).tolist() == [1, 2, 3]
-    assert gather_distributed_data([torch.ones(2), torch.zeros(2)]).shape == (2, 2)
+    assert gather_rows([1, 2, 3]).tolist() == [1, 2, 3]
+    assert gather_rows([torch.ones(2), torch.zeros(2)]).shape == (2, 2)
     local = torch.arange(4)
-    out = gather_distributed_data(local)
+    out = gather_rows(local)
     assert torch.equal(out, local) and out is not local
     with pytest.raises(ConfigError, match="1-d"):
-        gather_distributed_data(torch.tensor(1.0))
+        gather_rows(torch.tensor(1.0))
     with pytest.raises(TypeError):
-        gather_distributed_data([torch.ones(1), 1.0])
+        gather_rows([torch.ones(1), 1.0])
     with pytest.raises(ConfigError, match="not in"):
-        gather_distributed_data(local, dst=3)
+        gather_rows(local, dst=3)
 
 
-def test_setup_distributed_prints_once():
-    import popmesh.observe.stats as stats
+def test_omnisafe_setup_distributed_prints_once():
+    import popmesh.compat.omnisafe as omnisafe
 
-    stats._ANNOUNCED = False
+    omnisafe._ANNOUNCED = False
     threads = torch.get_num_threads()
     out = io.StringIO()
     try:
         with contextlib.redirect_stdout(out):
-            assert setup_distributed() >= 1
-            setup_distributed()
+            assert omnisafe.setup_distributed() is None and torch.get_num_threads() >= 1
+            omnisafe.setup_distributed()
     finally:
         torch.set_num_threads(threads)
     assert len(out.getvalue().splitlines()) == 1 and "thread" in out.getvalue()

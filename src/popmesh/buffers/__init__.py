@@ -1,6 +1,6 @@
 """The remote replay-buffer service: managers score and keep agents' batches, a coordinator aggregates.
 
-Roles come from a :class:`~popmesh.topology.roles.DistributedContext`: training ranks use a
+Roles come from :class:`~popmesh.topology.roles.Roles`: training ranks use a
 :class:`ReplayBufferClient`, buffer ranks run a :class:`ReplayBufferManager`, the coordinator rank
 runs a :class:`Coordinator`. Messages are pickle-free DICT frames on popmesh's reserved tags
 (:mod:`popmesh.buffers.protocol`); see ``docs/buffers.md``.

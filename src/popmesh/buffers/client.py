@@ -63,7 +63,7 @@ class ReplayBufferClient:
 
     @classmethod
     def from_context(cls, ctx: Any, **options: Any) -> ReplayBufferClient:
-        """The client of this training rank of a :class:`~popmesh.topology.roles.DistributedContext`."""
+        """The client of this training rank, from the world's :class:`~popmesh.topology.roles.Roles`."""
         if not ctx.is_training_rank():
             raise ConfigError(f"rank {ctx.my_rank} is not a training rank")
         options.setdefault("coordinator_rank", ctx.coordinator_rank)

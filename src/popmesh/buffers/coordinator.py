@@ -50,7 +50,7 @@ class Coordinator:
 
     @classmethod
     def from_context(cls, ctx: Any, **options: Any) -> Coordinator:
-        """The coordinator of a :class:`~popmesh.topology.roles.DistributedContext` (run it on the coordinator rank)."""
+        """The coordinator, from the world's :class:`~popmesh.topology.roles.Roles` (run it on the coordinator rank)."""
         if not ctx.is_coordinator_rank():
             raise ConfigError(f"rank {ctx.my_rank} is not the coordinator (rank {ctx.coordinator_rank})")
         options.setdefault("group", ctx.world)

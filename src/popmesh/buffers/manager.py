@@ -126,7 +126,7 @@ class ReplayBufferManager:
 
     @classmethod
     def from_context(cls, ctx: Any, **options: Any) -> ReplayBufferManager:
-        """A manager for this buffer rank of a :class:`~popmesh.topology.roles.DistributedContext`."""
+        """The manager of this buffer rank, from the world's :class:`~popmesh.topology.roles.Roles`."""
         if not ctx.is_buffer_rank():
             raise ConfigError(f"rank {ctx.my_rank} is not a buffer rank: run a manager on {sorted(ctx.buffer_rank_set)}")
         options.setdefault("coordinator_rank", ctx.coordinator_rank)

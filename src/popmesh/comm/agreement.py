@@ -12,6 +12,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from popmesh.core.dtypes import DTYPES
 from popmesh.core.arrays import dtype_name, leaf_shape
 from popmesh.core.errors import CollectiveMismatch
 
@@ -52,11 +53,7 @@ def _exchange_texts(comm: Any, text: str, width: int, timeout: float) -> list[st
     return [bytes(row).rstrip(b"\0").decode(errors="replace") for row in rows]
 
 
-_DTYPES = (
-    "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-    "float16", "bfloat16", "float32", "float64", "complex64", "complex128",
-)
-_BY_CODE = {zlib.crc32(name.encode()): name for name in _DTYPES}
+_BY_CODE = {zlib.crc32(d.name.encode()): d.name for d in DTYPES}
 
 
 def exchange_shapes(

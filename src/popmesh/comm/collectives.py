@@ -15,11 +15,12 @@ from typing import Any
 import numpy as np
 
 from popmesh.comm.agreement import agree, describe_leaves, exchange_all_shapes, exchange_shapes
-from popmesh.core.arrays import dtype_name, flatten, is_torch, restore_scalar, to_array, unflatten
+from popmesh.core.arrays import flatten, is_torch, restore_scalar, to_array, unflatten
 from popmesh.core.errors import ConfigError
 from popmesh.comm.fusion import apply_fused, fresh_copy, is_contiguous, write_back
 from popmesh.wire.objects import decode_object, encode_object
 from popmesh.core.ops import ReduceOp
+from popmesh.comm.reduction import engine_view, finish_, lowering_of
 from popmesh.comm.world import Comm, resolve_group
 
 __all__ = [
@@ -86,7 +87,7 @@ def _all_reduce(x: Any, op: Any, group: Comm | None, timeout: float | None, *, i
         return _all_reduce_array(x, reduce_op, comm, seconds, in_place)
     leaves, arrays, tree = _leaves(x, "all_reduce_", mutable=in_place)
     for a in arrays:
-        _require_reducible(a, reduce_op)
+        lowering_of(a, reduce_op)
     if comm.size == 1:
         return x
     _check(comm, "all_reduce", tree, arrays, seconds, reduce_op.value)
@@ -96,7 +97,7 @@ def _all_reduce(x: Any, op: Any, group: Comm | None, timeout: float | None, *, i
 
 def _all_reduce_array(x: Any, op: ReduceOp, comm: Comm, seconds: float, in_place: bool) -> Any:
     """The common case, one array or tensor, without the tree machinery (latency matters here)."""
-    _require_reducible(x, op)
+    lowering_of(x, op)
     if comm.size == 1:
         return x
     if comm.check:
@@ -108,44 +109,10 @@ def _all_reduce_array(x: Any, op: ReduceOp, comm: Comm, seconds: float, in_place
     return x if in_place else buf
 
 
-def _require_reducible(a: Any, op: ReduceOp) -> None:
-    name = dtype_name(a)
-    if name == "bool" and op is ReduceOp.AVG:
-        raise ConfigError("AVG of booleans is undefined: cast to a float dtype first")
-    if name.startswith("complex") and op in (ReduceOp.MAX, ReduceOp.MIN):
-        raise ConfigError(f"{op.value.upper()} of complex numbers is undefined: reduce real and imaginary parts")
-
-
 def _reduce_(buf: Any, op: ReduceOp, comm: Comm, timeout: float) -> None:
-    engine = comm.world.engine
-    if dtype_name(buf) == "bool":
-        as_bytes = buf.view(_uint8_of(buf))
-        engine.all_reduce_(as_bytes, ReduceOp.MAX if op in (ReduceOp.SUM, ReduceOp.MAX) else ReduceOp.MIN,
-                           comm.handle, timeout)
-        return
-    engine.all_reduce_(buf, ReduceOp.SUM if op is ReduceOp.AVG else op, comm.handle, timeout)
-    if op is ReduceOp.AVG:
-        _divide_(buf, comm.size)
-
-
-def _uint8_of(buf: Any) -> Any:
-    if is_torch(buf):
-        import torch
-
-        return torch.uint8
-    return np.uint8
-
-
-def _divide_(buf: Any, n: int) -> None:
-    if is_torch(buf):
-        if buf.is_floating_point() or buf.is_complex():
-            buf.div_(n)
-        else:
-            buf.floor_divide_(n)
-    elif buf.dtype.kind in "iu":
-        np.floor_divide(buf, n, out=buf)
-    else:
-        np.divide(buf, n, out=buf)
+    lowering = lowering_of(buf, op)
+    comm.world.engine.all_reduce_(engine_view(buf, lowering), lowering.engine_op, comm.handle, timeout)
+    finish_(buf, lowering, comm.size)
 
 
 def reduce_scatter(x: Any, op: Any = "sum", *, group: Comm | None = None, timeout: float | None = None) -> Any:
@@ -157,7 +124,7 @@ def reduce_scatter(x: Any, op: Any = "sum", *, group: Comm | None = None, timeou
     comm, seconds = _setup(group, timeout, "reduce_scatter")
     leaves, arrays, tree = _leaves(x, "reduce_scatter")
     for a in arrays:
-        _require_reducible(a, reduce_op)
+        lowering_of(a, reduce_op)
         if a.ndim == 0 or a.shape[0] % comm.size:
             raise ConfigError(
                 f"reduce_scatter: leading dimension {tuple(a.shape)[:1]} is not divisible by the group size {comm.size}"
@@ -169,17 +136,10 @@ def reduce_scatter(x: Any, op: Any = "sum", *, group: Comm | None = None, timeou
 
 
 def _reduce_scatter_leaf(a: Any, op: ReduceOp, comm: Comm, timeout: float) -> Any:
-    engine = comm.world.engine
     buf = a if is_contiguous(a) else fresh_copy(a)
-    if dtype_name(buf) == "bool":
-        raw = engine.reduce_scatter(buf.view(_uint8_of(buf)),
-                                    ReduceOp.MAX if op in (ReduceOp.SUM, ReduceOp.MAX) else ReduceOp.MIN,
-                                    comm.handle, timeout)
-        return raw.view(buf.dtype) if not is_torch(raw) else raw.view(buf.dtype)
-    out = engine.reduce_scatter(buf, ReduceOp.SUM if op is ReduceOp.AVG else op, comm.handle, timeout)
-    if op is ReduceOp.AVG:
-        _divide_(out, comm.size)
-    return out
+    lowering = lowering_of(buf, op)
+    out = comm.world.engine.reduce_scatter(engine_view(buf, lowering), lowering.engine_op, comm.handle, timeout)
+    return finish_(out.view(buf.dtype) if lowering.as_bytes else out, lowering, comm.size)
 
 
 # ---- data movement ----------------------------------------------------------------------------

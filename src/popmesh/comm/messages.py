@@ -28,6 +28,7 @@ from collections.abc import Callable, Collection
 from typing import Any
 
 from popmesh.engines.p2p_base import TAG_LIMIT
+from popmesh.core.handles import Handle
 from popmesh.core.errors import ConfigError, MessageError
 from popmesh.wire import decode, encode_message
 from popmesh.comm.world import Comm, resolve_group
@@ -152,41 +153,16 @@ def recv(src: int | Collection[int] | None = None, tag: int = 0, *, group: Comm 
     return sender, _decode(sender, value, frame, allow_pickle, device)
 
 
-class SendHandle:
+class SendHandle(Handle[None]):
     """A send in flight: ``done()`` polls; ``wait(timeout)`` blocks until ``payload`` may be changed."""
 
-    def __init__(self, request: Any, timeout: float) -> None:
-        self._request, self._timeout = request, timeout
 
-    def done(self) -> bool:
-        return bool(self._request.done())
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Block until the send completed (CommTimeout after ``timeout`` s, default the world's)."""
-        self._request.wait(self._timeout if timeout is None else float(timeout))
-
-
-class RecvHandle:
+class RecvHandle(Handle[tuple[int, Any]]):
     """A posted receive: ``done()`` polls; ``wait(timeout)`` returns ``(src, payload)``.
 
     Receives are matched in the order they were posted. After a timed-out ``wait`` the receive stays
     posted; dropping the handle withdraws it.
     """
-
-    def __init__(self, request: Any, timeout: float, allow_pickle: bool, device: Any) -> None:
-        self._request, self._timeout = request, timeout
-        self._allow_pickle, self._device = allow_pickle, device
-        self._result: tuple[int, Any] | None = None
-
-    def done(self) -> bool:
-        return self._result is not None or bool(self._request.done())
-
-    def wait(self, timeout: float | None = None) -> tuple[int, Any]:
-        """Block until a message arrives (CommTimeout after ``timeout`` s) and return ``(src, payload)``."""
-        if self._result is None:
-            src, frame = self._request.wait(self._timeout if timeout is None else float(timeout))
-            self._result = src, _decode(src, self._request.tag, frame, self._allow_pickle, self._device)
-        return self._result
 
 
 def isend(payload: Any, dst: int, tag: int = 0, *, group: Comm | None = None, timeout: float | None = None,
@@ -201,7 +177,13 @@ def irecv(src: int | Collection[int] | None = None, tag: int = 0, *, group: Comm
           timeout: float | None = None, allow_pickle: bool = False, device: Any = None) -> RecvHandle:
     """Post a receive; ``wait()`` returns ``(src, payload)`` like :func:`recv`."""
     comm, p2p, seconds = _setup(group, timeout, "irecv")
-    return RecvHandle(p2p.irecv(_sources(comm, src), _tag(tag)), seconds, allow_pickle, device)
+    value = _tag(tag)
+
+    def decode(arrived: tuple[int, Any]) -> tuple[int, Any]:
+        sender, frame = arrived
+        return sender, _decode(sender, value, frame, allow_pickle, device)
+
+    return RecvHandle(p2p.irecv(_sources(comm, src), value), seconds, decode)
 
 
 def on_arrival(callback: Callable[[], None], *, group: Comm | None = None) -> Callable[[], None] | None:

@@ -10,11 +10,15 @@ from __future__ import annotations
 import atexit
 from typing import Any, Sequence
 
+import numpy as np
+
 from popmesh.engines import Engine, GroupSpec, create_engine
 from popmesh.core.launch_env import detect_engine, read_check, read_timeout
 from popmesh.core.errors import ConfigError, NotInGroup
 
 __all__ = ["Comm", "World", "Group", "init", "current_world", "resolve_group", "finalize"]
+
+_HOSTNAME_NBYTES = 256
 
 
 class Comm:
@@ -139,11 +143,15 @@ class World(Comm):
         return f"World(engine={self.engine.name!r}, rank={self.rank}, size={self.size}, host={self.hostname!r})"
 
     def _gather_hostnames(self) -> list[str]:
+        """Every rank's host name, gathered straight through the engine as fixed-width UTF-8
+        (host names are at most 255 bytes), so the world needs nothing from the collectives above it."""
         if self.size == 1:
             return [self.hostname]
-        from popmesh.comm.collectives import all_gather_object
-
-        return [str(h) for h in all_gather_object(self.hostname, group=self)]
+        raw = self.hostname.encode()[:_HOSTNAME_NBYTES]
+        mine = np.zeros(_HOSTNAME_NBYTES, dtype=np.uint8)
+        mine[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+        rows = self.engine.all_gather(mine, self.handle, self.default_timeout)
+        return [bytes(row).rstrip(b"\0").decode(errors="replace") for row in np.asarray(rows)]
 
     def _local_from_hostnames(self) -> tuple[int, int]:
         same = [r for r, h in enumerate(self.hostnames) if h == self.hostname]

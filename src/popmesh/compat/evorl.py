@@ -1,7 +1,14 @@
 """``evorl.distributed`` (EvoRL, the generation with ``DP_AXIS_NAME``) over :mod:`popmesh.jax`.
 
 Same names, parameters, order and defaults as the original; each function only passes its
-arguments on to ``popmesh.jax``. Where popmesh deliberately behaves differently from EvoRL:
+arguments on to ``popmesh.jax`` (or to JAX itself). Map: ``DP_AXIS_NAME``/``POP_AXIS_NAME`` →
+``DATA_AXIS``/``POPULATION_AXIS``; ``gradient_update``/``agent_gradient_update`` →
+``make_update``/``make_agent_update``; ``shmap_vmap``/``shmap_map`` →
+``vmap_per_device``/``map_per_device``; ``split_key_to_devices`` → ``split_key_per_device``;
+``get_global_ranks`` → ``device_ranks``; ``is_dist_initialized`` → ``is_initialized``;
+``tree_device_put`` → ``jax.device_put``; ``get_process_id`` → ``jax.process_index``.
+
+Where popmesh deliberately behaves differently from EvoRL:
 
 * a collective naming an axis that no ``shard_map``/``vmap`` binds raises
   ``popmesh.jax.UnboundAxisError`` (a ``NameError``) saying how to bind it, instead of JAX's bare
@@ -27,9 +34,8 @@ import jax
 import optax
 
 import popmesh.jax as _pj
-from popmesh.jax.axes import DP_AXIS_NAME, POP_AXIS_NAME
-from popmesh.jax.updates import _attach_params_to_agent_state
-from popmesh.jax.updates import _detach_params_from_agent_state as _detach_params_to_agent_state
+from popmesh.jax.updates import attach_params as _attach_params_to_agent_state
+from popmesh.jax.updates import detach_params as _detach_params_to_agent_state
 
 __all__ = [
     "DP_AXIS_NAME",
@@ -51,6 +57,11 @@ __all__ = [
 ]
 
 UpdateFn = Callable[..., tuple[Any, Any, Any]]
+
+DP_AXIS_NAME = _pj.DATA_AXIS
+"""Data-parallel axis name (``"DP"``)."""
+POP_AXIS_NAME = _pj.POPULATION_AXIS
+"""Population axis name (``"POP"``)."""
 
 
 def pmean(x: Any, axis_name: str | None = None) -> Any:
@@ -88,17 +99,17 @@ def get_global_ranks() -> jax.Array:
     Rank ``process_index * local_device_count + local_index``, as in EvoRL; popmesh builds one
     global array over ``jax.devices()`` (EvoRL: a per-process array over the local devices).
     """
-    return _pj.get_global_ranks()
+    return _pj.device_ranks()
 
 
 def get_process_id() -> int:
     """Return the node id in multi-node distributed env (``jax.process_index()``; 0 alone)."""
-    return _pj.get_process_id()
+    return int(jax.process_index())
 
 
 def is_dist_initialized() -> bool:
     """Whether JAX's distributed setting is initialized (public ``jax.distributed`` API)."""
-    return _pj.is_dist_initialized()
+    return _pj.is_initialized()
 
 
 def gradient_update(
@@ -114,7 +125,7 @@ def gradient_update(
     one device); ``value`` is the loss, or ``(loss, aux)`` with ``has_aux``. Fixed: ``params``
     reaches ``optimizer.update`` (``optax.adamw`` works).
     """
-    return _pj.gradient_update(loss_fn, optimizer, dp_axis_name, has_aux)
+    return _pj.make_update(loss_fn, optimizer, dp_axis_name, has_aux)
 
 
 def agent_gradient_update(
@@ -133,7 +144,7 @@ def agent_gradient_update(
     ``optimizer.update``; the loss may take any arguments; ``detach_fn`` takes one argument (EvoRL's
     type hint said two).
     """
-    return _pj.agent_gradient_update(loss_fn, optimizer, dp_axis_name, has_aux, attach_fn, detach_fn)
+    return _pj.make_agent_update(loss_fn, optimizer, dp_axis_name, has_aux, attach_fn, detach_fn)
 
 
 def shmap_map(fn: Callable[..., Any], mesh: Any, in_specs: Any, out_specs: Any, **kwargs: Any) -> Callable[..., Any]:
@@ -142,7 +153,7 @@ def shmap_map(fn: Callable[..., Any], mesh: Any, in_specs: Any, out_specs: Any, 
 
     ``kwargs`` go to ``jax.shard_map``; ``check_rep=`` becomes ``check_vma=`` (with a warning).
     """
-    return _pj.shmap_map(fn, mesh, in_specs, out_specs, **kwargs)
+    return _pj.map_per_device(fn, mesh, in_specs, out_specs, **kwargs)
 
 
 def shmap_vmap(fn: Callable[..., Any], mesh: Any, in_specs: Any, out_specs: Any, **kwargs: Any) -> Callable[..., Any]:
@@ -150,14 +161,14 @@ def shmap_vmap(fn: Callable[..., Any], mesh: Any, in_specs: Any, out_specs: Any,
 
     ``kwargs`` go to ``jax.shard_map``; ``check_rep=`` becomes ``check_vma=`` (with a warning).
     """
-    return _pj.shmap_vmap(fn, mesh, in_specs, out_specs, **kwargs)
+    return _pj.vmap_per_device(fn, mesh, in_specs, out_specs, **kwargs)
 
 
 def split_key_to_devices(key: jax.Array, devices: Sequence[jax.Device]) -> jax.Array:
     """Split the key to each device: shape ``[len(devices), *key.shape]``, row i on ``devices[i]``."""
-    return _pj.split_key_to_devices(key, devices)
+    return _pj.split_key_per_device(key, devices)
 
 
 def tree_device_put(tree: Any, device_or_sharding: Any) -> Any:
     """Pytree version of jax.device_put (one ``jax.device_put`` call for the whole tree)."""
-    return _pj.tree_device_put(tree, device_or_sharding)
+    return jax.device_put(tree, device_or_sharding)

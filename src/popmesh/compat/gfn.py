@@ -8,6 +8,11 @@ raises ``ConfigError`` (pass the other name, or launch under the other launcher)
 using another engine. A world of one (nothing launched) accepts either name. ``group`` is a popmesh
 ``Group``/``World`` (e.g. ``ctx.train_global_group``); None means the whole world.
 
+Map: ``average_gradients`` → ``popmesh.torch.mean_grads_``; ``average_models`` → ``mean_params_``;
+``gather_distributed_data`` → ``popmesh.observe.stats.gather_rows``; ``report_time_info`` /
+``report_load_imbalance`` → ``popmesh.report_timings`` / ``report_imbalance``;
+``DistributedContext`` → ``popmesh.Roles`` (built by ``popmesh.assign_roles``).
+
 Where popmesh deliberately behaves differently from torchgfn:
 
 * ``send``/``isend`` reinterpret the tensor's bytes as uint8 (torchgfn's torch path *value*-cast
@@ -28,8 +33,8 @@ Where popmesh deliberately behaves differently from torchgfn:
 * ``get_rank`` returns the rank within ``group`` (-1 for non-members, as torch did) on both backends.
 * ``report_time_info``/``report_load_imbalance`` tolerate ranks with fewer iterations (torchgfn
   raised IndexError) and log to ``logger``.
-* ``initialize_distributed_compute*`` build one popmesh context (:func:`popmesh.make_context`);
-  no second mpi4py world is created, ``dc_mpi4py`` is a view of the same groups on an MPI world
+* ``initialize_distributed_compute*`` build one :class:`~popmesh.Roles` (:func:`popmesh.assign_roles`); no
+  second mpi4py world is created, ``dc_mpi4py`` is a view of the same groups on an MPI world
   (None on torch), ``dist_backend="ccl"`` is not supported, and ``cleanup()`` does not finalize MPI
   behind other users' backs (torchgfn called ``MPI.Finalize``).
 """
@@ -42,14 +47,15 @@ from typing import Any
 
 import torch
 
-import popmesh
-import popmesh.topology.roles as _context
+import popmesh.comm.collectives as _collectives
+import popmesh.comm.messages as _messages
+import popmesh.topology.roles as _roles
 import popmesh.observe.stats as _stats
 import popmesh.torch as _pt
 from popmesh.core.errors import ConfigError
 from popmesh.observe.reports import format_report
-from popmesh.observe.timing import report_load_imbalance as _imbalance, report_time_info as _time_info
-from popmesh.comm.world import Comm, World
+from popmesh.observe.timing import report_imbalance as _report_imbalance, report_timings as _report_timings
+from popmesh.comm.world import Comm, World, current_world as _current_world, init as _init
 
 __all__ = [
     "Group",
@@ -89,9 +95,9 @@ _DIST_BACKENDS = {"gloo": "torch", "mpi": "mpi"}
 def _world(engine: str | None = None) -> World:
     """The current world (a world of one when nothing was launched); init a launched one if needed."""
     try:
-        world = popmesh.current_world()
+        world = _current_world()
     except ConfigError:
-        world = popmesh.init() if engine is None else popmesh.init(engine)
+        world = _init() if engine is None else _init(engine)
     return world
 
 
@@ -146,26 +152,26 @@ def send(data: Any, dst_rank: int, backend: str = default_backend, tag: int = 0)
     passes. Use distinct tags to multiplex independent channels on the same rank pair.
     """
     _comm(backend, None, "send", strict=False)
-    popmesh.send(_as_bytes(data), dst_rank, tag)
+    _messages.send(_as_bytes(data), dst_rank, tag)
 
 
 def isend(data: Any, dst_rank: int, backend: str = default_backend, tag: int = 0) -> AsyncSendHandle:
     """Non-blocking send of a byte tensor to ``dst_rank``; keep the handle until it is complete."""
     _comm(backend, None, "isend", strict=False)
     buffer = _as_bytes(data)
-    return AsyncSendHandle(popmesh.isend(buffer, dst_rank, tag), buffer)
+    return AsyncSendHandle(_messages.isend(buffer, dst_rank, tag), buffer)
 
 
 def recv(src_rank: int | None = None, backend: str = default_backend, tag: int = 0) -> tuple[int, torch.Tensor]:
     """Receive a byte tensor from ``src_rank`` (or any rank if None): ``(source rank, uint8 tensor)``."""
     _comm(backend, None, "recv", strict=False)
-    source, payload = popmesh.recv(src_rank, tag)
+    source, payload = _messages.recv(src_rank, tag)
     return source, torch.as_tensor(payload)
 
 
 def barrier(backend: str = default_backend, group: Comm | None = None) -> None:
     """Backend-agnostic barrier synchronization over ``group`` (default: the world)."""
-    popmesh.barrier(group=_comm(backend, group, "barrier"))
+    _collectives.barrier(group=_comm(backend, group, "barrier"))
 
 
 def get_rank(backend: str = default_backend, group: Comm | None = None) -> int:
@@ -183,7 +189,7 @@ def all_reduce(tensor: torch.Tensor, op: str = "SUM", backend: str = default_bac
                group: Comm | None = None) -> None:
     """In-place all-reduce of ``tensor`` over ``group``: ``"SUM"``, ``"MAX"``, ``"MIN"`` (also
     ``"AVG"``, ``"PROD"``). Every member calls it with a tensor of the same shape and dtype."""
-    popmesh.all_reduce_(tensor, op, group=_comm(backend, group, "all_reduce"))
+    _collectives.all_reduce_(tensor, op, group=_comm(backend, group, "all_reduce"))
 
 
 def all_gather(output_list: list[torch.Tensor], tensor: torch.Tensor, backend: str = default_backend,
@@ -193,14 +199,14 @@ def all_gather(output_list: list[torch.Tensor], tensor: torch.Tensor, backend: s
     comm = _comm(backend, group, "all_gather")
     if len(output_list) != comm.size:
         raise ConfigError(f"all_gather: output_list has {len(output_list)} tensors for a group of {comm.size}")
-    gathered = popmesh.all_gather(tensor, group=comm)
+    gathered = _collectives.all_gather(tensor, group=comm)
     for out, row in zip(output_list, gathered):
         out.copy_(row)
 
 
 def broadcast(tensor: torch.Tensor, src: int, backend: str = default_backend, group: Comm | None = None) -> None:
     """Broadcast ``tensor`` in place from **global** rank ``src`` (a member of ``group``)."""
-    popmesh.broadcast_(tensor, src, group=_comm(backend, group, "broadcast"))
+    _collectives.broadcast_(tensor, src, group=_comm(backend, group, "broadcast"))
 
 
 def gather_distributed_data(local_tensor: Any, world_size: int | None = None, rank: int | None = None,
@@ -213,44 +219,48 @@ def gather_distributed_data(local_tensor: Any, world_size: int | None = None, ra
         raise ConfigError(f"gather_distributed_data: world_size={world_size} but the group has {comm.size} ranks")
     if rank is not None and comm.is_member and rank != comm.group_rank:
         raise ConfigError(f"gather_distributed_data: rank={rank} but this is rank {comm.group_rank} of the group")
-    return _stats.gather_distributed_data(local_tensor, group=comm)
+    return _stats.gather_rows(local_tensor, group=comm)
 
 
 def average_gradients(model: torch.nn.Module) -> None:
-    """All-reduce gradients across all models: each becomes the world's average, in place."""
+    """All-reduce gradients across all models: each becomes the world's average, in place.
+
+    Fixed: bucketed instead of one collective per tensor; a gradient that is None on some ranks
+    counts as zeros there instead of crashing or hanging.
+    """
     _world()
-    _pt.average_gradients(model)
+    _pt.mean_grads_(model)
 
 
 def average_models(model: torch.nn.Module, training_group: Comm | None = None) -> None:
     """Averages model weights across the ranks of ``training_group`` (default: the world), in
-    place, dividing by the group's size."""
+    place, dividing by the group's size (torchgfn divided by the global world size)."""
     _world()
-    _pt.average_models(model, training_group)
+    _pt.mean_params_(model, training_group)
 
 
 def report_time_info(all_timing_dict: list[dict[str, Any]], world_size: int) -> None:
     """Log per-rank average and total time per step, then the maximum and mean of the totals.
     ``all_timing_dict``: ``[rank0_dict, rank1_dict, ...]``, each ``{"step": [iter0_time, ...]}``."""
-    report = _time_info(all_timing_dict, world_size, show=False)
+    report = _report_timings(all_timing_dict, world_size, show=False)
     if report is not None:
         logger.info("%s", format_report(report))
 
 
 def report_load_imbalance(all_timing_dict: list[dict[str, Any]], world_size: int) -> None:
     """Log useful (mean over ranks) and waiting (max - mean) time per step, summed over iterations."""
-    report = _imbalance(all_timing_dict, world_size, show=False)
+    report = _report_imbalance(all_timing_dict, world_size, show=False)
     if report is not None:
         logger.info("%s", format_report(report))
 
 
 @dataclass(eq=False)
-class DistributedContextMPI4Py(_context.DistributedContext):
+class DistributedContextMPI4Py(_roles.Roles):
     """Holds all distributed training/replay buffer groups and ranks (on an MPI world)."""
 
 
 @dataclass(eq=False)
-class DistributedContext(_context.DistributedContext):
+class DistributedContext(_roles.Roles):
     """Holds all distributed training/replay buffer groups and ranks."""
 
     dc_mpi4py: DistributedContextMPI4Py | None = None
@@ -265,8 +275,8 @@ class DistributedContext(_context.DistributedContext):
         super().cleanup()
 
 
-def _fields_of(ctx: _context.DistributedContext) -> dict[str, Any]:
-    return {f.name: getattr(ctx, f.name) for f in fields(_context.DistributedContext)}
+def _fields_of(roles: _roles.Roles) -> dict[str, Any]:
+    return {f.name: getattr(roles, f.name) for f in fields(_roles.Roles)}
 
 
 def initialize_distributed_compute(dist_backend: str, num_remote_buffers: int, num_agent_groups: int,
@@ -280,7 +290,7 @@ def initialize_distributed_compute(dist_backend: str, num_remote_buffers: int, n
         raise ConfigError(f"dist_backend={dist_backend!r}: use 'gloo' (torch engine) or 'mpi' (MPI engine)")
     world = _world(_DIST_BACKENDS[dist_backend])
     _comm(_DIST_BACKENDS[dist_backend], world, "initialize_distributed_compute")
-    ctx = _context.make_context(world, num_buffers=num_remote_buffers, num_agent_groups=num_agent_groups,
+    ctx = _roles.assign_roles(world, num_buffers=num_remote_buffers, num_agent_groups=num_agent_groups,
                                 use_coordinator=use_coordinator)
     view = DistributedContextMPI4Py(**_fields_of(ctx)) if world.engine_name == "mpi" else None
     return DistributedContext(**_fields_of(ctx), dc_mpi4py=view)
@@ -296,6 +306,6 @@ def initialize_distributed_compute_mpi4py(num_remote_buffers: int, num_agent_gro
         raise ConfigError(f"num_coordinators={num_coordinators}: use 0 or 1")
     world = _world("mpi")
     _comm("mpi", world, "initialize_distributed_compute_mpi4py")
-    ctx = _context.make_context(world, num_buffers=num_remote_buffers, num_agent_groups=num_agent_groups,
+    ctx = _roles.assign_roles(world, num_buffers=num_remote_buffers, num_agent_groups=num_agent_groups,
                                 use_coordinator=bool(num_coordinators))
     return DistributedContextMPI4Py(**_fields_of(ctx))

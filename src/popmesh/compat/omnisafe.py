@@ -6,6 +6,11 @@ current world: a world of one when nothing was launched, and inside a launched w
 ``popmesh launch``, torchrun, mpiexec) the world is initialised on first use, as OmniSafe's children
 initialised their process group. Every function runs on the torch and the MPI engine alike.
 
+Map: ``dist_op``/``dist_sum``/``dist_avg``/``dist_max``/``dist_min`` → ``reduce_value``;
+``dist_statistics_scalar`` → ``mean_std``; ``avg_tensor`` → ``popmesh.all_reduce_(x, "avg")``;
+``avg_grads`` → ``popmesh.torch.mean_grads_``; ``avg_params`` → ``mean_params_``; ``sync_params``
+→ ``broadcast_params_``; ``setup_distributed`` is the facade's own.
+
 Where popmesh deliberately behaves differently from OmniSafe:
 
 * "distributed or not" comes from the launcher's variables, not from ``MASTER_ADDR`` alone, so a
@@ -32,14 +37,19 @@ the facade does not either: use ``popmesh``'s collectives.
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from typing import Any
 
-import popmesh
+import numpy as np
+
 import popmesh.observe.stats as _stats
 import popmesh.torch as _pt
+from popmesh.core.arrays import is_torch
 from popmesh.core.errors import ConfigError
 from popmesh.launch import fork as _fork, in_launched_world, launch as _launch
-from popmesh.comm.world import World
+from popmesh.comm.collectives import all_reduce_ as _all_reduce_
+from popmesh.comm.world import World, current_world as _current_world, init as _init
 
 __all__ = [
     "setup_distributed",
@@ -63,16 +73,32 @@ __all__ = [
 def _world() -> World:
     """The current world; inside a launched world that has not called ``popmesh.init`` yet, init it."""
     try:
-        return popmesh.current_world()
+        return _current_world()
     except ConfigError:
-        return popmesh.init()
+        return _init()
+
+
+_ANNOUNCED = False
 
 
 def setup_distributed() -> None:
     """Avoid slowdowns caused by each separate process's PyTorch, using more than its fair share of
-    CPU resources: torch uses ``max(1, cores // local ranks)`` threads."""
-    _world()
-    _stats.setup_distributed()
+    CPU resources: torch uses ``max(1, cores // local ranks)`` threads.
+
+    cores counts this process's CPU affinity; the decision is printed once, on the main rank.
+    """
+    global _ANNOUNCED
+    world = _world()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, cores // max(1, world.local_size))
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+    if world.is_main and not _ANNOUNCED:
+        print(f"popmesh: {world.local_size} local rank(s) share {cores} core(s): {threads} torch thread(s) per rank",
+              flush=True)
+    _ANNOUNCED = True
 
 
 def get_rank() -> int:
@@ -115,56 +141,62 @@ def avg_tensor(value: Any) -> None:
     mean over all ranks.
     """
     _world()
-    _stats.avg_tensor(value)
+    if not (is_torch(value) or isinstance(value, np.ndarray)):
+        raise TypeError(f"avg_tensor writes in place: pass a tensor, not {type(value).__name__} "
+                        "(dist_avg returns a new value)")
+    if _stats.is_integral(value):
+        raise ConfigError(f"avg_tensor needs a floating dtype to hold an average in place, got {value.dtype}: "
+                          "use dist_avg, which returns a float")
+    _all_reduce_(value, "avg")
 
 
 def avg_grads(module: Any) -> None:
     """Average contents of gradient buffers across processes, in place (a module or a tensor)."""
     _world()
-    _pt.avg_grads(module)
+    _pt.mean_grads_(module)
 
 
 def sync_params(module: Any) -> None:
     """Sync all parameters (and buffers) of module across all processes: rank 0's are copied."""
     _world()
-    _pt.sync_params(module)
+    _pt.broadcast_params_(module)
 
 
 def avg_params(module: Any) -> None:
     """Average contents of all parameters across processes, in place."""
     _world()
-    _pt.avg_params(module)
+    _pt.mean_params_(module)
 
 
 def dist_avg(value: Any) -> Any:
     """Average a tensor over distributed processes (element-wise): a new tensor."""
     _world()
-    return _stats.dist_avg(value)
+    return _stats.reduce_value(value, "avg")
 
 
 def dist_sum(value: Any) -> Any:
     """Sum a tensor over distributed processes (element-wise): a new tensor."""
     _world()
-    return _stats.dist_sum(value)
+    return _stats.reduce_value(value, "sum")
 
 
 def dist_max(value: Any) -> Any:
     """Determine global maximum of tensor over distributed processes (element-wise)."""
     _world()
-    return _stats.dist_max(value)
+    return _stats.reduce_value(value, "max")
 
 
 def dist_min(value: Any) -> Any:
     """Determine global minimum of tensor over distributed processes (element-wise)."""
     _world()
-    return _stats.dist_min(value)
+    return _stats.reduce_value(value, "min")
 
 
 def dist_op(value: Any, operation: Any) -> Any:
     """Multi-processing operation: ``operation`` (``ReduceOp.SUM``/``MAX``/``MIN``, also AVG/PROD,
     torch's or popmesh's enum or a name) element-wise across processes; a new tensor."""
     _world()
-    return _stats.dist_op(value, operation)
+    return _stats.reduce_value(value, operation)
 
 
 def dist_statistics_scalar(value: Any, with_min_and_max: bool = False) -> tuple[Any, ...]:
@@ -174,4 +206,4 @@ def dist_statistics_scalar(value: Any, with_min_and_max: bool = False) -> tuple[
     ranks may hold different numbers of elements. Fixed: min/max are global scalars.
     """
     _world()
-    return _stats.dist_statistics_scalar(value, with_min_and_max)
+    return _stats.mean_std(value, with_min_and_max)

@@ -1,10 +1,14 @@
 """``xlstm_jax.distributed.data_parallel`` (xLSTM-jax FSDP inside ``shard_map``) over :mod:`popmesh.jax`.
 
 Same names, parameters, order and defaults as the original; each function only passes its
-arguments on to ``popmesh.jax``. Sharding uses xLSTM's layout, ``tie_break="last"``: among
-dimensions of equal size the *last* is sharded (a ``(d, d)`` kernel is split by columns).
+arguments on to ``popmesh.jax``: ``shard_params`` → ``shard_tree``, ``gather_params`` →
+``gather_tree``, ``shard_module_params`` → ``shard_module``, ``gather_array_with_mean_grads`` →
+``gather_with_mean_grads``, ``sync_gradients`` → ``mean_grads``.
+
+Sharding uses xLSTM's layout, ``tie_break="last"``: among dimensions of equal size the *last* is
+sharded (a ``(d, d)`` kernel is split by columns).
 popmesh's own default is ``"first"``, whose contiguous blocks made a square-kernel step about 3x
-faster on CPU (``docs/jax.md``); call ``popmesh.jax.shard_params`` directly for it, or for
+faster on CPU (``docs/jax.md``); call ``popmesh.jax.shard_tree`` directly for it, or for
 ``pad=True`` (padding indivisible tensors, which stay replicated here as in xLSTM).
 
 Differences from xLSTM: a leaf left replicated because no dimension divides is logged at INFO
@@ -42,7 +46,7 @@ def shard_params(params: PyTree, axis_name: str, min_weight_size: int = 2**18) -
     dimension divisible by the axis size (the last of equal ones), as ``nn.Partitioned`` named
     with ``axis_name``; other leaves are returned as they are. Runs where ``axis_name`` is bound.
     """
-    return _pj.shard_params(params, axis_name, min_weight_size, tie_break="last")
+    return _pj.shard_tree(params, axis_name, min_weight_size, tie_break="last")
 
 
 def gather_array_with_mean_grads(
@@ -53,7 +57,7 @@ def gather_array_with_mean_grads(
     Tiled all-gather of ``x`` along ``axis`` (cast to ``gather_dtype`` first unless None); the
     gradient is the mean reduce-scatter, computed in ``grad_scatter_dtype`` (None: ``x.dtype``).
     """
-    return _pj.gather_array_with_mean_grads(x, axis, axis_name, gather_dtype, grad_scatter_dtype)
+    return _pj.gather_with_mean_grads(x, axis, axis_name, gather_dtype, grad_scatter_dtype)
 
 
 def gather_params(
@@ -64,7 +68,7 @@ def gather_params(
     ``nn.Partitioned`` leaves sharded over ``axis_name`` become full arrays (still ``Partitioned``
     when sharded over other axes too); other leaves are unchanged.
     """
-    return _pj.gather_params(params, axis_name, gather_dtype, grad_scatter_dtype)
+    return _pj.gather_tree(params, axis_name, gather_dtype, grad_scatter_dtype)
 
 
 def shard_module_params(
@@ -79,7 +83,7 @@ def shard_module_params(
     ``nn.map_variables`` over ``"params"``: stored sharded by :func:`shard_params` at init,
     gathered by :func:`gather_params` on every read inside the module.
     """
-    return _pj.shard_module_params(
+    return _pj.shard_module(
         target, axis_name, min_weight_size, gather_dtype, grad_scatter_dtype, tie_break="last"
     )
 
@@ -90,4 +94,4 @@ def sync_gradients(grads: PyTree, axis_names: Sequence[str]) -> PyTree:
     Each gradient is averaged over the axes of ``axis_names`` its parameter is not partitioned
     over; a partitioned gradient already holds the mean along its own axes.
     """
-    return _pj.sync_gradients(grads, axis_names)
+    return _pj.mean_grads(grads, axis_names)

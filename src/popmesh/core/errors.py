@@ -6,6 +6,9 @@ these with ``from`` so the original stays visible. Messages say what happened an
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Any
+
 __all__ = [
     "PopmeshError",
     "ConfigError",
@@ -31,11 +34,21 @@ class EngineUnavailable(ConfigError, ImportError):
 
 
 class PeerFailure(PopmeshError):
-    """A peer rank died or closed its connection while this rank was talking to it."""
+    """A peer rank died or closed its connection while this rank was talking to it.
 
-    def __init__(self, message: str, ranks: tuple[int, ...] = ()) -> None:
+    ``ranks``: the global ranks at fault, never empty. ``exact`` is False when the engine could not
+    tell which peer failed; ``ranks`` then lists every peer of the operation (the suspects).
+    """
+
+    def __init__(self, message: str, ranks: Iterable[int], *, exact: bool = True) -> None:
         super().__init__(message)
-        self.ranks = tuple(ranks)
+        self.ranks = tuple(int(r) for r in ranks)
+        if not self.ranks:
+            raise ValueError("PeerFailure needs the ranks at fault (every peer of the operation if unknown)")
+        self.exact = bool(exact)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (str(self), self.ranks), {"exact": self.exact}
 
 
 class CommTimeout(PopmeshError, TimeoutError):

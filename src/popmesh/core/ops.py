@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from enum import Enum
-from typing import Any
+from typing import Any, NamedTuple
 
 from popmesh.core.errors import ConfigError
 
-__all__ = ["ReduceOp"]
+__all__ = ["ReduceOp", "Lowering", "lower"]
 
 
 class ReduceOp(str, Enum):
@@ -36,3 +36,26 @@ class ReduceOp(str, Enum):
 
 
 _ALIASES = {"mean": "avg", "average": "avg", "product": "prod", "add": "sum"}
+
+
+class Lowering(NamedTuple):
+    """How a reduction runs on an engine, which knows only SUM, MAX, MIN and PROD of numbers."""
+
+    engine_op: ReduceOp  # what the engine runs
+    as_bytes: bool  # run it over the buffer's bytes viewed as uint8 (booleans)
+    divide: bool  # divide the result by the size of the group afterwards (AVG)
+
+
+def lower(op: ReduceOp, dtype: str) -> Lowering:
+    """The one lowering of every reduction popmesh offers: AVG is SUM then a division by the group
+    size; booleans reduce their bytes with MAX (SUM and MAX: any) or MIN (MIN and PROD: all).
+    ConfigError where the reduction is undefined (AVG of booleans, MAX/MIN of complex numbers)."""
+    if dtype == "bool":
+        if op is ReduceOp.AVG:
+            raise ConfigError("AVG of booleans is undefined: cast to a float dtype first")
+        return Lowering(ReduceOp.MAX if op in (ReduceOp.SUM, ReduceOp.MAX) else ReduceOp.MIN, True, False)
+    if dtype.startswith("complex") and op in (ReduceOp.MAX, ReduceOp.MIN):
+        raise ConfigError(f"{op.value.upper()} of complex numbers is undefined: reduce real and imaginary parts")
+    if op is ReduceOp.AVG:
+        return Lowering(ReduceOp.SUM, False, True)
+    return Lowering(op, False, False)

@@ -16,7 +16,7 @@ import popmesh
 
 from popmesh.population import AsyncSelectiveAveraging, AverageAll, DonorRule, ReplacementRule, SelectiveAveraging
 from popmesh.observe.reports import Timer, print_report
-from popmesh.observe.timing import report_load_imbalance, report_time_info
+from popmesh.observe.timing import report_imbalance, report_timings
 from popmesh.demo.config import DemoConfig, rank_hyper, rank_seed
 from popmesh.demo.learner import CartPoleLearner
 from popmesh.demo.outputs import new_run_dir, plot_returns, write_events, write_summary
@@ -105,8 +105,8 @@ def _finish(world: Any, config: DemoConfig, learner: CartPoleLearner, reporter: 
     finals = popmesh.gather_object({"rank": world.rank, "steps": learner.total_steps,
                                     "mean_return": None if math.isnan(learner.mean_return()) else learner.mean_return(),
                                     "lr": learner.learning_rate(), "entropy": learner.hyper.entropy}, dst=0)
-    times = report_time_info(timer, group=world, show=False)
-    imbalance = report_load_imbalance(timer, group=world, show=False)
+    times = report_timings(timer, group=world, show=False)
+    imbalance = report_imbalance(timer, group=world, show=False)
     if not world.is_main:
         return None
     out = new_run_dir(config.out_dir)

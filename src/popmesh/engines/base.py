@@ -14,9 +14,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, runtime_checkable
 
+from popmesh.core.handles import Pending
 from popmesh.core.ops import ReduceOp
 
-__all__ = ["GroupSpec", "Engine", "Pending", "Completed", "poll_until", "timeout_message"]
+__all__ = [
+    "GroupSpec", "Engine", "Tuning", "Snapshot", "SnapshotWindow", "poll_until", "timeout_message",
+]
 
 
 @dataclass(frozen=True)
@@ -31,21 +34,34 @@ class GroupSpec:
         return self.ranks.index(global_rank)
 
 
-class Pending(Protocol):
-    """An operation in flight: ``done()`` polls, ``wait(timeout)`` blocks and raises like a blocking call."""
+@dataclass(frozen=True)
+class Tuning:
+    """Measured defaults an engine hands to the layers above, so they never branch on its name.
 
-    def done(self) -> bool: ...
-    def wait(self, timeout: float) -> None: ...
+    ``cpu_bucket_cap_bytes``: gradient-bucket size for CPU tensors (None: DDP's 25 MiB).
+    ``max_in_flight``: how many bucket reductions may run at once (0: all).
+    """
+
+    cpu_bucket_cap_bytes: int | None = None
+    max_in_flight: int = 0
 
 
-class Completed:
-    """A Pending that finished before it was returned (worlds of one)."""
+@dataclass
+class Snapshot:
+    """A consistent copy of a peer's latest publication in a :class:`SnapshotWindow`."""
 
-    def done(self) -> bool:
-        return True
+    iteration: int
+    metric: float
+    data: Any  # a flat uint8 numpy array
 
-    def wait(self, timeout: float) -> None:
-        return None
+
+class SnapshotWindow(Protocol):
+    """One-sided memory over a group: each member publishes a byte snapshot, any member reads any
+    other's without the owner's help. Creation and :meth:`free` are collective; targets are group ranks."""
+
+    def publish(self, payload: Any, iteration: int, metric: float) -> None: ...
+    def read(self, target: int, timeout: float, with_data: bool = True) -> Snapshot | None: ...
+    def free(self) -> None: ...
 
 
 @runtime_checkable
@@ -55,6 +71,9 @@ class Engine(Protocol):
     name: str
     rank: int
     size: int
+    one_sided: bool  # whether :meth:`snapshot_window` is available
+    tuning: Tuning
+
 
     def hostname(self) -> str: ...
     def local_topology(self) -> tuple[int, int]: ...
@@ -67,6 +86,7 @@ class Engine(Protocol):
     def gather(self, buf: Any, root: int, group: Any, timeout: float) -> Any: ...
     def reduce_scatter(self, buf: Any, op: ReduceOp, group: Any, timeout: float) -> Any: ...
     def barrier(self, group: Any, timeout: float) -> None: ...
+    def snapshot_window(self, group: Any, nbytes: int) -> SnapshotWindow: ...
     def finalize(self) -> None: ...
 
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import socket
 from typing import Any
 
+from popmesh.core.errors import ConfigError
 from popmesh.core.ops import ReduceOp
-from popmesh.engines.base import Completed, GroupSpec
+from popmesh.core.handles import Completed
+from popmesh.engines.base import GroupSpec, Tuning
 
 __all__ = ["LocalEngine"]
 
@@ -17,6 +19,8 @@ class LocalEngine:
     name = "local"
     rank = 0
     size = 1
+    one_sided = False
+    tuning = Tuning()
     _p2p: Any = None
 
     def hostname(self) -> str:
@@ -56,6 +60,11 @@ class LocalEngine:
 
     def barrier(self, group: Any, timeout: float) -> None:
         return None
+
+    def snapshot_window(self, group: Any, nbytes: int) -> Any:
+        """No one-sided windows on this engine (``one_sided`` is False)."""
+        raise ConfigError(f"the {self.name} engine has no one-sided windows: launch under mpiexec or "
+                          "popmesh.init(engine='mpi')")
 
     def finalize(self) -> None:
         return None

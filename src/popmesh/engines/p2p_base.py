@@ -24,16 +24,17 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Collection
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
+from popmesh.core.handles import Completed, Pending
 from popmesh.core.errors import CommTimeout, ConfigError
 from popmesh.wire.format import join_frame
 from popmesh.engines.base import poll_until
 
 __all__ = [
-    "TAG_LIMIT", "Frame", "Item", "SendRequest", "SentRequest", "RecvRequest", "P2PBase", "LoopbackP2P",
+    "TAG_LIMIT", "Frame", "Item", "RecvRequest", "P2PBase", "LoopbackP2P",
     "BufferPool", "PAGE_NBYTES", "frame_parts",
 ]
 
@@ -101,23 +102,6 @@ def _placed(base: np.ndarray, address: int, nbytes: int, at: int, page_offset: i
     return base[shift:shift + nbytes]
 
 
-class SendRequest(Protocol):
-    """A send in flight: ``done()`` polls; ``wait(timeout)`` blocks, raising CommTimeout/PeerFailure."""
-
-    def done(self) -> bool: ...
-    def wait(self, timeout: float) -> None: ...
-
-
-class SentRequest:
-    """A send that completed before it was returned (local delivery, eager engines)."""
-
-    def done(self) -> bool:
-        return True
-
-    def wait(self, timeout: float) -> None:
-        return None
-
-
 class RecvRequest:
     """A posted receive. ``done()`` polls; ``wait(timeout)`` returns ``(source, uint8 array)``.
 
@@ -169,13 +153,13 @@ class P2PBase:
         """Send ``frame`` to global rank ``dst``; returns once its buffers may be reused."""
         self.isend(frame, dst, tag).wait(timeout)
 
-    def isend(self, frame: Frame, dst: int, tag: int) -> SendRequest:
+    def isend(self, frame: Frame, dst: int, tag: int) -> Pending:
         """Start sending; keep ``frame``'s buffers unchanged until the request is done."""
         self._check(dst, tag, "dst")
         parts = frame_parts(frame)
         if dst == self.rank:
             self._deliver_local(tag, join_frame(parts))
-            return SentRequest()
+            return Completed()
         return self._post_send(parts, dst, tag)
 
     def recv(self, src: int | Collection[int] | None, tag: int, timeout: float) -> tuple[int, np.ndarray]:
@@ -296,7 +280,7 @@ class P2PBase:
             "on this tag to this rank, or raise the timeout (timeout=..., POPMESH_TIMEOUT).", missing)
 
     # ---- engine hooks ------------------------------------------------------------------------
-    def _post_send(self, parts: list[np.ndarray], dst: int, tag: int) -> SendRequest:
+    def _post_send(self, parts: list[np.ndarray], dst: int, tag: int) -> Pending:
         raise ConfigError(f"rank {self.rank} cannot send to rank {dst}: this engine only delivers to itself")
 
     def _fetch(self, sources: frozenset[int] | None, tag: int) -> Item | None:

@@ -19,8 +19,8 @@ if _missing:
     )
 
 from popmesh.jax.axes import (  # noqa: E402
-    DP_AXIS_NAME,
-    POP_AXIS_NAME,
+    DATA_AXIS,
+    POPULATION_AXIS,
     AxisName,
     UnboundAxisError,
     all_gather,
@@ -33,25 +33,17 @@ from popmesh.jax.axes import (  # noqa: E402
     require_bound,
     varying_axes,
 )
-from popmesh.jax.distributed import JaxProcess, init, read_jax_env, shutdown  # noqa: E402
+from popmesh.jax.distributed import JaxProcess, init, is_initialized, read_jax_env, shutdown  # noqa: E402
 from popmesh.jax.fsdp import (  # noqa: E402
     PaddedPartitioned,
-    gather_array_with_mean_grads,
-    gather_params,
-    shard_module_params,
-    shard_params,
+    gather_tree,
+    gather_with_mean_grads,
+    mean_grads,
+    shard_module,
+    shard_tree,
     sharded_init,
-    sync_gradients,
 )
-from popmesh.jax.mapping import (  # noqa: E402
-    get_global_ranks,
-    get_process_id,
-    is_dist_initialized,
-    shmap_map,
-    shmap_vmap,
-    split_key_to_devices,
-    tree_device_put,
-)
+from popmesh.jax.mapping import device_ranks, map_per_device, split_key_per_device, vmap_per_device  # noqa: E402
 from popmesh.jax.population import (  # noqa: E402
     ReplacementPlan,
     num_replaced,
@@ -59,15 +51,22 @@ from popmesh.jax.population import (  # noqa: E402
     replace_worst,
     replacement_plan,
 )
-from popmesh.jax.updates import agent_gradient_update, gradient_update, loss_and_pgrad  # noqa: E402
+from popmesh.jax.updates import (  # noqa: E402
+    attach_params,
+    detach_params,
+    loss_and_pgrad,
+    make_agent_update,
+    make_update,
+)
 
 __all__ = [
     "JaxProcess",
     "init",
+    "is_initialized",
     "read_jax_env",
     "shutdown",
-    "DP_AXIS_NAME",
-    "POP_AXIS_NAME",
+    "DATA_AXIS",
+    "POPULATION_AXIS",
     "AxisName",
     "UnboundAxisError",
     "pmean",
@@ -80,21 +79,20 @@ __all__ = [
     "varying_axes",
     "as_varying",
     "loss_and_pgrad",
-    "gradient_update",
-    "agent_gradient_update",
-    "shmap_vmap",
-    "shmap_map",
-    "split_key_to_devices",
-    "tree_device_put",
-    "get_global_ranks",
-    "get_process_id",
-    "is_dist_initialized",
+    "make_update",
+    "make_agent_update",
+    "attach_params",
+    "detach_params",
+    "vmap_per_device",
+    "map_per_device",
+    "split_key_per_device",
+    "device_ranks",
     "PaddedPartitioned",
-    "shard_params",
-    "gather_array_with_mean_grads",
-    "gather_params",
-    "shard_module_params",
-    "sync_gradients",
+    "shard_tree",
+    "gather_tree",
+    "gather_with_mean_grads",
+    "shard_module",
+    "mean_grads",
     "sharded_init",
     "ReplacementPlan",
     "num_replaced",

@@ -18,8 +18,8 @@ import jax.numpy as jnp
 from popmesh.core.errors import ConfigError
 
 __all__ = [
-    "DP_AXIS_NAME",
-    "POP_AXIS_NAME",
+    "DATA_AXIS",
+    "POPULATION_AXIS",
     "AxisName",
     "UnboundAxisError",
     "axis_names",
@@ -34,9 +34,9 @@ __all__ = [
     "as_varying",
 ]
 
-DP_AXIS_NAME = "DP"
+DATA_AXIS = "DP"
 """Data-parallel axis: environments, minibatches and gradients are split / averaged along it."""
-POP_AXIS_NAME = "POP"
+POPULATION_AXIS = "POP"
 """Population axis: population members (PBT agents, EC candidates) are split along it."""
 
 AxisName: TypeAlias = str | tuple[str, ...]
@@ -143,7 +143,7 @@ def as_varying(tree: Any, axis_name: AxisName | Sequence[str] | None) -> Any:
     Why: inside ``shard_map(check_vma=True)`` JAX differentiates a parameter that is invariant
     (replicated) along an axis as the *sum* of every device's gradient. Differentiate with respect
     to ``as_varying(params, axis)`` instead to get each device's own gradient, then average it
-    (``pmean``, :func:`popmesh.jax.sync_gradients`). Identity for ``None``, under ``vmap`` and
+    (``pmean``, :func:`popmesh.jax.mean_grads`). Identity for ``None``, under ``vmap`` and
     under ``check_vma=False``, where gradients are per-device already.
     """
     names = axis_names(axis_name)

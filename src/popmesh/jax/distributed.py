@@ -16,7 +16,7 @@ import jax
 
 from popmesh.core.errors import ConfigError
 
-__all__ = ["JaxProcess", "read_jax_env", "init", "shutdown"]
+__all__ = ["JaxProcess", "read_jax_env", "init", "is_initialized", "shutdown"]
 
 _VARS = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
 
@@ -75,6 +75,11 @@ def init(coordinator_address: str | None = None, num_processes: int | None = Non
         initialization_timeout=int(timeout),
     )
     return process
+
+
+def is_initialized() -> bool:
+    """Whether ``jax.distributed.initialize()`` has run in this process (by :func:`init` or directly)."""
+    return bool(jax.distributed.is_initialized())
 
 
 def shutdown() -> None:

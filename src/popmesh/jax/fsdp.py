@@ -1,9 +1,13 @@
 """Fully sharded data parallelism (ZeRO-3 style) for code that runs inside ``jax.shard_map``.
 
-xLSTM-jax parity (``xlstm_jax.distributed.data_parallel``): parameters are stored as
-``flax.linen.Partitioned`` shards along a mesh axis, all-gathered right before a module uses them,
-and the gradient of that gather is a *mean* reduce-scatter. Same names, argument order and defaults
-as the original; additions are keyword-only (``pad=``) and documented where they differ.
+What ``xlstm_jax.distributed.data_parallel`` does (its facade is :mod:`popmesh.compat.xlstm_jax`):
+parameters are stored as ``flax.linen.Partitioned`` shards along a mesh axis, all-gathered right
+before a module uses them, and the gradient of that gather is a *mean* reduce-scatter. Arguments
+keep xLSTM's order and defaults; additions are keyword-only (``pad=``, ``tie_break=``).
+
+Names: :func:`shard_tree` / :func:`gather_tree` shard and gather a parameter tree,
+:func:`shard_module` wraps a linen module in both, :func:`gather_with_mean_grads` is the one-array
+gather, :func:`mean_grads` averages gradients over the axes a parameter is not sharded on.
 
 Contract: every function here runs where ``axis_name`` is bound (inside ``shard_map`` over a mesh
 with that axis); every device of the axis calls it with identically shaped parameters, and the full
@@ -28,11 +32,11 @@ from popmesh.jax.axes import _checked, axis_size, require_bound, varying_axes
 
 __all__ = [
     "PaddedPartitioned",
-    "shard_params",
-    "gather_array_with_mean_grads",
-    "gather_params",
-    "shard_module_params",
-    "sync_gradients",
+    "shard_tree",
+    "gather_with_mean_grads",
+    "gather_tree",
+    "shard_module",
+    "mean_grads",
     "sharded_init",
 ]
 
@@ -46,7 +50,7 @@ TieBreak = Literal["first", "last"]
 class PaddedPartitioned(nn.Partitioned):
     """A ``Partitioned`` shard of a parameter zero-padded along its sharded dimension.
 
-    ``unpadded`` is the original length of that dimension; :func:`gather_params` gathers the
+    ``unpadded`` is the original length of that dimension; :func:`gather_tree` gathers the
     padded tensor and slices it back to ``unpadded``, so the padding never reaches the model and
     receives zero gradient.
     """
@@ -85,10 +89,10 @@ def _shard_leaf(
     value = leaf.value if _is_partitioned(leaf) else leaf
     names = leaf.names if _is_partitioned(leaf) else (None,) * jnp.ndim(value)
     if axis_name in _flat_names(names):
-        log.warning("shard_params: %s is already sharded over %r; left as is", path, axis_name)
+        log.warning("shard_tree: %s is already sharded over %r; left as is", path, axis_name)
         return leaf
     if value.size <= min_size:
-        log.debug("shard_params: %s replicated: size %d <= min_weight_size %d", path, value.size, min_size)
+        log.debug("shard_tree: %s replicated: size %d <= min_weight_size %d", path, value.size, min_size)
         return leaf
     dim = _pick_dim(value.shape, names, n, False, tie_break)
     unpadded = None
@@ -100,7 +104,7 @@ def _shard_leaf(
             widths[dim] = (0, -unpadded % n)
             value = jnp.pad(value, widths)
     if dim is None:
-        log.info("shard_params: %s replicated: no free dim of %s divisible by %d (pad=True pads one)",
+        log.info("shard_tree: %s replicated: no free dim of %s divisible by %d (pad=True pads one)",
                  path, value.shape, n)
         return leaf
     chunk = value.shape[dim] // n
@@ -112,7 +116,7 @@ def _shard_leaf(
     return nn.Partitioned(local, new_names, mesh)
 
 
-def shard_params(
+def shard_tree(
     params: PyTree,
     axis_name: str,
     min_weight_size: int = 2**18,
@@ -131,12 +135,12 @@ def shard_params(
     Small or indivisible leaves stay replicated and the reason is logged (``logging``, logger
     ``popmesh.jax.fsdp``; debug for small, info for indivisible). With ``pad=True`` an indivisible
     leaf is zero-padded along its largest free dimension to a multiple of the axis size and stored
-    as :class:`PaddedPartitioned`; :func:`gather_params` trims it back.
+    as :class:`PaddedPartitioned`; :func:`gather_tree` trims it back.
     """
     if tie_break not in ("first", "last"):
-        raise ConfigError(f"shard_params: tie_break must be 'first' or 'last', got {tie_break!r}")
+        raise ConfigError(f"shard_tree: tie_break must be 'first' or 'last', got {tie_break!r}")
     n = axis_size(axis_name)
-    with jax.named_scope("shard_params"):
+    with jax.named_scope("shard_tree"):
         index = jax.lax.axis_index(axis_name)
         shard = lambda path, leaf: _shard_leaf(  # noqa: E731
             jax.tree_util.keystr(path), leaf, axis_name, index, n, min_weight_size, pad, tie_break
@@ -164,7 +168,7 @@ def _gather_bwd(axis, axis_name, gather_dtype, scatter_dtype, dtype, _, ct):  # 
 _gather.defvjp(_gather_fwd, _gather_bwd)
 
 
-def gather_array_with_mean_grads(
+def gather_with_mean_grads(
     x: jax.Array, axis: int, axis_name: str, gather_dtype: Any = None, grad_scatter_dtype: Any = None
 ) -> jax.Array:
     """All-gather ``x`` along ``axis`` (tiled); its gradient is the *mean* reduce-scatter.
@@ -174,10 +178,10 @@ def gather_array_with_mean_grads(
     axis size, cast to ``x.dtype``. Averaging is built in, so each device's loss must be a mean
     over its own shard of the batch for the result to equal the global mean gradient.
     """
-    require_bound(axis_name, "gather_array_with_mean_grads")
+    require_bound(axis_name, "gather_with_mean_grads")
     gather_dtype = jnp.dtype(x.dtype if gather_dtype is None else gather_dtype)
     scatter_dtype = jnp.dtype(x.dtype if grad_scatter_dtype is None else grad_scatter_dtype)
-    with jax.named_scope("gather_array_with_mean_grads"):
+    with jax.named_scope("gather_with_mean_grads"):
         return _gather(x, axis, axis_name, gather_dtype, scatter_dtype, jnp.dtype(x.dtype))
 
 
@@ -185,7 +189,7 @@ def _gather_leaf(leaf: Any, axis_name: str, gather_dtype: Any, scatter_dtype: An
     if not _is_partitioned(leaf) or axis_name not in leaf.names:
         return leaf
     dim = leaf.names.index(axis_name)
-    full = gather_array_with_mean_grads(leaf.value, dim, axis_name, gather_dtype, scatter_dtype)
+    full = gather_with_mean_grads(leaf.value, dim, axis_name, gather_dtype, scatter_dtype)
     if isinstance(leaf, PaddedPartitioned):
         full = jax.lax.slice_in_dim(full, 0, leaf.unpadded, axis=dim)
     names = leaf.names[:dim] + (None,) + leaf.names[dim + 1:]
@@ -194,7 +198,7 @@ def _gather_leaf(leaf: Any, axis_name: str, gather_dtype: Any, scatter_dtype: An
     return nn.Partitioned(full, names, leaf.mesh)
 
 
-def gather_params(
+def gather_tree(
     params: PyTree, axis_name: str, gather_dtype: Any = None, grad_scatter_dtype: Any = None
 ) -> PyTree:
     """Gather every ``Partitioned`` leaf sharded over ``axis_name`` into the full tensor.
@@ -202,14 +206,14 @@ def gather_params(
     A leaf whose names only held ``axis_name`` becomes a raw array; one still sharded over other
     axes (e.g. tensor-parallel) stays ``Partitioned`` with those names. Other leaves are unchanged.
     Padded leaves (:class:`PaddedPartitioned`) are trimmed back to their original size.
-    Gradients flow back as the mean over the axis (see :func:`gather_array_with_mean_grads`).
+    Gradients flow back as the mean over the axis (see :func:`gather_with_mean_grads`).
     """
-    with jax.named_scope("gather_params"):
+    with jax.named_scope("gather_tree"):
         gather = lambda leaf: _gather_leaf(leaf, axis_name, gather_dtype, grad_scatter_dtype)  # noqa: E731
         return jax.tree.map(gather, params, is_leaf=_is_partitioned)
 
 
-def shard_module_params(
+def shard_module(
     target: type[nn.Module] | Callable[..., Any],
     axis_name: str,
     min_weight_size: int = 2**18,
@@ -222,20 +226,20 @@ def shard_module_params(
     """Wrap a flax linen module class so its ``params`` are stored sharded over ``axis_name``.
 
     ``nn.map_variables`` on the ``"params"`` collection: parameters written at init pass through
-    :func:`shard_params`, every read inside the module through :func:`gather_params`. Apply it
+    :func:`shard_tree`, every read inside the module through :func:`gather_tree`. Apply it
     *before* ``nn.remat`` so gathered tensors are re-gathered, not saved, for the backward pass.
     Init and apply must both run inside ``shard_map`` over a mesh with ``axis_name``. ``pad`` and
-    ``tie_break`` are passed to :func:`shard_params`.
+    ``tie_break`` are passed to :func:`shard_tree`.
     """
     return nn.map_variables(
         target,
         mapped_collections="params",
         trans_in_fn=functools.partial(
-            gather_params, axis_name=axis_name, gather_dtype=gather_dtype,
+            gather_tree, axis_name=axis_name, gather_dtype=gather_dtype,
             grad_scatter_dtype=grad_scatter_dtype,
         ),
         trans_out_fn=functools.partial(
-            shard_params, axis_name=axis_name, min_weight_size=min_weight_size, pad=pad,
+            shard_tree, axis_name=axis_name, min_weight_size=min_weight_size, pad=pad,
             tie_break=tie_break,
         ),
         mutable=True,
@@ -249,7 +253,7 @@ def _sync_value(value: jax.Array, axes: tuple[str, ...], checked: frozenset[str]
     return jax.lax.pmean(value, axes) if axes else value
 
 
-def sync_gradients(grads: PyTree, axis_names: Sequence[str]) -> PyTree:
+def mean_grads(grads: PyTree, axis_names: Sequence[str]) -> PyTree:
     """Average gradients over the axes of ``axis_names`` a parameter is *not* sharded on.
 
     A ``Partitioned`` gradient sharded over an axis already holds the mean along it (the gather's
@@ -259,7 +263,7 @@ def sync_gradients(grads: PyTree, axis_names: Sequence[str]) -> PyTree:
     ``popmesh.jax.as_varying(params, axis_names)`` to get per-device gradients that this averages.
     """
     names = tuple(axis_names)
-    require_bound(names, "sync_gradients")
+    require_bound(names, "mean_grads")
     checked = frozenset(name for name in names if _checked(name))
 
     def sync(leaf: Any) -> Any:
@@ -269,7 +273,7 @@ def sync_gradients(grads: PyTree, axis_names: Sequence[str]) -> PyTree:
             return leaf.replace(value=_sync_value(leaf.value, axes, checked))
         return _sync_value(leaf, names, checked)
 
-    with jax.named_scope("sync_gradients"):
+    with jax.named_scope("mean_grads"):
         return jax.tree.map(sync, grads, is_leaf=_is_partitioned)
 
 
@@ -278,7 +282,7 @@ def sharded_init(
 ) -> tuple[PyTree, PyTree]:
     """Run ``init_fn(*args)`` inside ``shard_map`` and return ``(params, partition_specs)``.
 
-    The specs come from the ``Partitioned`` names that :func:`shard_params` wrote (``P()`` for
+    The specs come from the ``Partitioned`` names that :func:`shard_tree` wrote (``P()`` for
     replicated leaves), found by a shape-only trace, so the returned global arrays hold each
     device's shard and can be passed back to ``shard_map`` with ``in_specs=partition_specs``.
     """

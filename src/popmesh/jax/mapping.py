@@ -1,8 +1,10 @@
-"""Placing work on devices: ``shard_map`` + per-device ``vmap``/``map``, keys, ranks, process info.
+"""Placing work on devices: ``shard_map`` + per-device ``vmap``/``map``, keys and ranks per device.
 
-EvoRL parity on current JAX (``jax.shard_map``, ``NamedSharding``; none of the removed device-put
-helpers, no private JAX state). ``shmap_vmap``/``shmap_map`` gain ``in_axes`` so replicated arguments are
-not mapped, and translate EvoRL's ``check_rep=`` to ``check_vma=``.
+What EvoRL's ``shmap_vmap``/``shmap_map``/``split_key_to_devices``/``get_global_ranks`` do (their
+facades are in :mod:`popmesh.compat.evorl`), on current JAX (``jax.shard_map``, ``NamedSharding``;
+none of the removed device-put helpers, no private JAX state). :func:`vmap_per_device` and
+:func:`map_per_device` gain ``in_axes`` so replicated arguments are not mapped, and translate EvoRL's
+``check_rep=`` to ``check_vma=``.
 """
 
 from __future__ import annotations
@@ -18,15 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from popmesh.core.errors import ConfigError
 
-__all__ = [
-    "shmap_vmap",
-    "shmap_map",
-    "split_key_to_devices",
-    "tree_device_put",
-    "get_global_ranks",
-    "get_process_id",
-    "is_dist_initialized",
-]
+__all__ = ["vmap_per_device", "map_per_device", "split_key_per_device", "device_ranks"]
 
 InAxes = int | None | Sequence[Any]
 
@@ -45,7 +39,7 @@ def _shard_map_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
-def shmap_vmap(
+def vmap_per_device(
     fn: Callable[..., Any],
     mesh: Mesh,
     in_specs: Any,
@@ -72,7 +66,7 @@ def _per_arg_axes(in_axes: InAxes, n_args: int) -> tuple[int | None, ...]:
     axes = tuple(in_axes)
     if len(axes) != n_args or not all(a is None or isinstance(a, int) for a in axes):
         raise ConfigError(
-            f"shmap_map: in_axes must be an int, None, or one int/None per positional argument "
+            f"map_per_device: in_axes must be an int, None, or one int/None per positional argument "
             f"({n_args} given), got {in_axes!r}"
         )
     return axes
@@ -82,7 +76,7 @@ def _to_front(arg: Any, axis: int) -> Any:
     return arg if axis == 0 else jax.tree.map(lambda leaf: jnp.moveaxis(leaf, axis, 0), arg)
 
 
-def shmap_map(
+def map_per_device(
     fn: Callable[..., Any],
     mesh: Mesh,
     in_specs: Any,
@@ -92,7 +86,7 @@ def shmap_map(
 ) -> Callable[..., Any]:
     """``jax.shard_map`` whose per-device body runs ``fn`` sequentially (``jax.lax.map``).
 
-    Same contract as :func:`shmap_vmap` (outputs stacked on axis 0), but one local element at a
+    Same contract as :func:`vmap_per_device` (outputs stacked on axis 0), but one local element at a
     time: less memory, more time. ``in_axes`` is one int/None for all positional arguments or one
     per argument; ``None`` passes the argument unmapped.
     """
@@ -101,7 +95,7 @@ def shmap_map(
         axes = _per_arg_axes(in_axes, len(args))
         mapped = tuple(_to_front(a, ax) for a, ax in zip(args, axes) if ax is not None)
         if not mapped:
-            raise ConfigError("shmap_map: in_axes maps no argument; map at least one")
+            raise ConfigError("map_per_device: in_axes maps no argument; map at least one")
 
         def one(sliced: tuple[Any, ...]) -> Any:
             it = iter(sliced)
@@ -114,7 +108,7 @@ def shmap_map(
     )
 
 
-def split_key_to_devices(
+def split_key_per_device(
     key: jax.Array, devices: Sequence[jax.Device], *, axis_name: str = "devices"
 ) -> jax.Array:
     """Split ``key`` into one sub-key per device: shape ``[len(devices), *key.shape]``.
@@ -128,16 +122,7 @@ def split_key_to_devices(
     return jax.device_put(keys, NamedSharding(mesh, PartitionSpec(axis_name)))
 
 
-def tree_device_put(tree: Any, device_or_sharding: Any) -> Any:
-    """Pytree ``jax.device_put``: every leaf of ``tree`` onto ``device_or_sharding``.
-
-    ``device_or_sharding`` is a device, a sharding, or a pytree prefix of them. One dispatch for
-    the whole tree (EvoRL called ``device_put`` once per leaf).
-    """
-    return jax.device_put(tree, device_or_sharding)
-
-
-def get_global_ranks(
+def device_ranks(
     devices: Sequence[jax.Device] | None = None, *, axis_name: str = "devices"
 ) -> jax.Array:
     """One int32 rank per device: ``ranks[i] == i`` lives on ``devices[i]``.
@@ -152,16 +137,3 @@ def get_global_ranks(
     sharding = NamedSharding(mesh, PartitionSpec(axis_name))
     ranks = np.arange(len(devices), dtype=np.int32)
     return jax.make_array_from_callback(ranks.shape, sharding, lambda index: ranks[index])
-
-
-def get_process_id() -> int:
-    """This process's index in a multi-process JAX run (0 when single-process)."""
-    return int(jax.process_index())
-
-
-def is_dist_initialized() -> bool:
-    """Whether ``jax.distributed.initialize()`` has been called in this process (public API)."""
-    is_initialized = getattr(jax.distributed, "is_initialized", None)
-    if is_initialized is not None:
-        return bool(is_initialized())
-    return jax.process_count() > 1

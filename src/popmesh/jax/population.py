@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from popmesh.core.errors import ConfigError
-from popmesh.jax.axes import POP_AXIS_NAME, AxisName, all_gather, psum
+from popmesh.jax.axes import POPULATION_AXIS, AxisName, all_gather, psum
 
 __all__ = [
     "Strategy",
@@ -124,7 +124,7 @@ def _mix(leaf: jax.Array, local_weights: jax.Array, replaced: jax.Array, axis: A
 def replace_worst(
     members: Any,
     metrics: jax.Array,
-    axis_name: AxisName | None = POP_AXIS_NAME,
+    axis_name: AxisName | None = POPULATION_AXIS,
     *,
     replacement_ratio: float = 0.2,
     strategy: Strategy = "mean",
@@ -160,7 +160,7 @@ def replace_worst(
 def population_update(
     mesh: Mesh,
     member_specs: Any,
-    axis_name: str = POP_AXIS_NAME,
+    axis_name: str = POPULATION_AXIS,
     *,
     replacement_ratio: float = 0.2,
     strategy: Strategy = "mean",

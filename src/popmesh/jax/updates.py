@@ -1,8 +1,9 @@
 """Gradient-update wrappers: one optimiser step with gradients averaged over a data-parallel axis.
 
-EvoRL parity (``evorl.distributed.gradient_update`` / ``agent_gradient_update``, themselves adapted
-from Brax) with two fixes: ``params`` is passed to ``optimizer.update`` so transforms that need it
-(``optax.adamw``, ``add_decayed_weights``) work, and the agent variant accepts any loss arity.
+What EvoRL's ``gradient_update`` / ``agent_gradient_update`` do (themselves adapted from Brax; their
+facades are in :mod:`popmesh.compat.evorl`), with two fixes: ``params`` is passed to
+``optimizer.update`` so transforms that need it (``optax.adamw``, ``add_decayed_weights``) work,
+and the agent variant accepts any loss arity.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ import jax
 import optax
 
 from popmesh.jax.axes import AxisName, as_varying, axis_names, require_bound
-from popmesh.jax.fsdp import sync_gradients
+from popmesh.jax.fsdp import mean_grads
 
-__all__ = ["loss_and_pgrad", "gradient_update", "agent_gradient_update"]
+__all__ = ["loss_and_pgrad", "make_update", "make_agent_update", "attach_params", "detach_params"]
 
 UpdateFn = Callable[..., tuple[Any, Any, Any]]
 
@@ -30,7 +31,7 @@ def loss_and_pgrad(
     The value (loss, or ``(loss, aux)``) stays per-device, as in EvoRL. Inside
     ``shard_map(check_vma=True)`` the parameters are first marked varying so every device
     differentiates its own loss and the mean is exact (JAX would otherwise sum them). Averaging is
-    :func:`popmesh.jax.sync_gradients`, so FSDP parameters (``nn.Partitioned`` shards) are not
+    :func:`popmesh.jax.mean_grads`, so FSDP parameters (``nn.Partitioned`` shards) are not
     averaged over the axes they are sharded on.
     """
     grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux)
@@ -38,14 +39,14 @@ def loss_and_pgrad(
     def wrapped(params: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         if dp_axis_name is None:
             return grad_fn(params, *args, **kwargs)
-        require_bound(dp_axis_name, "gradient_update")
+        require_bound(dp_axis_name, "make_update")
         value, grads = grad_fn(as_varying(params, dp_axis_name), *args, **kwargs)
-        return value, sync_gradients(grads, axis_names(dp_axis_name))
+        return value, mean_grads(grads, axis_names(dp_axis_name))
 
     return wrapped
 
 
-def gradient_update(
+def make_update(
     loss_fn: Callable[..., Any],
     optimizer: optax.GradientTransformation,
     dp_axis_name: AxisName | None = None,
@@ -69,8 +70,8 @@ def gradient_update(
     return update
 
 
-def _attach_params_to_agent_state(agent_state: Any, params: Any) -> Any:
-    """Default ``attach_fn``: a copy of ``agent_state`` whose ``params`` are ``params``."""
+def attach_params(agent_state: Any, params: Any) -> Any:
+    """A copy of ``agent_state`` whose ``params`` are ``params``; :func:`make_agent_update`'s default ``attach_fn``."""
     if hasattr(agent_state, "replace"):
         return agent_state.replace(params=params)
     if hasattr(agent_state, "_replace"):
@@ -85,22 +86,22 @@ def _attach_params_to_agent_state(agent_state: Any, params: Any) -> Any:
     )
 
 
-def _detach_params_from_agent_state(agent_state: Any) -> Any:
-    """Default ``detach_fn``: the ``params`` field (attribute or mapping key) of ``agent_state``."""
+def detach_params(agent_state: Any) -> Any:
+    """``agent_state``'s ``params`` (attribute or mapping key); :func:`make_agent_update`'s default ``detach_fn``."""
     if isinstance(agent_state, Mapping):
         return agent_state["params"]
     return agent_state.params
 
 
-def agent_gradient_update(
+def make_agent_update(
     loss_fn: Callable[..., Any],
     optimizer: optax.GradientTransformation,
     dp_axis_name: AxisName | None = None,
     has_aux: bool = False,
-    attach_fn: Callable[[Any, Any], Any] = _attach_params_to_agent_state,
-    detach_fn: Callable[[Any], Any] = _detach_params_from_agent_state,
+    attach_fn: Callable[[Any, Any], Any] = attach_params,
+    detach_fn: Callable[[Any], Any] = detach_params,
 ) -> UpdateFn:
-    """Like :func:`gradient_update` for a loss written against a whole agent state.
+    """Like :func:`make_update` for a loss written against a whole agent state.
 
     ``loss_fn(agent_state, *args, **kwargs)`` with any arity; only ``detach_fn(agent_state)``
     (default ``agent_state.params``) is differentiated, other leaves are constants. Returns
@@ -110,7 +111,7 @@ def agent_gradient_update(
     def params_loss(params: Any, agent_state: Any, *args: Any, **kwargs: Any) -> Any:
         return loss_fn(attach_fn(agent_state, params), *args, **kwargs)
 
-    update_params = gradient_update(params_loss, optimizer, dp_axis_name, has_aux)
+    update_params = make_update(params_loss, optimizer, dp_axis_name, has_aux)
 
     def update(opt_state: Any, agent_state: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any, Any]:
         params = detach_fn(agent_state)

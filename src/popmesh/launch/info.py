@@ -7,6 +7,7 @@ Paste its output into a bug report (like ``accelerate env``). Engines are detect
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -45,6 +46,14 @@ def _version(package: str) -> str | None:
         return f"broken ({type(e).__name__}: {e})"
 
 
+def _installed_version(distribution: str) -> str:
+    """The installed distribution's version from its metadata (no import of the package itself)."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def _engine_available(package: str) -> bool:
     return importlib.util.find_spec(package) is not None
 
@@ -57,11 +66,9 @@ def distributed_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
 
 def collect_info(env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Everything ``popmesh info`` prints, as plain data."""
-    import popmesh
-
     versions = {
         "python": platform.python_version(),
-        "popmesh": getattr(popmesh, "__version__", "unknown"),
+        "popmesh": _installed_version("popmesh"),
         "torch": _version("torch"),
         "mpi4py": _version("mpi4py"),
         "mpi_library": mpi_library_version(),

@@ -1,15 +1,15 @@
 """Distributed statistics: element-wise reductions, global mean/std/min/max, and ragged gathers.
 
-OmniSafe's helpers (``dist_sum``, ``dist_avg``, ``dist_max``, ``dist_min``, ``dist_op``,
-``dist_statistics_scalar``, ``avg_tensor``, ``setup_distributed``) and torchgfn's
-``gather_distributed_data``, with their bugs fixed:
+What OmniSafe's ``dist_*`` helpers and torchgfn's ``gather_distributed_data`` do (their facades in
+:mod:`popmesh.compat` map onto these), with their bugs fixed:
 
-- results keep the input's kind, dtype and device (OmniSafe cast everything to float32), and the
-  caller's tensor is never overwritten (OmniSafe's ``dist_op`` reduced float32 tensors in place);
-- ``dist_statistics_scalar`` returns the true global min and max as scalars (OmniSafe's were
-  element-wise across ranks) and accepts different lengths per rank, zero included;
-- ``gather_distributed_data`` carries sizes as int64 (torchgfn used the data's dtype, so uint8 or
-  float16 data corrupted sizes above 255 or 2048), takes any trailing shape and any group.
+- :func:`reduce_value` keeps the input's kind, dtype and device (OmniSafe cast everything to
+  float32) and never overwrites or returns the caller's tensor (OmniSafe's ``dist_op`` reduced
+  float32 tensors in place);
+- :func:`mean_std` returns the true global min and max as scalars (OmniSafe's were element-wise
+  across ranks) and accepts different lengths per rank, zero included;
+- :func:`gather_rows` carries sizes as int64 (torchgfn used the data's dtype, so uint8 or float16
+  data corrupted sizes above 255 or 2048), takes any trailing shape and any group.
 
 Cross-rank contract: every rank of ``group`` calls the same function in the same order; element-wise
 functions need the same shape on every rank. Importing this module imports neither torch nor numpy
@@ -18,9 +18,7 @@ extensions; torch is used only when the input is a tensor.
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
 from typing import Any
 
 import numpy as np
@@ -28,26 +26,16 @@ import numpy as np
 from popmesh.comm.agreement import exchange_shapes
 from popmesh.core.arrays import flatten, is_torch, unflatten
 from popmesh.comm.asynchronous import all_reduce_async_
-from popmesh.comm.collectives import all_reduce, all_reduce_, gather
+from popmesh.comm.collectives import all_reduce, gather
 from popmesh.core.errors import ConfigError
 from popmesh.core.ops import ReduceOp
-from popmesh.comm.world import Comm, current_world, resolve_group
+from popmesh.comm.world import Comm, resolve_group
 
-__all__ = [
-    "dist_op",
-    "dist_sum",
-    "dist_avg",
-    "dist_max",
-    "dist_min",
-    "dist_statistics_scalar",
-    "avg_tensor",
-    "gather_distributed_data",
-    "setup_distributed",
-]
+__all__ = ["reduce_value", "is_integral", "mean_std", "gather_rows"]
 
 
 # ---- element-wise -------------------------------------------------------------------------------
-def dist_op(value: Any, operation: Any, *, group: Comm | None = None, timeout: float | None = None) -> Any:
+def reduce_value(value: Any, operation: Any, *, group: Comm | None = None, timeout: float | None = None) -> Any:
     """Element-wise ``operation`` across ranks: a new value of the input's kind, dtype and device.
 
     ``operation``: a :class:`~popmesh.ReduceOp`, a name (``"sum"``, ``"max"``…) or
@@ -56,7 +44,7 @@ def dist_op(value: Any, operation: Any, *, group: Comm | None = None, timeout: f
     divided by the group size), not a floored integer.
     """
     op = ReduceOp.parse(operation)
-    if op is ReduceOp.AVG and _is_integral(value):
+    if op is ReduceOp.AVG and is_integral(value):
         return _integer_average(value, group, timeout)
     result = all_reduce(value, op, group=group, timeout=timeout)
     return _fresh(value) if result is value else result  # a world of one returns its input: copy it
@@ -67,27 +55,8 @@ def _fresh(value: Any) -> Any:
     return unflatten(tree, [_copy(v) if is_torch(v) or isinstance(v, np.ndarray) else v for v in leaves])
 
 
-def dist_sum(value: Any, *, group: Comm | None = None, timeout: float | None = None) -> Any:
-    """Element-wise sum across ranks (booleans: any)."""
-    return dist_op(value, ReduceOp.SUM, group=group, timeout=timeout)
-
-
-def dist_avg(value: Any, *, group: Comm | None = None, timeout: float | None = None) -> Any:
-    """Element-wise average across ranks: the sum divided by the size of ``group``."""
-    return dist_op(value, ReduceOp.AVG, group=group, timeout=timeout)
-
-
-def dist_max(value: Any, *, group: Comm | None = None, timeout: float | None = None) -> Any:
-    """Element-wise maximum across ranks."""
-    return dist_op(value, ReduceOp.MAX, group=group, timeout=timeout)
-
-
-def dist_min(value: Any, *, group: Comm | None = None, timeout: float | None = None) -> Any:
-    """Element-wise minimum across ranks."""
-    return dist_op(value, ReduceOp.MIN, group=group, timeout=timeout)
-
-
-def _is_integral(value: Any) -> bool:
+def is_integral(value: Any) -> bool:
+    """True for integer and boolean values (Python, numpy or torch), which AVG cannot hold in place."""
     if is_torch(value):
         return not (value.is_floating_point() or value.is_complex())
     if isinstance(value, (bool, int, np.integer, np.bool_)):
@@ -108,20 +77,9 @@ def _integer_average(value: Any, group: Comm | None, timeout: float | None) -> A
     return np.float64(total / size) if isinstance(value, np.generic) else float(total) / size
 
 
-def avg_tensor(value: Any, *, group: Comm | None = None, timeout: float | None = None) -> Any:
-    """Average a floating tensor or array across ranks **in place** (0-d included); returns it."""
-    if not (is_torch(value) or isinstance(value, np.ndarray)):
-        raise TypeError(f"avg_tensor writes in place: pass a tensor or array, not {type(value).__name__} "
-                        "(dist_avg returns a new value)")
-    if _is_integral(value):
-        raise ConfigError(f"avg_tensor needs a floating dtype to hold an average in place, got {value.dtype}: "
-                          "use dist_avg, which returns a float")
-    return all_reduce_(value, "avg", group=group, timeout=timeout)
-
-
 # ---- global statistics --------------------------------------------------------------------------
-def dist_statistics_scalar(value: Any, with_min_and_max: bool = False, *, group: Comm | None = None,
-                           timeout: float | None = None) -> tuple[Any, ...]:
+def mean_std(value: Any, with_min_max: bool = False, *, group: Comm | None = None,
+             timeout: float | None = None) -> tuple[Any, ...]:
     """Global mean and population std (and min, max) over every element on every rank.
 
     Ranks may hold different numbers of elements, zero included (a rank with none contributes
@@ -136,7 +94,7 @@ def dist_statistics_scalar(value: Any, with_min_and_max: bool = False, *, group:
     totals = np.array([local.sum, float(local.count)], dtype=np.float64)
     first = all_reduce_async_(totals, "sum", group=comm, timeout=timeout)
     extremes = np.array([local.max, -local.min], dtype=np.float64)
-    second = all_reduce_async_(extremes, "max", group=comm, timeout=timeout) if with_min_and_max else None
+    second = all_reduce_async_(extremes, "max", group=comm, timeout=timeout) if with_min_max else None
     first.wait()
     if second is not None:
         second.wait()
@@ -145,7 +103,7 @@ def dist_statistics_scalar(value: Any, with_min_and_max: bool = False, *, group:
     squares = all_reduce(np.array([local.squared_deviation(mean)]), "sum", group=comm, timeout=timeout)
     std = math.sqrt(squares[0] / count) if count else math.nan
     stats = [mean, std]
-    if with_min_and_max:
+    if with_min_max:
         stats += [-extremes[1], extremes[0]] if count else [math.nan, math.nan]
     return tuple(local.wrap(s) for s in stats)
 
@@ -185,8 +143,8 @@ class _Local:
 
 
 # ---- ragged gather ------------------------------------------------------------------------------
-def gather_distributed_data(local: Any, group: Comm | None = None, dst: int | None = None, *,
-                            timeout: float | None = None) -> Any:
+def gather_rows(local: Any, group: Comm | None = None, dst: int | None = None, *,
+                timeout: float | None = None) -> Any:
     """Concatenate every rank's rows (dim 0) on global rank ``dst``; None on the other ranks.
 
     ``local``: a tensor or array of any dtype and trailing shape (row counts may differ, zero
@@ -195,14 +153,14 @@ def gather_distributed_data(local: Any, group: Comm | None = None, dst: int | No
     (CollectiveMismatch on every rank otherwise). Row counts travel as int64, whatever the dtype.
     """
     comm = resolve_group(group)
-    comm.require_member("gather_distributed_data")
+    comm.require_member("gather_rows")
     root = comm.ranks[0] if dst is None else int(dst)
     comm.to_group_rank(root)  # ConfigError if dst is not a member
     data = _rows(local)
     seconds = comm.timeout if timeout is None else float(timeout)
     if comm.size == 1:
         return _copy(data)
-    shapes = exchange_shapes(comm, data, "gather_distributed_data", seconds, same_leading=False)
+    shapes = exchange_shapes(comm, data, "gather_rows", seconds, same_leading=False)
     rows = [s[0] for s in shapes]
     if max(rows) == 0:
         return _copy(data) if comm.rank == root else None
@@ -225,12 +183,12 @@ def _rows(local: Any) -> Any:
 
             return torch.stack(list(local))
         if local and any(is_torch(x) for x in local):
-            raise TypeError("gather_distributed_data: a list must hold only tensors or only numbers/arrays")
+            raise TypeError("gather_rows: a list must hold only tensors or only numbers/arrays")
         return np.asarray(local)
     if not (is_torch(local) or isinstance(local, np.ndarray)):
-        raise TypeError(f"gather_distributed_data takes a tensor, an array or a list, not {type(local).__name__}")
+        raise TypeError(f"gather_rows takes a tensor, an array or a list, not {type(local).__name__}")
     if local.ndim == 0:
-        raise ConfigError("gather_distributed_data gathers rows along dim 0: pass at least a 1-d tensor")
+        raise ConfigError("gather_rows gathers rows along dim 0: pass at least a 1-d tensor")
     return local
 
 
@@ -248,28 +206,3 @@ def _pad_rows(data: Any, rows: int) -> Any:
 
 def _copy(data: Any) -> Any:
     return data.clone() if is_torch(data) else np.array(data, copy=True)
-
-
-# ---- threads ------------------------------------------------------------------------------------
-_ANNOUNCED = False
-
-
-def setup_distributed() -> int:
-    """Share this node's CPU cores fairly among its local ranks: torch uses
-    ``max(1, cores // local_size)`` threads, where cores counts this process's CPU affinity.
-
-    Prints the decision once, on the world's main rank. Returns the thread count.
-    """
-    global _ANNOUNCED
-    world = current_world()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    threads = max(1, cores // max(1, world.local_size))
-    if importlib.util.find_spec("torch") is not None:
-        import torch
-
-        torch.set_num_threads(threads)
-    if world.is_main and not _ANNOUNCED:
-        print(f"popmesh: {world.local_size} local rank(s) share {cores} core(s): {threads} torch thread(s) per rank",
-              flush=True)
-    _ANNOUNCED = True
-    return threads

@@ -3,9 +3,10 @@
 :mod:`popmesh.observe.reports` computes and prints reports from per-rank timings without communicating;
 this module adds the gathering. ``gather_timings`` is collective over ``group`` and adds no barrier
 unless asked (torchgfn's ``--timing`` put barriers around timed sections, perturbing what it
-measured). The ``report_*`` entry points take either already gathered timings (one dict per rank,
-as torchgfn's ``report_time_info(all_timing_dict, world_size)``) or this rank's Timer / dict plus a
-group, in which case they gather first and only ``dst`` gets (and prints) the report.
+measured). :func:`report_timings` and :func:`report_imbalance` take either already gathered timings
+(one dict per rank, as torchgfn's ``report_time_info(all_timing_dict, world_size)``, whose facade
+in :mod:`popmesh.compat.gfn` maps onto them) or this rank's Timer / dict plus a group, in which
+case they gather first and only ``dst`` gets (and prints) the report.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from popmesh.core.errors import ConfigError
 from popmesh.observe.reports import ImbalanceReport, TimeReport, Timer, imbalance_report, print_report, save_chart, time_report
 from popmesh.comm.world import Comm
 
-__all__ = ["gather_timings", "report_time_info", "report_load_imbalance"]
+__all__ = ["gather_timings", "report_timings", "report_imbalance"]
 
 Timings = Timer | Mapping[str, Any]
 
@@ -56,10 +57,10 @@ def _gathered(timing: Timings | Sequence[Mapping[str, Any]], group: Comm | None,
     return list(timing)
 
 
-def report_time_info(timing: Timings | Sequence[Mapping[str, Any]], world_size: int | None = None, *,
-                     group: Comm | None = None, dst: int | None = 0, threshold: float = 0.7,
-                     file: TextIO | None = None, chart: str | Path | None = None, show: bool = True,
-                     timeout: float | None = None) -> TimeReport | None:
+def report_timings(timing: Timings | Sequence[Mapping[str, Any]], world_size: int | None = None, *,
+                   group: Comm | None = None, dst: int | None = 0, threshold: float = 0.7,
+                   file: TextIO | None = None, chart: str | Path | None = None, show: bool = True,
+                   timeout: float | None = None) -> TimeReport | None:
     """Per-step time across ranks (torchgfn ``report_time_info``): build, print, optionally save a PNG.
 
     ``timing`` is one dict per rank, or this rank's Timer/dict (then collective over ``group``;
@@ -76,12 +77,12 @@ def report_time_info(timing: Timings | Sequence[Mapping[str, Any]], world_size: 
     return report
 
 
-def report_load_imbalance(timing: Timings | Sequence[Mapping[str, Any]], world_size: int | None = None, *,
-                          group: Comm | None = None, dst: int | None = 0, file: TextIO | None = None,
-                          show: bool = True, timeout: float | None = None) -> ImbalanceReport | None:
+def report_imbalance(timing: Timings | Sequence[Mapping[str, Any]], world_size: int | None = None, *,
+                     group: Comm | None = None, dst: int | None = 0, file: TextIO | None = None,
+                     show: bool = True, timeout: float | None = None) -> ImbalanceReport | None:
     """Useful vs waiting time per step (torchgfn ``report_load_imbalance``): build and print.
 
-    Same ``timing`` forms as :func:`report_time_info`.
+    Same ``timing`` forms as :func:`report_timings`.
     """
     all_timing = _gathered(timing, group, dst, timeout)
     if all_timing is None:

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from popmesh.core.dtypes import ITEMSIZE
 from popmesh.core.errors import ConfigError
 
 __all__ = [
@@ -42,8 +43,6 @@ __all__ = [
 ]
 
 _ALIGN = 8
-_ITEMSIZE = {"bool": 1, "uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8, "float16": 2,
-             "bfloat16": 2, "float32": 4, "float64": 8, "complex64": 8, "complex128": 16}
 
 
 @dataclass(frozen=True)
@@ -69,7 +68,7 @@ class Layout:
         used: dict[str, int] = {}
         entries = []
         for name, dtype, shape in specs:
-            if dtype not in _ITEMSIZE:
+            if dtype not in ITEMSIZE:
                 raise ConfigError(f"tensor {name!r} has dtype {dtype}, which population policies cannot move")
             numel = int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
             entries.append(Entry(name, dtype, tuple(int(s) for s in shape), used.get(dtype, 0), numel))
@@ -95,7 +94,7 @@ class Layout:
         each buffer starting at an 8-byte boundary (see :func:`pack_bytes`)."""
         table, pos = {}, 0
         for dt in self.dtypes:
-            n = self.numel(dt) * _ITEMSIZE[dt]
+            n = self.numel(dt) * ITEMSIZE[dt]
             table[dt] = (pos, n)
             pos += -(-n // _ALIGN) * _ALIGN
         return table

@@ -5,7 +5,8 @@ buffers, and its optimizer state when ``optimizer_policy='copy'``) together with
 decision point a rank publishes its own snapshot, reads every peer's metric from their windows,
 runs the pure :func:`~popmesh.population.decide` on what it sees, and, if it is among the replaced,
 reads its donors' snapshots and combines them. Donors never take part: the engine layer
-(:mod:`popmesh.engines.mpi.window`) makes reads tear-free with double buffering and a sequence counter.
+(the engine's :class:`~popmesh.engines.base.SnapshotWindow`; MPI's in
+:mod:`popmesh.engines.mpi.window`) makes reads tear-free with double buffering and a sequence counter.
 
 Each rank decides for itself from possibly stale metrics (a peer's latest publication), so two
 ranks may momentarily see different populations; a rank acts only on its own replacement.
@@ -143,17 +144,16 @@ class OneSidedAveraging:
         found = self._exposures.get(comm.ranks)
         if found is not None:
             return found
-        if comm.world.engine.name != "mpi":
-            raise ConfigError(f"OneSidedAveraging needs the mpi engine (MPI one-sided windows), this world runs "
-                              f"on {comm.world.engine.name!r}: launch under mpiexec or popmesh.init(engine='mpi'), "
+        engine = comm.world.engine
+        if not engine.one_sided:
+            raise ConfigError(f"OneSidedAveraging needs one-sided windows, which the mpi engine has; this world "
+                              f"runs on {engine.name!r}: launch under mpiexec or popmesh.init(engine='mpi'), "
                               "or use AsyncSelectiveAveraging, which runs on every engine")
-        from popmesh.engines.mpi.window import SnapshotWindow
-
         params = snapshot(tensors, layout_of(tensors))
         optim = self._optimizer_layout(optimizer)
         nbytes = params.layout.nbytes + (0 if optim is None else optim.nbytes)
         self._check_layouts(comm, params.layout, optim, nbytes)
-        window = SnapshotWindow(comm.handle, nbytes)
+        window = engine.snapshot_window(comm.handle, nbytes)
         exposure = _Exposure(window, params, optim, np.zeros(nbytes, dtype=np.uint8))
         self._exposures[comm.ranks] = exposure
         return exposure

@@ -1,16 +1,17 @@
-"""Roles to groups: the :class:`DistributedContext` of a world split by a :class:`~popmesh.topology.layout.RankLayout`.
+"""Roles to groups: the :class:`Roles` of a world split by a :class:`~popmesh.topology.layout.RankLayout`.
 
-:func:`make_context` turns a pure layout (training ranks in agent groups, replay-buffer managers, an
+:func:`assign_roles` turns a pure layout (training ranks in agent groups, replay-buffer managers, an
 optional coordinator) into Groups, the same code on every engine. It is collective: **every rank of
 the world must call it, with the same arguments**; groups are created in one fixed order (agent
 groups, then the training group, then the buffer group), and a rank list already created is reused
 rather than created twice (one agent group of all trainers *is* the training group).
 
-Attribute names and meanings mirror torchgfn's ``DistributedContext``, with global ranks
-throughout. Deliberate differences: groups are popmesh Groups (every rank holds every group;
-``is_member`` says whether it belongs), one context serves torch and MPI alike (no second mpi4py
-context that must line up by rank), and :meth:`~DistributedContext.cleanup` finalizes the world
-only when asked (torchgfn's always called ``MPI.Finalize``).
+Attribute names and meanings mirror torchgfn's ``DistributedContext`` (whose facade,
+:mod:`popmesh.compat.gfn`, subclasses :class:`Roles`), with global ranks throughout. Deliberate
+differences: groups are popmesh Groups (every rank holds every group; ``is_member`` says whether it
+belongs), one object serves torch and MPI alike (no second mpi4py context that must line up by
+rank), and :meth:`~Roles.cleanup` finalizes the world only when asked (torchgfn's always called
+``MPI.Finalize``).
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ from popmesh.core.errors import ConfigError
 from popmesh.topology.layout import RankLayout
 from popmesh.comm.world import Group, World
 
-__all__ = ["DistributedContext", "make_context"]
+__all__ = ["Roles", "assign_roles"]
 
 
 @dataclass(eq=False)
-class DistributedContext:
+class Roles:
     """Who does what in a world, and the groups each role communicates over.
 
     ``agent_groups`` holds every agent group (in layout order) on every rank; ``agent_group_id`` is
@@ -85,8 +86,8 @@ class DistributedContext:
             self.world.finalize()
 
 
-def make_context(world: World, layout: RankLayout | None = None, *, num_buffers: int = 0,
-                 num_agent_groups: int = 1, use_coordinator: bool = False) -> DistributedContext:
+def assign_roles(world: World, layout: RankLayout | None = None, *, num_buffers: int = 0,
+                 num_agent_groups: int = 1, use_coordinator: bool = False) -> Roles:
     """Split ``world`` into roles and create their groups; collective over the whole world.
 
     Without ``layout`` one is built: node-aware from ``world.hostnames`` when there are buffer
@@ -111,7 +112,7 @@ def make_context(world: World, layout: RankLayout | None = None, *, num_buffers:
     training = group_of(layout.training_ranks)
     buffers = group_of(tuple(layout.buffer_ranks)) if layout.buffer_ranks else None
     rank = world.rank
-    return DistributedContext(
+    return Roles(
         world=world, layout=layout, my_rank=rank, world_size=world.size,
         num_training_ranks=layout.num_training_ranks, agent_group_size=layout.agent_group_size,
         agent_groups=agent_groups, agent_group_id=layout.agent_group_id(rank), train_global_group=training,

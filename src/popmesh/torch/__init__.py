@@ -1,6 +1,6 @@
 """Model sync for torch modules over any popmesh engine: bucketed gradient averaging
-(:class:`GradientSync`, :func:`avg_grads`), parameter averaging and broadcasting
-(:func:`avg_params`, :func:`sync_params`), and torchgfn's names for them.
+(:class:`GradientSync`, :func:`mean_grads_`), parameter averaging and broadcasting
+(:func:`mean_params_`, :func:`broadcast_params_`), all in place.
 
 Needs PyTorch (``pip install 'popmesh[torch]'``); importing ``popmesh`` alone does not import this,
 and importing this imports torch only when a public name is first used.
@@ -20,8 +20,8 @@ if importlib.util.find_spec("torch") is None:  # pragma: no cover - torch is an 
 from typing import Any  # noqa: E402
 
 _LAZY = {
-    "popmesh.torch.params": ("average_gradients", "average_models", "avg_grads", "avg_params", "sync_params"),
-    "popmesh.torch.sync": ("CPU_CAP_BYTES", "IN_FLIGHT", "GradientSync", "default_cap_bytes"),
+    "popmesh.torch.params": ("mean_grads_", "mean_params_", "broadcast_params_"),
+    "popmesh.torch.sync": ("GradientSync", "default_cap_bytes"),
 }
 _HOME = {name: module for module, names in _LAZY.items() for name in names}
 

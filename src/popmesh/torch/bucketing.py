@@ -20,6 +20,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from popmesh.core.dtypes import canonical_dtype, itemsize
 from popmesh.core.errors import ConfigError
 
 __all__ = [
@@ -27,34 +28,12 @@ __all__ = [
     "ParamSpec",
     "Bucket",
     "BucketPlan",
-    "dtype_itemsize",
     "plan_buckets",
     "plan_differs",
 ]
 
 DEFAULT_CAP_BYTES = 25 * 2**20
 """25 MiB, DDP's default ``bucket_cap_mb``."""
-
-_ITEMSIZE = {
-    "bool": 1, "int8": 1, "uint8": 1, "int16": 2, "uint16": 2, "int32": 4, "uint32": 4,
-    "int64": 8, "uint64": 8, "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
-    "complex64": 8, "complex128": 16,
-}
-
-
-def _canonical_dtype(dtype: str) -> str:
-    name = str(dtype).removeprefix("torch.").removeprefix("jnp.").removeprefix("numpy.")
-    if name in _ITEMSIZE or name.startswith("float8_"):
-        return name
-    raise ConfigError(f"unknown dtype {dtype!r}; use a numpy/torch name such as "
-                      f"{', '.join(sorted(_ITEMSIZE))} or float8_*")
-
-
-def dtype_itemsize(dtype: str) -> int:
-    """Bytes per element of a dtype named like numpy or torch (``"float32"``, ``"torch.bfloat16"``)."""
-    name = _canonical_dtype(dtype)
-    return 1 if name.startswith("float8_") else _ITEMSIZE[name]
-
 
 @dataclass(frozen=True)
 class ParamSpec:
@@ -79,12 +58,12 @@ class ParamSpec:
             raise ConfigError(f"parameter {self.name!r}: device must be a non-empty string "
                               "like 'cpu' or 'cuda:0'")
         object.__setattr__(self, "numel", int(self.numel))
-        object.__setattr__(self, "dtype", _canonical_dtype(self.dtype))
+        object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
 
     @property
     def itemsize(self) -> int:
         """Bytes per element."""
-        return dtype_itemsize(self.dtype)
+        return itemsize(self.dtype)
 
     @property
     def nbytes(self) -> int:
@@ -118,7 +97,7 @@ class Bucket:
     @property
     def nbytes(self) -> int:
         """Bytes of the flat buffer, padding included."""
-        return self.numel * dtype_itemsize(self.dtype)
+        return self.numel * itemsize(self.dtype)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able fields."""

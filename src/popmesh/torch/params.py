@@ -1,11 +1,11 @@
 """Model sync for torch modules: average gradients, average parameters, copy one rank's weights.
 
-The functions mirror OmniSafe's (``avg_grads``, ``sync_params``, ``avg_params``) and torchgfn's
-(``average_gradients``, ``average_models``) names, with popmesh's fixes: every function takes
-``group=`` and divides by the size of the group it reduces over; gradients that are None on some
-ranks count as zeros instead of hanging; ``sync_params`` copies buffers (normaliser statistics,
-BatchNorm running stats) as well as parameters; everything is written in place, so optimizers keep
-pointing at the same tensors.
+What OmniSafe's ``avg_grads``/``sync_params``/``avg_params`` and torchgfn's ``average_gradients``/
+``average_models`` do (their facades in :mod:`popmesh.compat` map onto these), with popmesh's fixes:
+every function takes ``group=`` and divides by the size of the group it reduces over; gradients that
+are None on some ranks count as zeros instead of hanging; :func:`broadcast_params_` copies buffers
+(normaliser statistics, BatchNorm running stats) as well as parameters; everything is written in
+place (hence the trailing ``_``), so optimizers keep pointing at the same tensors.
 
 Cross-rank contract: every rank of ``group`` calls the same function with the same model structure
 (parameter and buffer names, shapes, dtypes). Ranks outside ``group`` call nothing.
@@ -23,7 +23,7 @@ from popmesh.comm.collectives import all_reduce_, broadcast_
 from popmesh.comm.world import Comm, resolve_group
 from popmesh.torch.sync import GradientSync, default_cap_bytes
 
-__all__ = ["avg_grads", "sync_params", "avg_params", "average_gradients", "average_models"]
+__all__ = ["mean_grads_", "mean_params_", "broadcast_params_"]
 
 _SYNCS: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.WeakKeyDictionary[Comm, GradientSync]]" = (
     weakref.WeakKeyDictionary()
@@ -43,7 +43,7 @@ def _sync_for(module: Any, comm: Comm, timeout: float | None) -> GradientSync:
     return sync
 
 
-def avg_grads(module: Any, group: Comm | None = None, *, timeout: float | None = None) -> None:
+def mean_grads_(module: Any, group: Comm | None = None, *, timeout: float | None = None) -> None:
     """Replace every gradient of ``module`` by its average over ``group``, in place.
 
     Bucketed (one collective per bucket, through a cached :class:`GradientSync`); after the first
@@ -52,7 +52,7 @@ def avg_grads(module: Any, group: Comm | None = None, *, timeout: float | None =
     ``module`` may also be a single tensor (OmniSafe's example) or a sequence of tensors.
     """
     comm = resolve_group(group)
-    comm.require_member("avg_grads")
+    comm.require_member("mean_grads_")
     _sync_for(module, comm, timeout).wait(timeout)
 
 
@@ -73,7 +73,7 @@ def _state_tensors(module: torch.nn.Module, buffers: bool) -> list[torch.Tensor]
     return tensors
 
 
-def sync_params(module: torch.nn.Module, src: int = 0, group: Comm | None = None, *,
+def broadcast_params_(module: torch.nn.Module, src: int = 0, group: Comm | None = None, *,
                 buffers: bool = True, timeout: float | None = None) -> None:
     """Copy global rank ``src``'s parameters and buffers into every rank's ``module``, in place.
 
@@ -82,7 +82,7 @@ def sync_params(module: torch.nn.Module, src: int = 0, group: Comm | None = None
     of ``group``.
     """
     comm = resolve_group(group)
-    comm.require_member("sync_params")
+    comm.require_member("broadcast_params_")
     comm.to_group_rank(src)  # ConfigError if src is not a member, at every group size
     if comm.size == 1:
         return
@@ -91,33 +91,13 @@ def sync_params(module: torch.nn.Module, src: int = 0, group: Comm | None = None
             broadcast_(chunk, src=src, group=comm, timeout=timeout)
 
 
-def avg_params(module: torch.nn.Module, group: Comm | None = None, *, timeout: float | None = None) -> None:
+def mean_params_(module: torch.nn.Module, group: Comm | None = None, *, timeout: float | None = None) -> None:
     """Replace every parameter of ``module`` by its average over ``group``, in place (divides by
-    the group's size). Buffers are left alone; use :func:`sync_params` to copy them."""
+    the group's size). Buffers are left alone; use :func:`broadcast_params_` to copy them."""
     comm = resolve_group(group)
-    comm.require_member("avg_params")
+    comm.require_member("mean_params_")
     if comm.size == 1:
         return
     with torch.no_grad():
         for chunk in _chunks(_state_tensors(module, False), default_cap_bytes(comm)):
             all_reduce_(chunk, "avg", group=comm, timeout=timeout)
-
-
-def average_gradients(model: torch.nn.Module) -> None:
-    """torchgfn's ``average_gradients(model)``: average gradients over the whole world.
-
-    Fixes of the original: bucketed instead of one collective per tensor, and parameters whose
-    gradient is None on some ranks no longer crash or hang (they count as zeros).
-    """
-    avg_grads(model)
-
-
-def average_models(model: torch.nn.Module, training_group: Comm | None = None) -> None:
-    """torchgfn's ``average_models(model, training_group=None)``: average the weights over
-    ``training_group`` (default: the world).
-
-    Fixes of the original: it divided by the *global* world size even over a sub-group, so the
-    weights shrank on every call when buffer or coordinator ranks existed; popmesh divides by the
-    group's size. Parameters are updated in place rather than replaced, so optimizers keep them.
-    """
-    avg_params(model, training_group)

@@ -31,26 +31,15 @@ from popmesh.core.ops import ReduceOp
 from popmesh.comm.world import Comm, resolve_group
 from popmesh.torch.layout import FlatGrads, Named, ParamSource, signature_of, specs_of
 
-__all__ = ["GradientSync", "default_cap_bytes", "CPU_CAP_BYTES", "IN_FLIGHT"]
-
-CPU_CAP_BYTES = {"torch": 16 << 20, "mpi": 4 << 20}
-"""Bucket caps for CPU tensors, measured on a 2-vCPU box with 2 ranks and a 40 MB model
-(benchmarks/grad_sync.py --sweep, docs/performance.md). gloo: 16 MiB buckets, all in flight, came
-closest to one flat call; below 4 MiB its ~0.3 ms per call shows. MPICH: 4 MiB pieces one after
-another took 0.4x the time of one 40 MB call; larger pieces lose that, smaller ones pay per call.
-Accelerator tensors and other engines use DDP's 25 MiB."""
-
-IN_FLIGHT = {"mpi": 1}
-"""How many bucket reductions may run at once, per engine (default: all). MPI progresses only inside
-MPI calls, and MPICH ran several concurrent non-blocking all-reduces 1.2-1.3x slower than the same
-reductions one after another; gloo's background threads gain from having all of them queued."""
+__all__ = ["GradientSync", "default_cap_bytes"]
 
 
 def default_cap_bytes(group: Comm | None = None, device: str = "cpu") -> int:
-    """The bucket cap GradientSync uses for parameters on ``device`` over ``group``'s engine."""
+    """The bucket cap GradientSync uses for parameters on ``device`` over ``group``'s engine: the
+    engine's measured CPU cap (:class:`~popmesh.engines.base.Tuning`), else DDP's 25 MiB."""
     if str(device).split(":", 1)[0] != "cpu":
         return DEFAULT_CAP_BYTES
-    return CPU_CAP_BYTES.get(resolve_group(group).world.engine_name, DEFAULT_CAP_BYTES)
+    return resolve_group(group).world.engine.tuning.cpu_bucket_cap_bytes or DEFAULT_CAP_BYTES
 
 
 class GradientSync:
@@ -84,7 +73,7 @@ class GradientSync:
                                       or cap_bytes <= 0):
             raise ConfigError(f"cap_bytes must be a positive int or None (engine default), got {cap_bytes!r}")
         self._cap = cap_bytes if cap_bytes is not None else self._default_cap()
-        self._in_flight = IN_FLIGHT.get(self._comm.world.engine_name, 0)
+        self._in_flight = self._comm.world.engine.tuning.max_in_flight
         self._overlap = bool(overlap)
         self._timeout = timeout
         self._grads: FlatGrads | None = None

@@ -35,12 +35,12 @@ from __future__ import annotations
 import enum
 import math
 import struct
-import types
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from popmesh.core.dtypes import DTYPES, ITEMSIZE, WIRE_CODES
 from popmesh.core.errors import MessageError
 
 __all__ = [
@@ -71,14 +71,8 @@ class Kind(enum.IntEnum):
     DICT = 6
 
 
-_DTYPES = (  # (name, stable wire code, itemsize); codes never change meaning
-    ("bool", 1, 1), ("int8", 2, 1), ("int16", 3, 2), ("int32", 4, 4), ("int64", 5, 8), ("uint8", 6, 1),
-    ("uint16", 7, 2), ("uint32", 8, 4), ("uint64", 9, 8), ("float16", 10, 2), ("float32", 11, 4),
-    ("float64", 12, 8), ("bfloat16", 13, 2), ("complex64", 14, 8), ("complex128", 15, 16),
-)
-DTYPE_CODES = types.MappingProxyType({name: code for name, code, _ in _DTYPES})
-_DTYPE_NAMES = {code: name for name, code, _ in _DTYPES}
-_ITEMSIZE = {name: size for name, _, size in _DTYPES}
+DTYPE_CODES = WIRE_CODES  # the stable codes of popmesh's one dtype table (popmesh.core.dtypes)
+_DTYPE_NAMES = {d.wire_code: d.name for d in DTYPES}
 _DEVICE_CODES = {"cpu": 0, "cuda": 1, "mps": 2, "xpu": 3, "hpu": 4}
 _DEVICE_NAMES = {**{code: name for name, code in _DEVICE_CODES.items()}, 255: "other"}
 _ARRAY_KINDS = (Kind.BYTES, Kind.NDARRAY, Kind.TORCH)
@@ -89,7 +83,7 @@ _UINT8_CODE = DTYPE_CODES["uint8"]
 _SMALL_DTYPE_CODES: dict[np.dtype, int] = {}
 _NUMPY_DTYPES: dict[str, np.dtype] = {}
 _CODE_DTYPES: dict[int, np.dtype] = {}  # wire code -> numpy dtype, bfloat16 aside (it needs ml_dtypes)
-for _name, _code, _ in _DTYPES:
+for _name, _code, _ in DTYPES:
     if _name != "bfloat16":
         _CODE_DTYPES[_code] = np.dtype(_name).newbyteorder("<")
         _NUMPY_DTYPES[_name] = np.dtype(_name).newbyteorder("<")
@@ -148,9 +142,9 @@ def _check_meta(kind: Kind, dtype: str | None, shape: tuple[int, ...], nbytes: i
     if kind in _ARRAY_KINDS:
         if dtype is None or (kind is Kind.BYTES and (dtype != "uint8" or len(shape) != 1)):
             raise MessageError(f"foreign frame: a {kind.name} frame with dtype {dtype} and shape {shape}")
-        if math.prod(shape) * _ITEMSIZE[dtype] != nbytes:
+        if math.prod(shape) * ITEMSIZE[dtype] != nbytes:
             raise MessageError(f"corrupt frame: shape {shape} of {dtype} needs "
-                               f"{math.prod(shape) * _ITEMSIZE[dtype]} bytes but the header says {nbytes}")
+                               f"{math.prod(shape) * ITEMSIZE[dtype]} bytes but the header says {nbytes}")
     elif dtype is not None or len(shape) != int(kind is Kind.DICT):
         raise MessageError(f"foreign frame: a {kind.name} frame with dtype {dtype} and shape {shape}")
     elif kind is Kind.DICT and (shape[0] > nbytes or shape[0] % 8):

@@ -21,13 +21,13 @@ def main() -> None:
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     assert process.distributed and jax.process_count() == 2 and jax.device_count() == 8
-    mesh = Mesh(np.array(jax.devices()), (pj.DP_AXIS_NAME,))
-    sharding = NamedSharding(mesh, P(pj.DP_AXIS_NAME))
+    mesh = Mesh(np.array(jax.devices()), (pj.DATA_AXIS,))
+    sharding = NamedSharding(mesh, P(pj.DATA_AXIS))
     rank = jax.process_index()
 
     local = np.arange(4, dtype=np.float32) + 4 * rank
     x = jax.make_array_from_process_local_data(sharding, local, (8,))
-    total = jax.jit(jax.shard_map(lambda v: pj.psum(v, pj.DP_AXIS_NAME), mesh=mesh, in_specs=P("DP"), out_specs=P()))(x)
+    total = jax.jit(jax.shard_map(lambda v: pj.psum(v, pj.DATA_AXIS), mesh=mesh, in_specs=P("DP"), out_specs=P()))(x)
     assert float(np.asarray(total.addressable_shards[0].data)[0]) == 28.0
 
     data = np.random.default_rng(0).normal(size=(64, 3)).astype(np.float32)
@@ -38,7 +38,7 @@ def main() -> None:
         return jnp.mean((xb @ p["w"] - yb) ** 2)
 
     optimizer = optax.sgd(0.1)
-    update = pj.gradient_update(loss_fn, optimizer, pj.DP_AXIS_NAME)
+    update = pj.make_update(loss_fn, optimizer, pj.DATA_AXIS)
     step = jax.jit(jax.shard_map(update, mesh=mesh, in_specs=(P(), P(), P("DP"), P("DP")),
                                  out_specs=(P(), P(), P()), check_vma=False))
     rows = slice(32 * rank, 32 * rank + 32)

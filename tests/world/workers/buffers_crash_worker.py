@@ -33,7 +33,7 @@ def expect_failure(call, limit):
 
 @check
 def dead_service_ranks_surface_as_errors(w):
-    ctx = popmesh.make_context(w, num_buffers=1, use_coordinator=True)
+    ctx = popmesh.assign_roles(w, num_buffers=1, use_coordinator=True)
     popmesh.barrier()
     if ctx.is_coordinator_rank():
         os._exit(3)

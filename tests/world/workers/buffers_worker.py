@@ -37,7 +37,7 @@ def scoring(b, store):
 @check
 def context_roles_and_groups(w):
     assert w.size == 4
-    ctx = CTX["ctx"] = popmesh.make_context(w, num_buffers=1, use_coordinator=True)
+    ctx = CTX["ctx"] = popmesh.assign_roles(w, num_buffers=1, use_coordinator=True)
     r = w.rank
     assert ctx.training_ranks == [0, 1] and ctx.buffer_rank_set == {2} and ctx.coordinator_rank == 3
     assert (ctx.is_training_rank(), ctx.is_buffer_rank(), ctx.is_coordinator_rank()) == (r < 2, r == 2, r == 3)
@@ -56,14 +56,14 @@ def context_roles_and_groups(w):
 @check
 def context_from_an_explicit_layout(w):
     layout = RankLayout.build(4, num_buffers=1, use_coordinator=True)
-    ctx = popmesh.make_context(w, layout)
+    ctx = popmesh.assign_roles(w, layout)
     assert ctx.layout == layout and ctx.assigned_buffer == (2 if w.rank < 2 else None)
     ctx.cleanup()
     ctx.cleanup()
     assert not w.finalized
     other = RankLayout.build(4, num_buffers=0) if w.rank == 0 else layout
     try:
-        popmesh.make_context(w, other)
+        popmesh.assign_roles(w, other)
     except ConfigError as e:
         assert "different RankLayout" in str(e)
     else:
@@ -181,9 +181,9 @@ def timing_reports_across_ranks(w):
     assert (everyone == [{"step": [0.1 * (r + 1)] * 3} for r in range(w.size)]) if w.rank == 0 else everyone is None
     ctx = CTX["ctx"]
     if ctx.is_training_rank():
-        report = popmesh.report_time_info(timer, group=ctx.train_global_group, dst=1, show=False)
+        report = popmesh.report_timings(timer, group=ctx.train_global_group, dst=1, show=False)
         assert (report is None) if w.rank == 0 else report.stragglers == (1,)
-        imbalance = popmesh.report_load_imbalance(timer, group=ctx.train_global_group, dst=None, show=False)
+        imbalance = popmesh.report_imbalance(timer, group=ctx.train_global_group, dst=None, show=False)
         assert abs(imbalance.waiting_total - 3 * 0.05) < 1e-9
 
 

@@ -10,7 +10,6 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import popmesh  # noqa: E402
-from popmesh.engines.mpi.window import SnapshotWindow  # noqa: E402
 from popmesh.population import OneSidedAveraging, ReplacementRule  # noqa: E402
 from worldlib import check, main  # noqa: E402
 from workers.population_common import adam_for, assert_all, exp_avg_of, make_agent, mean  # noqa: E402
@@ -35,7 +34,7 @@ def reads_are_never_torn(w):
     if w.size < 2:
         return
     words = 1 << 17  # 1 MiB of float64 per snapshot
-    window = SnapshotWindow(w.handle, words * 8)
+    window = w.engine.snapshot_window(w.handle, words * 8)
     reads = torn = published = 0
     buf = np.empty(words)
     stop = time.monotonic() + 1.5

@@ -1,4 +1,5 @@
-"""Checks of popmesh.observe.stats on a real world; rank r contributes r + 1 so results have closed forms."""
+"""Checks of popmesh.observe.stats (and OmniSafe's in-place and thread helpers) on a real world; rank r
+contributes r + 1 so results have closed forms."""
 
 import contextlib
 import io
@@ -11,18 +12,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import popmesh.compat.omnisafe as omnisafe  # noqa: E402
 from popmesh import CollectiveMismatch, ConfigError, NotInGroup, ReduceOp  # noqa: E402
-from popmesh.observe.stats import (  # noqa: E402
-    avg_tensor,
-    dist_avg,
-    dist_max,
-    dist_min,
-    dist_op,
-    dist_statistics_scalar,
-    dist_sum,
-    gather_distributed_data,
-    setup_distributed,
-)
+from popmesh.observe.stats import gather_rows, mean_std, reduce_value  # noqa: E402
 from worldlib import check, main  # noqa: E402
 
 torch.set_num_threads(1)
@@ -45,44 +37,44 @@ def elementwise_torch_keeps_dtype_and_input(w):
     for dtype in (torch.float32, torch.float64, torch.int64, torch.int32):
         x = torch.tensor([r + 1, -(r + 1)], dtype=dtype)
         before = x.clone()
-        s, mx, mn = dist_sum(x), dist_max(x), dist_min(x)
+        s, mx, mn = reduce_value(x, "sum"), reduce_value(x, "max"), reduce_value(x, "min")
         assert s.dtype == dtype and s.tolist() == [total(n), -total(n)], (dtype, s)
         assert mx.tolist() == [n, -1] and mn.tolist() == [1, -n], (mx, mn)
         assert torch.equal(x, before), "the caller's tensor must not be overwritten (OmniSafe aliased it)"
         assert s is not x and s.data_ptr() != x.data_ptr()
     f = torch.tensor([r + 1.0])
-    avg = dist_avg(f)
+    avg = reduce_value(f, "avg")
     assert avg.dtype == torch.float32 and avg.item() == (n + 1) / 2 and f.item() == r + 1
-    ints = dist_avg(torch.tensor([r + 1]))
+    ints = reduce_value(torch.tensor([r + 1]), "avg")
     assert ints.is_floating_point() and ints.item() == (n + 1) / 2, "an average of integers is not floored"
 
 
 @check
 def elementwise_scalars_and_numpy(w):
     n, r = w.size, w.rank
-    assert dist_sum(r + 1) == total(n) and type(dist_sum(r + 1)) is int
-    m = dist_max(float(r + 1))
+    assert reduce_value(r + 1, "sum") == total(n) and type(reduce_value(r + 1, "sum")) is int
+    m = reduce_value(float(r + 1), "max")
     assert m == float(n) and type(m) is float
-    assert dist_avg(r + 1) == (n + 1) / 2 and type(dist_avg(r + 1)) is float
-    s = dist_sum(np.float32(r + 1))
+    assert reduce_value(r + 1, "avg") == (n + 1) / 2 and type(reduce_value(r + 1, "avg")) is float
+    s = reduce_value(np.float32(r + 1), "sum")
     assert isinstance(s, np.float32) and s == total(n)
     a = np.array([[r + 1, 2 * (r + 1)]], dtype=np.int16)
-    out = dist_sum(a)
+    out = reduce_value(a, "sum")
     assert out.dtype == np.int16 and out.tolist() == [[total(n), 2 * total(n)]] and a[0, 0] == r + 1
-    z = dist_min(torch.tensor(float(r + 1)))
+    z = reduce_value(torch.tensor(float(r + 1)), "min")
     assert z.ndim == 0 and z.item() == 1.0
 
 
 @check
-def dist_op_accepts_every_op_spelling(w):
+def reduce_value_accepts_every_op_spelling(w):
     n, r = w.size, w.rank
     x = torch.tensor([r + 1.0])
     for op in (ReduceOp.MAX, "max", "MAX", dist.ReduceOp.MAX):
-        assert dist_op(x, op).item() == n, op
-    assert dist_op(x, dist.ReduceOp.SUM).item() == total(n)
-    assert dist_op(x, "mean").item() == (n + 1) / 2
+        assert reduce_value(x, op).item() == n, op
+    assert reduce_value(x, dist.ReduceOp.SUM).item() == total(n)
+    assert reduce_value(x, "mean").item() == (n + 1) / 2
     try:
-        dist_op(x, dist.ReduceOp.BAND)
+        reduce_value(x, dist.ReduceOp.BAND)
     except ConfigError as e:
         assert "unknown reduce op" in str(e)
     else:
@@ -96,15 +88,15 @@ def statistics_ragged_lengths_against_numpy(w):
     everything = np.concatenate([ragged_values(i, k) for i, k in enumerate(lengths)])
     want = (everything.mean(), everything.std(), everything.min(), everything.max())
     local = ragged_values(r, lengths[r])
-    got64 = dist_statistics_scalar(torch.tensor(local), with_min_and_max=True)
+    got64 = mean_std(torch.tensor(local), with_min_max=True)
     assert all(isinstance(g, torch.Tensor) and g.ndim == 0 and g.dtype == torch.float64 for g in got64)
     assert np.allclose([g.item() for g in got64], want, rtol=1e-12, atol=0), (got64, want)
-    got32 = dist_statistics_scalar(torch.tensor(local, dtype=torch.float32), True)
+    got32 = mean_std(torch.tensor(local, dtype=torch.float32), True)
     assert all(g.dtype == torch.float32 for g in got32)
     assert np.allclose([g.item() for g in got32], want, rtol=1e-5), (got32, want)
-    gotnp = dist_statistics_scalar(local, with_min_and_max=True)
+    gotnp = mean_std(local, with_min_max=True)
     assert all(isinstance(g, np.float64) for g in gotnp) and np.allclose(gotnp, want, rtol=1e-12)
-    gotlist = dist_statistics_scalar(local.tolist())
+    gotlist = mean_std(local.tolist())
     assert len(gotlist) == 2 and all(type(g) is float for g in gotlist)
     assert np.allclose(gotlist, want[:2], rtol=1e-12)
 
@@ -113,30 +105,30 @@ def statistics_ragged_lengths_against_numpy(w):
 def statistics_min_max_are_global_scalars(w):
     n, r = w.size, w.rank
     x = torch.arange(r + 1, dtype=torch.float32) * (r + 1)  # different lengths; OmniSafe needed equal ones
-    mean, std, lo, hi = dist_statistics_scalar(x, with_min_and_max=True)
+    mean, std, lo, hi = mean_std(x, with_min_max=True)
     everything = np.concatenate([np.arange(i + 1) * (i + 1) for i in range(n)]).astype(np.float64)
     assert lo.item() == 0.0 and hi.item() == n * (n - 1)
     assert abs(mean.item() - everything.mean()) < 1e-5 and abs(std.item() - everything.std()) < 1e-5
-    ints = dist_statistics_scalar(torch.full((2,), r + 1), True)
+    ints = mean_std(torch.full((2,), r + 1), True)
     assert ints[0].dtype == torch.get_default_dtype() and ints[2].item() == 1 and ints[3].item() == n
 
 
 @check
 def statistics_of_nothing_are_nan(w):
-    got = dist_statistics_scalar(torch.zeros(0), with_min_and_max=True)
+    got = mean_std(torch.zeros(0), with_min_max=True)
     assert all(torch.isnan(g) for g in got)
 
 
 @check
-def avg_tensor_in_place(w):
+def omnisafe_avg_tensor_in_place(w):
     n, r = w.size, w.rank
     t = torch.full((3,), r + 1.0)
-    assert avg_tensor(t) is t and torch.allclose(t, torch.full((3,), (n + 1) / 2))
+    assert omnisafe.avg_tensor(t) is None and torch.allclose(t, torch.full((3,), (n + 1) / 2))
     s = torch.tensor(float(r + 1))  # 0-d works at every world size (OmniSafe rejected it when n > 1)
-    avg_tensor(s)
+    omnisafe.avg_tensor(s)
     assert s.item() == (n + 1) / 2
     try:
-        avg_tensor(torch.tensor([r + 1]))
+        omnisafe.avg_tensor(torch.tensor([r + 1]))
     except ConfigError as e:
         assert "dist_avg" in str(e)
     else:
@@ -148,7 +140,7 @@ def gather_uint8_with_sizes_over_255(w):
     n, r = w.size, w.rank
     rows = [300 + 17 * i for i in range(n)]
     local = torch.full((rows[r], 2, 3), r + 1, dtype=torch.uint8)
-    out = gather_distributed_data(local)
+    out = gather_rows(local)
     if r == 0:
         assert out.dtype == torch.uint8 and out.shape == (sum(rows), 2, 3), out.shape
         expected = torch.cat([torch.full((k, 2, 3), i + 1, dtype=torch.uint8) for i, k in enumerate(rows)])
@@ -156,7 +148,7 @@ def gather_uint8_with_sizes_over_255(w):
     else:
         assert out is None
     half = np.full((2100 + r, 1), r + 1, dtype=np.float16)  # float16 sizes broke above 2048
-    got = gather_distributed_data(half, dst=n - 1)
+    got = gather_rows(half, dst=n - 1)
     if r == n - 1:
         assert got.dtype == np.float16 and got.shape == (sum(2100 + i for i in range(n)), 1)
         assert got[:2100, 0].tolist() == [1.0] * 2100 and got[-1, 0] == n
@@ -167,22 +159,22 @@ def gather_uint8_with_sizes_over_255(w):
 @check
 def gather_lists_empty_ranks_and_groups(w):
     n, r = w.size, w.rank
-    out = gather_distributed_data([float(r)] * r)  # rank 0 holds no rows
+    out = gather_rows([float(r)] * r)  # rank 0 holds no rows
     if r == 0:
         assert out.tolist() == [float(i) for i in range(n) for _ in range(i)]
-    rows = gather_distributed_data([torch.tensor([r, r + 1])] * 2)  # each entry is one row
+    rows = gather_rows([torch.tensor([r, r + 1])] * 2)  # each entry is one row
     if r == 0:
         assert rows.shape == (2 * n, 2) and rows[::2, 0].tolist() == list(range(n))
     if n > 1:
         try:
-            gather_distributed_data(torch.zeros(2, 2 + (r == n - 1)))
+            gather_rows(torch.zeros(2, 2 + (r == n - 1)))
         except CollectiveMismatch as e:
             assert "trailing" in str(e)
         else:
             raise AssertionError("different trailing shapes must raise on every rank")
     g = w.new_group([n - 1])
     if g.is_member:
-        mine = gather_distributed_data(torch.arange(3), group=g)
+        mine = gather_rows(torch.arange(3), group=g)
         assert mine.tolist() == [0, 1, 2]
 
 
@@ -193,25 +185,25 @@ def statistics_over_a_subgroup(w):
     g = w.new_group(members)
     if not g.is_member:
         try:
-            dist_sum(1.0, group=g)
+            reduce_value(1.0, "sum", group=g)
         except NotInGroup:
             return  # the idle rank calls nothing else
         raise AssertionError("non-members must get NotInGroup")
-    mean, std, lo, hi = dist_statistics_scalar(np.full(r + 1, float(r + 1)), True, group=g)
+    mean, std, lo, hi = mean_std(np.full(r + 1, float(r + 1)), True, group=g)
     values = np.concatenate([np.full(m + 1, float(m + 1)) for m in members])
     assert np.isclose(mean, values.mean()) and np.isclose(std, values.std())
     assert lo == min(m + 1 for m in members) and hi == max(m + 1 for m in members)
-    assert dist_avg(float(r + 1), group=g) == sum(m + 1 for m in members) / len(members)
+    assert reduce_value(float(r + 1), "avg", group=g) == sum(m + 1 for m in members) / len(members)
 
 
 @check
-def setup_distributed_shares_cores(w):
+def omnisafe_setup_distributed_shares_cores(w):
     cores = len(os.sched_getaffinity(0))
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        threads = setup_distributed()
-        again = setup_distributed()
-    assert threads == again == max(1, cores // w.local_size) == torch.get_num_threads()
+        assert omnisafe.setup_distributed() is None
+        omnisafe.setup_distributed()
+    assert torch.get_num_threads() == max(1, cores // w.local_size)
     lines = printed.getvalue().splitlines()
     assert len(lines) == (1 if w.is_main else 0), lines
     torch.set_num_threads(1)

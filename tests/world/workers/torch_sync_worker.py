@@ -9,14 +9,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import popmesh  # noqa: E402
 from popmesh import CollectiveMismatch, ConfigError, NotInGroup  # noqa: E402
-from popmesh.torch import (  # noqa: E402
-    GradientSync,
-    average_gradients,
-    average_models,
-    avg_grads,
-    avg_params,
-    sync_params,
-)
+from popmesh.torch import GradientSync, broadcast_params_, mean_grads_, mean_params_  # noqa: E402
 from worldlib import check, main  # noqa: E402
 
 torch.set_num_threads(1)
@@ -64,18 +57,18 @@ def bits(t):
 
 
 @check
-def avg_grads_closed_form(w):
+def mean_grads_closed_form(w):
     n, r = w.size, w.rank
     model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
     for p in model.parameters():
         p.grad = torch.full_like(p, r + 1.0)
-    avg_grads(model)
+    mean_grads_(model)
     for p in model.parameters():
         assert torch.allclose(p.grad, torch.full_like(p, mean_of_ranks(n))), p.grad
     first = [p.grad for p in model.parameters()]
     for p in model.parameters():
         p.grad.fill_(2.0 * (r + 1))
-    avg_grads(model)  # the cached sync: same views, no new buffers
+    mean_grads_(model)  # the cached sync: same views, no new buffers
     assert all(p.grad is g for p, g in zip(model.parameters(), first))
     assert all(torch.allclose(p.grad, torch.full_like(p, 2 * mean_of_ranks(n))) for p in model.parameters())
 
@@ -246,7 +239,7 @@ def subgroup_with_an_idle_rank(w):
     g = w.new_group(members)
     if not g.is_member:
         try:
-            avg_grads(torch.nn.Linear(2, 2), group=g)
+            mean_grads_(torch.nn.Linear(2, 2), group=g)
         except NotInGroup:
             return  # and calls nothing else
         raise AssertionError("a non-member must get NotInGroup")
@@ -254,19 +247,19 @@ def subgroup_with_an_idle_rank(w):
     model = torch.nn.Linear(2, 2)
     for p in model.parameters():
         p.grad = torch.full_like(p, r + 1.0)
-    avg_grads(model, group=g)
+    mean_grads_(model, group=g)
     assert all(torch.allclose(p.grad, torch.full_like(p, mean_of_ranks(k))) for p in model.parameters())
     with torch.no_grad():
         for p in model.parameters():
             p.fill_(r + 1.0)
     for _ in range(3):  # torchgfn divided by the world size: the weights shrank on every call
-        average_models(model, training_group=g)
+        mean_params_(model, group=g)
     for p in model.parameters():
         assert torch.equal(p, torch.full_like(p, mean_of_ranks(k))), p
 
 
 @check
-def sync_params_copies_weights_and_buffers(w):
+def broadcast_params_copies_weights_and_buffers(w):
     n, r = w.size, w.rank
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1).double())
     with torch.no_grad():
@@ -276,39 +269,39 @@ def sync_params_copies_weights_and_buffers(w):
     model[1](torch.full((5, 4), float(r)) + torch.arange(5.0)[:, None])  # rank-dependent running stats
     model[1].num_batches_tracked.fill_(10 * (r + 1))
     where = [t.data_ptr() for t in list(model.parameters()) + list(model.buffers())]
-    sync_params(model, src=n - 1)
+    broadcast_params_(model, src=n - 1)
     assert where == [t.data_ptr() for t in list(model.parameters()) + list(model.buffers())], "in place"
     assert all(torch.equal(p, torch.full_like(p, float(n))) for p in model.parameters())
     assert model[1].num_batches_tracked.item() == 10 * n
     stats = torch.cat([model[1].running_mean, model[1].running_var])
     assert all(torch.equal(stats, row) for row in popmesh.all_gather(stats)), "buffers must match rank src"
-    sync_params(model)  # default src=0
+    broadcast_params_(model)  # default src=0
     assert all(torch.equal(p, torch.full_like(p, float(n))) for p in model.parameters())
 
 
 @check
-def avg_params_and_aliases(w):
+def mean_params_then_grads(w):
     n, r = w.size, w.rank
     model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2).double())
     with torch.no_grad():
         for p in model.parameters():
             p.fill_(r + 1.0)
-    avg_params(model)
+    mean_params_(model)
     assert all(torch.allclose(p, torch.full_like(p, mean_of_ranks(n))) for p in model.parameters())
     for p in model.parameters():
         p.grad = torch.full_like(p, 3.0 * (r + 1))
-    average_gradients(model)
+    mean_grads_(model)
     assert all(torch.allclose(p.grad, torch.full_like(p, 3 * mean_of_ranks(n))) for p in model.parameters())
-    average_models(model)
+    mean_params_(model)
     assert all(p.dtype in (torch.float32, torch.float64) for p in model.parameters())
 
 
 @check
-def avg_grads_of_a_tensor(w):
+def mean_grads_of_a_tensor(w):
     n, r = w.size, w.rank
     x = torch.tensor(float(r + 1), requires_grad=True)  # OmniSafe's doc example
     (x ** 2).backward()
-    avg_grads(x)
+    mean_grads_(x)
     assert torch.allclose(x.grad, torch.tensor(2 * mean_of_ranks(n)))
 
 

@@ -214,7 +214,9 @@ class MpiP2P(P2PBase):
             env = np.empty(self._status.Get_count(MPI.BYTE), dtype=np.uint8)
             message.Recv(env)
         except MPI.Exception as e:
-            raise PeerFailure(f"receiving on tag {tag} failed in MPI: {e}") from e
+            suspects = [r for r in range(self.size) if r != self.rank] if source == MPI.ANY_SOURCE else [source]
+            raise PeerFailure(f"receiving on tag {tag} failed in MPI: {e}", suspects or [self.rank],
+                              exact=source != MPI.ANY_SOURCE) from e
         try:
             envelope = parse_envelope(env)
             if envelope.tag != tag:

@@ -16,7 +16,7 @@ Reads are made tear-free by **double buffering with a sequence counter** (a seql
   again, and accepts the copy only if both seq values are equal. The owner only rewrites a slot two
   publishes later, so a reader normally succeeds at the first attempt.
 
-Creation and :meth:`SnapshotWindow.free` are collective over the communicator; publish and read
+Creation and :meth:`MpiSnapshotWindow.free` are collective over the communicator; publish and read
 are not. Across nodes, networks without remote-memory hardware may still need the owner to enter
 MPI for reads to progress; set ``MPIR_CVAR_ASYNC_PROGRESS=1`` (MPICH) there.
 """
@@ -24,48 +24,42 @@ MPI for reads to progress; set ``MPIR_CVAR_ASYNC_PROGRESS=1`` (MPICH) there.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from popmesh.core.errors import CommTimeout, ConfigError, PeerFailure
-from popmesh.engines.mpi.engine import _import_mpi
+from popmesh.engines.base import Snapshot
 
-__all__ = ["SnapshotWindow", "Snapshot"]
+__all__ = ["MpiSnapshotWindow"]
 
 _WORD = 8
 _SLOT_HEADER = 4 * _WORD  # seq, iteration, metric, nbytes
 _GLOBAL = 2 * _WORD       # latest slot (-1: nothing published yet), reserved
 
 
-@dataclass
-class Snapshot:
-    """A consistent copy of a peer's latest publication."""
-
-    iteration: int
-    metric: float
-    data: np.ndarray
-
-
-class SnapshotWindow:
-    """A window of ``nbytes`` payload bytes per rank of ``handle`` (an MPI engine group handle).
+class MpiSnapshotWindow:
+    """A window of ``nbytes`` payload bytes per rank of ``handle`` (an MPI engine group handle);
+    ``mpi`` is the ``mpi4py.MPI`` module the engine loaded.
 
     Collective to create: every member passes the same ``nbytes``. Targets are **group ranks**.
     """
 
-    def __init__(self, handle: Any, nbytes: int) -> None:
+    def __init__(self, mpi: Any, handle: Any, nbytes: int) -> None:
         if handle is None or not hasattr(handle, "comm"):
-            raise ConfigError("SnapshotWindow needs a group handle of the mpi engine")
-        self._mpi = MPI = _import_mpi()
+            raise ConfigError("MpiSnapshotWindow needs a group handle of the mpi engine")
+        self._mpi = MPI = mpi
         self.comm = handle.comm
+        self._ranks = handle.spec.ranks  # global rank of each group rank
         self.nbytes = int(nbytes)
         self._slot_bytes = _SLOT_HEADER + -(-self.nbytes // _WORD) * _WORD
         total = _GLOBAL + 2 * self._slot_bytes
         try:
             self._win = MPI.Win.Allocate(total, 1, comm=self.comm)
         except MPI.Exception as e:
-            raise PeerFailure(f"creating a {total}-byte RMA window failed in MPI: {e}") from e
+            suspects = [r for i, r in enumerate(self._ranks) if i != self.comm.Get_rank()]
+            raise PeerFailure(f"creating a {total}-byte RMA window failed in MPI: {e}", suspects or self._ranks,
+                              exact=False) from e
         self._mem = np.frombuffer(self._win.tomemory(), dtype=np.uint8, count=total)
         self._mem[:] = 0
         self._words(0, 1)[0] = -1
@@ -143,7 +137,9 @@ class SnapshotWindow:
                 time.sleep(pause)
                 pause = min(pause * 2, 1e-3)
         except self._mpi.Exception as e:
-            raise PeerFailure(f"reading the window of group rank {target} failed in MPI: {e}", (target,)) from e
+            peer = self._ranks[target]
+            raise PeerFailure(f"reading the window of rank {peer} (group rank {target}) failed in MPI: {e}",
+                              (peer,)) from e
 
     def free(self) -> None:
         """Release the window. Collective: every member calls it. Idempotent."""

@@ -20,7 +20,7 @@ import numpy as np
 from popmesh.core.launch_env import TorchEnv
 from popmesh.core.errors import CommTimeout, ConfigError, EngineUnavailable, PeerFailure, PopmeshError
 from popmesh.core.ops import ReduceOp
-from popmesh.engines.base import GroupSpec, timeout_message
+from popmesh.engines.base import GroupSpec, Tuning, timeout_message
 from popmesh.engines.interop import numpy_to_torch, torch_to_numpy
 from popmesh.engines.torch.send import is_gone
 
@@ -53,6 +53,11 @@ class TorchEngine:
     """Engine over torch.distributed. Adopts an existing default process group if one exists."""
 
     name = "torch"
+    one_sided = False
+    tuning = Tuning(cpu_bucket_cap_bytes=16 << 20, max_in_flight=0)
+    """gloo, measured on a 2-vCPU box with 2 ranks and a 40 MB model (benchmarks/grad_sync.py --sweep,
+    docs/performance.md): 16 MiB buckets, all in flight, came closest to one flat call; below 4 MiB
+    its ~0.3 ms per call shows, and its background threads gain from having every bucket queued."""
 
     def __init__(self, env: TorchEnv, timeout: float, backend: str | None = None) -> None:
         import torch
@@ -170,6 +175,11 @@ class TorchEngine:
         work = self._dist.barrier(group=group.pg, async_op=True)
         self._wait(work, group, timeout, "barrier")
 
+    def snapshot_window(self, group: _Handle, nbytes: int) -> Any:
+        """No one-sided windows on this engine (``one_sided`` is False)."""
+        raise ConfigError(f"the {self.name} engine has no one-sided windows: launch under mpiexec or "
+                          "popmesh.init(engine='mpi')")
+
     def finalize(self) -> None:
         if self._p2p is not None:
             self._p2p.close()  # before the group goes: no receive may be left waiting on it
@@ -222,7 +232,9 @@ class TorchEngine:
             missing = self._missing_ranks(group, timeout)
             raise CommTimeout(timeout_message(what, timeout, group.spec, missing), missing) from e
         if is_gone(e):
-            raise PeerFailure(f"{what}: a peer closed its connection (did a rank die?): {text}") from e
+            peers = [r for r in group.spec.ranks if r != self.rank] or [self.rank]
+            raise PeerFailure(f"{what}: a peer closed its connection (did a rank die?): {text}", peers,
+                              exact=False) from e
         raise PopmeshError(
             f"{what} failed in torch.distributed: {text}. If ranks passed different shapes or dtypes, "
             "POPMESH_CHECK=1 reports each rank's values."

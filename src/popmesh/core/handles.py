@@ -1,0 +1,63 @@
+"""The one family of handles for work in flight: what engines return, and what users hold.
+
+An engine starts an operation and returns a :class:`Pending` (``done()`` polls, ``wait(timeout)``
+blocks and raises CommTimeout or PeerFailure instead of hanging). The layers above wrap it in a
+:class:`Handle`, which adds the call's default timeout and a ``finish`` step run once when the work
+completes (divide an average, decode a message). ``all_reduce_async``, ``isend`` and ``irecv`` all
+return a Handle.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Generic, Protocol, TypeVar
+
+__all__ = ["Pending", "Completed", "Handle"]
+
+T = TypeVar("T")
+
+
+class Pending(Protocol):
+    """An operation an engine has in flight."""
+
+    def done(self) -> bool: ...
+    def wait(self, timeout: float) -> Any: ...
+
+
+class Completed:
+    """A Pending that finished before it was returned (a world of one, local or eager delivery)."""
+
+    def __init__(self, value: Any = None) -> None:
+        self._value = value
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self, timeout: float) -> Any:
+        return self._value
+
+
+def _nothing(_: Any) -> None:
+    return None
+
+
+class Handle(Generic[T]):
+    """Work in flight. ``done()`` polls without blocking; ``wait(timeout=None)`` blocks (default: the
+    timeout of the call that started it) and returns the result, computed once. A ``wait`` that
+    times out leaves the work in flight, so it may be waited for again."""
+
+    def __init__(self, pending: Pending, timeout: float,
+                 finish: Callable[[Any], T] = _nothing) -> None:  # type: ignore[assignment]
+        self._pending, self._timeout, self._finish = pending, timeout, finish
+        self._result: T | None = None
+        self._waited = False
+
+    def done(self) -> bool:
+        return self._waited or bool(self._pending.done())
+
+    def wait(self, timeout: float | None = None) -> T:
+        """Block until finished (CommTimeout after ``timeout`` seconds) and return the result."""
+        if not self._waited:
+            raw = self._pending.wait(self._timeout if timeout is None else float(timeout))
+            self._result = self._finish(raw)
+            self._waited = True
+        return self._result  # type: ignore[return-value]
