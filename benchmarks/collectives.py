@@ -12,7 +12,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import interleaved, launch_json, write_result  # noqa: E402
+from _common import interleaved, launch_json, write_result
 
 SIZES = {"4 B": 1, "1 MB": 1 << 18, "16 MB": 1 << 22, "64 MB": 1 << 24}  # float32 elements
 REPS = {"4 B": 2000, "1 MB": 100, "16 MB": 12, "64 MB": 4}
@@ -40,7 +40,8 @@ def worker() -> None:
             buf = torch.ones(numel, dtype=torch.float32)
         else:
             buf = np.ones(numel, dtype=np.float32)
-        times = interleaved({"raw": raw_call(world.engine_name, buf), "popmesh": lambda: popmesh.all_reduce_(buf)},
+        contenders = {"raw": raw_call(world.engine_name, buf), "popmesh": lambda buf=buf: popmesh.all_reduce_(buf)}
+        times = interleaved(contenders,
                             REPS[label], rounds=5)
         rows[label] = times
     if world.is_main:

@@ -28,11 +28,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import launch_json, write_result  # noqa: E402
+from _common import launch_json, write_result
 
 LAYERS, WIDTH, BATCH = 100, 316, 16
 SWEEP_CAPS = (256 << 10, 1 << 20, 4 << 20, 8 << 20, 16 << 20, 25 << 20, 64 << 20)

@@ -1,7 +1,8 @@
 """Point-to-point messages through popmesh vs the raw engine call, same processes, same run: 2 ranks.
 
 Ping-pong between ranks 0 and 1. 64 MB (float32): one-way time = round trip / 2, reported as
-throughput; 336 KB (a population policy's weight stream, 84 k float32) and 4 B: round-trip latency. Contenders: ``raw`` (``dist.send/recv`` on gloo,
+throughput; 336 KB (a population policy's weight stream, 84 k float32) and 4 B: round-trip latency.
+Contenders: ``raw`` (``dist.send/recv`` on gloo,
 ``comm.Send/Recv`` on MPI, into preallocated buffers), ``popmesh`` (``popmesh.send/recv``: wire
 frame, tags, timeouts, a new receive buffer per message) and ``p2p`` (the engine's frame
 transport under it, bytes only). On MPI at 4 B also ``floor``: the same frame and envelope over bare
@@ -21,7 +22,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import interleaved, launch_json, write_result  # noqa: E402
+from _common import interleaved, launch_json, write_result
 
 SIZES = {"64 MB": 16 << 20, "336 KB": 84_000, "4 B": 1}  # float32 elements
 REPS = {"64 MB": 3, "336 KB": 40, "4 B": 400}

@@ -51,7 +51,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import launch_json, write_result  # noqa: E402
+from _common import launch_json, write_result
 
 WIDTH, BATCH = 256, 256
 RANKS = int(sys.argv[sys.argv.index("--ranks") + 1]) if "--ranks" in sys.argv else 4
@@ -151,6 +151,7 @@ class RawStreams:
 
     def __call__(self, iteration: int, model, optimizer, metric):
         import torch
+
         from popmesh.population import PolicyInfo
 
         info = PolicyInfo(iteration, "raw_streams")

@@ -42,7 +42,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=150_000, help="cap on env steps per agent")
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--policies", default="async,none", help="comma-separated demo policies to compare")
-    parser.add_argument("demo_args", nargs="*", help="extra `popmesh demo` options after --, e.g. -- --strategy best_only")
+    parser.add_argument("demo_args", nargs="*",
+                        help="extra `popmesh demo` options after --, e.g. -- --strategy best_only")
     ns = parser.parse_args()
     rows = []
     for seed in range(ns.seeds):

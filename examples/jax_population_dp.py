@@ -18,17 +18,17 @@ if _FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAG}=8".strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import time  # noqa: E402
+import time
 
-import flax.linen as nn  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from jax.sharding import Mesh  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+import flax.linen as nn
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
-from popmesh.jax import (  # noqa: E402
+import jax
+from popmesh.jax import (
     DATA_AXIS,
     POPULATION_AXIS,
     make_update,

@@ -16,9 +16,9 @@ if _DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICE_FLAG}={N_DEVICES}".strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import importlib.util  # noqa: E402
+import importlib.util
 
-import pytest  # noqa: E402
+import pytest
 
 if any(importlib.util.find_spec(name) is None for name in ("jax", "flax", "optax")):
     collect_ignore_glob = ["test_*.py"]  # the popmesh[jax] extra is not installed

@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import flax.struct
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -15,11 +14,12 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import jax
 import popmesh.compat.evorl as evorl
 from popmesh.jax import UnboundAxisError
 
 sys.path.append(str(Path(__file__).resolve().parents[1] / "unit"))  # the seed-document parser
-from seed_signatures import facade_mismatches, require_seed  # noqa: E402
+from seed_signatures import facade_mismatches, require_seed
 
 N = 8
 

@@ -6,18 +6,18 @@ import sys
 from pathlib import Path
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+import jax
 import popmesh.compat.xlstm_jax as dp
 import popmesh.jax as pj
 
 sys.path.append(str(Path(__file__).resolve().parents[1] / "unit"))  # the seed-document parser
-from seed_signatures import facade_mismatches, require_seed  # noqa: E402
+from seed_signatures import facade_mismatches, require_seed
 
 N = 8
 

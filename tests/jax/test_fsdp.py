@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -13,6 +12,7 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+import jax
 import popmesh.jax as pj
 from popmesh.core.errors import ConfigError
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+import jax
 import popmesh.jax as pj
 from popmesh.core.errors import ConfigError
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -11,6 +10,7 @@ from hypothesis import strategies as st
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+import jax
 import popmesh.jax as pj
 from popmesh.core.errors import ConfigError
 from popmesh.population.combine import averaging_weights
@@ -72,7 +72,8 @@ def test_closed_form_metrics_rank_plus_one():
 @settings(max_examples=40, deadline=None)
 @given(
     metrics=st.lists(
-        st.one_of(st.floats(-5, 5, width=32, allow_subnormal=False), st.sampled_from([0.0, 1.0, np.nan, np.inf, -np.inf])),
+        st.one_of(st.floats(-5, 5, width=32, allow_subnormal=False),
+                  st.sampled_from([0.0, 1.0, np.nan, np.inf, -np.inf])),
         min_size=1, max_size=9,
     ),
     ratio=st.sampled_from([0.1, 0.2, 0.25, 0.5, 0.7, 0.99]),

@@ -5,13 +5,13 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import flax.struct
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
+import jax
 import popmesh.jax as pj
 
 BATCH = 32

@@ -115,7 +115,7 @@ def _top_level_split(text: str, sep: str) -> list[str]:
         if text[i] in "([{'\"":
             end = _closing(text, i) if text[i] in "([{" else text.find(text[i], i + 1)
             i = len(text) if end is None or end < 0 else end
-        elif text.startswith(sep, i) and (sep != "=" or text[i - 1:i] not in "=!<>" and text[i + 1:i + 2] != "="):
+        elif text.startswith(sep, i) and (sep != "=" or (text[i - 1:i] not in "=!<>" and text[i + 1:i + 2] != "=")):
             parts.append(text[start:i])
             start = i + len(sep)
         i += 1
@@ -171,7 +171,7 @@ def _examples(doc: str) -> tuple[Example, ...]:
     for s in (line.strip() for line in [*doc.splitlines(), ""]):
         if s.startswith(":"):  # a ``:rtype:`` field leaked into the middle of an example
             continue
-        if s.startswith(">>>") and want or source and (not s or s.rstrip(":").lower() in _HEADINGS):
+        if (s.startswith(">>>") and want) or (source and (not s or s.rstrip(":").lower() in _HEADINGS)):
             found.append(Example(tuple(source), tuple(want)))
             source, want = [], []
         if s.startswith(">>>"):
@@ -239,7 +239,7 @@ def _parse_rendered(text: str, seed: SeedModule) -> None:
                          rf"{re.escape(seed.module)}\.(?P<path>[A-Za-z_][\w.]*)(?P<rest>.*)$")
     lines = text.splitlines()
     hits = [(i, m) for i, m in ((i, line_re.match(line)) for i, line in enumerate(lines)) if m]
-    for i, line in enumerate(lines[: hits[0][0] if hits else 0]):  # the summary table above the entries
+    for line in lines[: hits[0][0] if hits else 0]:  # the summary table above the entries
         call = _CALL.match(line.strip())
         if call and call.group(1).lower() not in _HEADINGS and _public(call.group(1)) \
                 and call.group(1) != seed.module.rpartition(".")[2]:  # not the page title
@@ -444,8 +444,8 @@ def facade_mismatches(facade: ModuleType, seed: SeedModule) -> list[str]:
             problems.append(f"{name}: not a class")
         elif entry.params is not None:
             problems += signature_mismatches(obj, entry.params, name, namespace)
-        if entry.kind == "data" and entry.value is not None and _is_literal(entry.value):
-            if not _same(ast.literal_eval(entry.value), obj):
+        if (entry.kind == "data" and entry.value is not None and _is_literal(entry.value)
+                and not _same(ast.literal_eval(entry.value), obj)):
                 problems.append(f"{name}: value {obj!r}, seed has {entry.value}")
         if entry.kind == "class" and isinstance(obj, type):
             for member, m in sorted(seed.members(name).items()):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import numpy as np
@@ -10,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from popmesh.core.dtypes import itemsize
+from popmesh.core.errors import ConfigError
 from popmesh.torch.bucketing import (
     DEFAULT_CAP_BYTES,
     BucketPlan,
@@ -17,7 +19,6 @@ from popmesh.torch.bucketing import (
     plan_buckets,
     plan_differs,
 )
-from popmesh.core.errors import ConfigError
 
 FAST = settings(max_examples=80, deadline=None)
 
@@ -70,7 +71,7 @@ def test_greedy_buckets_are_full(specs, cap):
     for b in plan.buckets:
         by_key.setdefault((b.dtype, b.device), []).append(b)
     for buckets in by_key.values():
-        for prev, nxt in zip(buckets, buckets[1:]):
+        for prev, nxt in itertools.pairwise(buckets):
             assert min(prev.indices) > max(nxt.indices)                       # reverse ready order
             assert (prev.numel + nxt.sizes[0]) * itemsize(prev.dtype) > cap
 

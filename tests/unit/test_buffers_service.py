@@ -14,8 +14,19 @@ import popmesh
 from popmesh import ConfigError
 from popmesh.buffers import Coordinator, LocalStore, ReplayBufferClient, ReplayBufferManager, novelty_score
 from popmesh.buffers import baselines as bl
-from popmesh.buffers.protocol import (COORDINATOR_TAG, METADATA_TAG, REQUEST_TAG, SCORE_TAG, STATS_TAG, HEADER_KEY,
-                                      Message, MessageType, ProtocolError, from_payload, to_payload)
+from popmesh.buffers.protocol import (
+    COORDINATOR_TAG,
+    HEADER_KEY,
+    METADATA_TAG,
+    REQUEST_TAG,
+    SCORE_TAG,
+    STATS_TAG,
+    Message,
+    MessageType,
+    ProtocolError,
+    from_payload,
+    to_payload,
+)
 from popmesh.buffers.store import concat_batches, select_rows
 from popmesh.wire import decode, encode
 
@@ -136,7 +147,8 @@ def test_manager_baselines_sync_and_reports():
                               scoring_function=lambda b, s: {"score": 1.0, "modes": ["a"]})
     out = mgr.handle(0, Message(MessageType.DATA, {}, batch([1, 2], [-5.0, -1.0])))
     assert [o.message.type for o in out] == [MessageType.SCORE, MessageType.MODE_REPORT]
-    assert out[1].dst == 9 and out[1].tag == COORDINATOR_TAG and out[1].message.data == {"modes": ["a"], "training_rank": 0}
+    assert out[1].dst == 9 and out[1].tag == COORDINATOR_TAG
+    assert out[1].message.data == {"modes": ["a"], "training_rank": 0}
     assert out[0].message.data["baseline"] == -5.0  # EMA while not full
     out = mgr.handle(1, Message(MessageType.DATA, {}, batch([3, 4], [-2.0, -3.0])))
     assert out[-1].message.type is MessageType.BASELINE_REPORT and out[-1].message.data["baseline"] == -5.0  # full: min

@@ -8,7 +8,7 @@ import pytest
 
 import popmesh
 from popmesh import ConfigError
-from popmesh.observe.reports import ImbalanceReport, TimeReport, Timer
+from popmesh.observe.reports import ImbalanceReport, Timer, TimeReport
 from popmesh.topology.layout import RankLayout
 
 

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 
 import popmesh
+from popmesh.comm.fusion import apply_fused, fuse_groups
 from popmesh.core.arrays import dtype_name, flatten, restore_scalar, unflatten
 from popmesh.core.errors import ConfigError, MessageError, PeerFailure
-from popmesh.comm.fusion import apply_fused, fuse_groups
-from popmesh.wire.objects import decode_object, encode_object
 from popmesh.core.ops import Lowering, ReduceOp, lower
+from popmesh.wire.objects import decode_object, encode_object
 
 Pair = namedtuple("Pair", "a b")
 
@@ -154,7 +154,8 @@ def test_one_lowering_of_avg_and_booleans(op, dtype, expected):
     assert lower(op, dtype) == expected
 
 
-@pytest.mark.parametrize("op, dtype", [(ReduceOp.AVG, "bool"), (ReduceOp.MAX, "complex64"), (ReduceOp.MIN, "complex128")])
+@pytest.mark.parametrize("op, dtype", [(ReduceOp.AVG, "bool"), (ReduceOp.MAX, "complex64"),
+                                       (ReduceOp.MIN, "complex128")])
 def test_undefined_reductions_are_refused(op, dtype):
     with pytest.raises(ConfigError, match="undefined"):
         lower(op, dtype)
@@ -197,7 +198,7 @@ def test_handle_finishes_once_and_survives_a_timed_out_wait():
 
     calls = []
     handle = Handle(_Later(), 7.0, lambda raw: calls.append(raw) or f"done:{raw}")
-    with pytest.raises(popmesh.CommTimeout, match="7.0 s"):
+    with pytest.raises(popmesh.CommTimeout, match=r"7\.0 s"):
         handle.wait()  # the default timeout is the call's
     assert handle.wait(1) == "done:raw" and handle.wait() == "done:raw" and handle.done()
     assert calls == ["raw"]

@@ -2,8 +2,8 @@
 
 import pytest
 
-from popmesh.core.launch_env import detect_engine, read_check, read_timeout, read_torch_env
 from popmesh.core.errors import ConfigError
+from popmesh.core.launch_env import detect_engine, read_check, read_timeout, read_torch_env
 
 
 @pytest.mark.parametrize(
@@ -42,7 +42,8 @@ def test_torch_env_valid():
         ({"WORLD_SIZE": "2", "MASTER_PORT": "1"}, "RANK is not set"),
         ({"RANK": "0", "WORLD_SIZE": "2"}, "MASTER_PORT is not set"),
         ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "70000"}, "not a valid TCP port"),
-        ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "1", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "2"}, "LOCAL_RANK"),
+        ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "1", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "2"},
+         "LOCAL_RANK"),
     ],
 )
 def test_torch_env_errors(environ, message):

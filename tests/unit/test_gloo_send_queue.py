@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from popmesh.engines.torch.send import Outbox, TorchSend  # noqa: E402
+from popmesh.engines.torch.send import Outbox, TorchSend
 
 
 class HeldWork:

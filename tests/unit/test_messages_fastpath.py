@@ -8,8 +8,7 @@ import zlib
 import numpy as np
 import pytest
 
-from popmesh import MessageError
-from popmesh import wire
+from popmesh import MessageError, wire
 from popmesh.engines.envelope import INLINE_NBYTES, parse_envelope, plan_frame
 from popmesh.engines.p2p_base import frame_parts
 from popmesh.wire import SMALL_FRAME_NBYTES, decode, encode, encode_message, join_frame
@@ -125,7 +124,8 @@ def test_small_envelope_matches_the_general_plan(nbytes):
     assert fast_segments == general_segments == []
     assert bytes(fast_env) == bytes(general_env)
     envelope = parse_envelope(np.frombuffer(fast_env, np.uint8))
-    assert (envelope.tag, envelope.total, envelope.lengths) == (5, nbytes, []) and envelope.inline.tobytes() == data.tobytes()
+    assert (envelope.tag, envelope.total, envelope.lengths) == (5, nbytes, [])
+    assert envelope.inline.tobytes() == data.tobytes()
 
 
 def test_corrupt_small_envelope_is_refused():

@@ -13,9 +13,18 @@ from hypothesis import strategies as st
 import popmesh
 from popmesh import CommTimeout, ConfigError, MessageError
 from popmesh.comm import messages as m
+from popmesh.engines.envelope import (
+    ENVELOPE_MAX_NBYTES,
+    GOODBYE_TAG,
+    HEADER_NBYTES,
+    INLINE_NBYTES,
+    MAX_SEGMENTS,
+    PAGE_NBYTES,
+    goodbye_envelope,
+    parse_envelope,
+    plan_frame,
+)
 from popmesh.engines.p2p_base import BufferPool, LoopbackP2P, P2PBase, frame_parts
-from popmesh.engines.envelope import (ENVELOPE_MAX_NBYTES, GOODBYE_TAG, HEADER_NBYTES, INLINE_NBYTES, MAX_SEGMENTS, PAGE_NBYTES,
-                                      goodbye_envelope, parse_envelope, plan_frame)
 from popmesh.wire import encode, join_frame
 
 
@@ -122,7 +131,7 @@ def test_mutated_frames_never_crash_the_receiver(world, position, flips):
         frame[(position * 7 + i * 31) % frame.size] ^= 0x5A
     world.engine.p2p().send(frame, 0, 9, 1.0)
     try:
-        src, payload = m.recv(0, 9, timeout=1)
+        _src, payload = m.recv(0, 9, timeout=1)
     except m.FrameError:
         return
     assert flips == 0 and payload["x"].tolist() == [0, 1, 2, 3, 4]

@@ -3,6 +3,7 @@ the async protocol's bookkeeping, event logs, and every policy in a world of one
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 
@@ -13,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from popmesh.core.errors import ConfigError, PopmeshError
 from popmesh.comm.messages import POPULATION_TAGS
+from popmesh.core.errors import ConfigError, PopmeshError
 from popmesh.population import (
     AsyncSelectiveAveraging,
     AverageAll,
@@ -79,7 +80,7 @@ def test_layout_packs_each_dtype_contiguously_and_aligned(specs):
     table = layout.byte_table()
     spans = sorted(table.values())
     assert all(start % 8 == 0 for start, _ in spans)
-    assert all(a[0] + a[1] <= b[0] for a, b in zip(spans, spans[1:])), "buffers must not overlap"
+    assert all(a[0] + a[1] <= b[0] for a, b in itertools.pairwise(spans)), "buffers must not overlap"
     for dt in layout.dtypes:
         entries = [e for e in layout.entries if e.dtype == dt]
         assert [e.offset for e in entries] == list(np.cumsum([0] + [e.numel for e in entries])[:-1])

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from popmesh.core.errors import ConfigError
 from popmesh.observe.reports import (
     ImbalanceReport,
-    TimeReport,
     Timer,
+    TimeReport,
     format_report,
     imbalance_report,
     print_report,

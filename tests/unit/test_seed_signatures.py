@@ -145,7 +145,7 @@ def run(*names, default=None): pass
 
 def _module(source: str) -> types.ModuleType:
     module = types.ModuleType("facade")
-    exec(source, module.__dict__)  # noqa: S102 - test fixture text defined above
+    exec(source, module.__dict__)
     return module
 
 

@@ -17,19 +17,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
-import torch.distributed as dist  # noqa: E402
+import itertools
 
-import popmesh  # noqa: E402
-import popmesh.torch.sync as sync_module  # noqa: E402
-from popmesh.engines.base import Tuning  # noqa: E402
-from popmesh.core.errors import ConfigError  # noqa: E402
-from popmesh.observe.stats import gather_rows, mean_std, reduce_value  # noqa: E402
-from popmesh.torch import GradientSync, mean_grads_  # noqa: E402
+import torch.distributed as dist
+
+import popmesh
+import popmesh.torch.sync as sync_module
+from popmesh.core.errors import ConfigError
+from popmesh.engines.base import Tuning
+from popmesh.observe.stats import gather_rows, mean_std, reduce_value
+from popmesh.torch import GradientSync, mean_grads_
 
 
 def mlp(*widths: int) -> torch.nn.Sequential:
     torch.manual_seed(0)
-    return torch.nn.Sequential(*[torch.nn.Linear(a, b) for a, b in zip(widths, widths[1:])])
+    return torch.nn.Sequential(*[torch.nn.Linear(a, b) for a, b in itertools.pairwise(widths)])
 
 
 def inside(t: torch.Tensor, buffers: list[torch.Tensor]) -> bool:
@@ -204,7 +206,7 @@ def test_broadcast_params_checks_src_even_alone():
 def test_bad_arguments_say_what_to_do():
     with pytest.raises(ConfigError, match="cap_bytes"):
         GradientSync(mlp(2, 2), cap_bytes=0)
-    with pytest.raises(TypeError, match="nn.Module"):
+    with pytest.raises(TypeError, match=r"nn\.Module"):
         GradientSync("model")
     emb = torch.nn.Embedding(5, 2, sparse=True)
     emb(torch.tensor([1])).sum().backward()

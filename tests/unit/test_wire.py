@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from popmesh import wire
-from popmesh.wire import encoding as wire_encode
 from popmesh.core.errors import MessageError
 from popmesh.wire import CHECKSUM_AUTO_LIMIT, DTYPE_CODES, Kind, decode, encode, join_frame, read_header
+from popmesh.wire import encoding as wire_encode
 
 try:
     import torch

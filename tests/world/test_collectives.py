@@ -1,8 +1,8 @@
 """Every collective on real worlds: local (1 rank), torch/gloo and MPI at 2 and 3 ranks."""
 
 
-from worldtests import world_tests
 from workers import collectives_worker as worker
+from worldtests import world_tests
 
 world_run, test_check, test_world_exits_cleanly = world_tests(
     worker,

@@ -6,14 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from worldtests import world_tests
 from workers import compat_gfn_worker as worker
+from worldtests import world_tests
 
 pytest.importorskip("torch")
 sys.path.append(str(Path(__file__).resolve().parents[1] / "unit"))  # the seed-document parser
-from seed_signatures import attribute_mismatches, facade_mismatches, require_seed  # noqa: E402
+from seed_signatures import attribute_mismatches, facade_mismatches, require_seed
 
-import popmesh.compat.gfn as gfn  # noqa: E402
+import popmesh.compat.gfn as gfn
 
 SEED = "gfn.utils.distributed"
 

@@ -6,15 +6,15 @@ from pathlib import Path
 
 import pytest
 
+from workers import compat_omnisafe_worker as worker
 from worldlib import checks_of
 from worldtests import world_tests
-from workers import compat_omnisafe_worker as worker
 
 pytest.importorskip("torch")
 sys.path.append(str(Path(__file__).resolve().parents[1] / "unit"))  # the seed-document parser
-from seed_signatures import facade_mismatches, require_seed  # noqa: E402
+from seed_signatures import facade_mismatches, require_seed
 
-import popmesh.compat.omnisafe as omnisafe  # noqa: E402
+import popmesh.compat.omnisafe as omnisafe
 
 SEED = "omnisafe.utils.distributed"
 # Each function whose documentation has an example, and the worker check that runs it.

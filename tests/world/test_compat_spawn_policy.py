@@ -7,15 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from worldtests import world_tests
 from workers import compat_spawn_policy_worker as worker
+from worldtests import world_tests
 
 pytest.importorskip("torch")
 sys.path.append(str(Path(__file__).resolve().parents[1] / "unit"))  # the seed-document parser
-from seed_signatures import facade_mismatches, require_seed  # noqa: E402
+from seed_signatures import facade_mismatches, require_seed
 
-import popmesh.compat.spawn_policy as sp  # noqa: E402
-from popmesh import ConfigError  # noqa: E402
+import popmesh.compat.spawn_policy as sp
+from popmesh import ConfigError
 
 
 def test_facade_matches_the_seed_document():
@@ -46,7 +46,8 @@ def test_compute_worst_ranks_by_ratio():
 
 def test_constructor_arguments_are_checked_and_kept():
     policy = sp.AsyncSelectiveAveragingPolicy(lambda: None, 0, averaging_strategy="best_only", timing={})
-    assert (policy.average_every, policy.averaging_strategy, policy.cooldown, policy.timing) == (1, "best_only", 200, {})
+    settings = (policy.average_every, policy.averaging_strategy, policy.cooldown, policy.timing)
+    assert settings == (1, "best_only", 200, {})
     with pytest.raises(ConfigError):
         sp.AsyncSelectiveAveragingPolicy(lambda: None, 10, averaging_strategy="median")
     with pytest.raises(ConfigError):

@@ -5,8 +5,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from worldtests import world_tests
+
 from workers import messages_worker as worker
+from worldtests import world_tests
 
 world_run, test_check, test_world_exits_cleanly = world_tests(
     worker, [("local", 1), ("torch", 2), ("torch", 3), ("mpi", 2), ("mpi", 3)], timeout=240

@@ -2,8 +2,8 @@
 
 import pytest
 
-from worldtests import world_tests
 from workers import torch_sync_worker as worker
+from worldtests import world_tests
 
 pytest.importorskip("torch")
 

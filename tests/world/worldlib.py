@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import traceback
-from typing import Callable
+from collections.abc import Callable
 
 _REGISTRY: dict[str, dict[str, Callable]] = {}
 
@@ -31,7 +31,7 @@ def main(**init_kwargs) -> None:
         try:
             fn(world)
             results[name] = "ok"
-        except Exception as e:  # noqa: BLE001 - the test reports it
+        except Exception as e:
             results[name] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
             if isinstance(e, (CommTimeout, PeerFailure)):
                 break

@@ -20,14 +20,23 @@ from __future__ import annotations
 
 from typing import Any
 
-from popmesh.comm import messages
-from popmesh.core.errors import ConfigError, PopmeshError
-from popmesh.comm.world import Comm, resolve_group
 from popmesh.buffers.baselines import keep_mask
 from popmesh.buffers.manager import Outgoing, send_outgoing
-from popmesh.buffers.protocol import (COORDINATOR_TAG, METADATA_TAG, REQUEST_TAG, SCORE_TAG, STATS_TAG, Message, MessageType,
-                       batch_size, from_payload)
+from popmesh.buffers.protocol import (
+    COORDINATOR_TAG,
+    METADATA_TAG,
+    REQUEST_TAG,
+    SCORE_TAG,
+    STATS_TAG,
+    Message,
+    MessageType,
+    batch_size,
+    from_payload,
+)
 from popmesh.buffers.store import LocalStore, concat_batches, select_rows, to_numpy
+from popmesh.comm import messages
+from popmesh.comm.world import Comm, resolve_group
+from popmesh.core.errors import ConfigError, PopmeshError
 
 __all__ = ["ReplayBufferClient", "MODES"]
 

@@ -5,7 +5,8 @@ them) and their local baselines (BASELINE_REPORT). The coordinator keeps the set
 counts first discoveries per training rank, combines the managers' latest baselines (``min`` by
 default) into a global baseline and sends it to every manager still running (BASELINE_SYNC) when
 it changes. Trainers ask for GET_POPULATION_STATS. The loop returns once every manager has sent
-EXIT (each is answered with EXIT_ACK, after every BASELINE_SYNC sent to it). torchgfn left this loop to downstream code; this is popmesh's version of it.
+EXIT (each is answered with EXIT_ACK, after every BASELINE_SYNC sent to it). torchgfn left this loop
+to downstream code; this is popmesh's version of it.
 
 Cross-rank contract: run :meth:`Coordinator.run` on the coordinator rank while the managers run;
 trainers ask for population stats before they drain (the coordinator leaves after the managers).
@@ -18,12 +19,20 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from popmesh.comm import messages
-from popmesh.core.errors import CommTimeout, ConfigError
-from popmesh.comm.world import Comm, resolve_group
 from popmesh.buffers.baselines import reduce_baselines
 from popmesh.buffers.manager import Outgoing, send_outgoing
-from popmesh.buffers.protocol import COORDINATOR_TAG, REQUEST_TAG, STATS_TAG, Message, MessageType, ProtocolError, from_payload
+from popmesh.buffers.protocol import (
+    COORDINATOR_TAG,
+    REQUEST_TAG,
+    STATS_TAG,
+    Message,
+    MessageType,
+    ProtocolError,
+    from_payload,
+)
+from popmesh.comm import messages
+from popmesh.comm.world import Comm, resolve_group
+from popmesh.core.errors import CommTimeout, ConfigError
 
 __all__ = ["Coordinator"]
 

@@ -25,13 +25,23 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from popmesh.comm import messages
-from popmesh.core.errors import CommTimeout, ConfigError
-from popmesh.comm.world import Comm, resolve_group
 from popmesh.buffers.baselines import check_strategy, choose_baseline, local_baseline, update_ema
-from popmesh.buffers.protocol import (COORDINATOR_TAG, METADATA_TAG, REQUEST_TAG, SCORE_TAG, Message, MessageType,
-                       ProtocolError, batch_size, from_payload, to_payload)
+from popmesh.buffers.protocol import (
+    COORDINATOR_TAG,
+    METADATA_TAG,
+    REQUEST_TAG,
+    SCORE_TAG,
+    Message,
+    MessageType,
+    ProtocolError,
+    batch_size,
+    from_payload,
+    to_payload,
+)
 from popmesh.buffers.store import LocalStore, to_numpy
+from popmesh.comm import messages
+from popmesh.comm.world import Comm, resolve_group
+from popmesh.core.errors import CommTimeout, ConfigError
 
 __all__ = ["ReplayBufferManager", "ManagerStats", "Outgoing", "ScoringFunction", "novelty_score", "send_outgoing"]
 
@@ -128,7 +138,8 @@ class ReplayBufferManager:
     def from_context(cls, ctx: Any, **options: Any) -> ReplayBufferManager:
         """The manager of this buffer rank, from the world's :class:`~popmesh.topology.roles.Roles`."""
         if not ctx.is_buffer_rank():
-            raise ConfigError(f"rank {ctx.my_rank} is not a buffer rank: run a manager on {sorted(ctx.buffer_rank_set)}")
+            raise ConfigError(f"rank {ctx.my_rank} is not a buffer rank: "
+                              f"run a manager on {sorted(ctx.buffer_rank_set)}")
         options.setdefault("coordinator_rank", ctx.coordinator_rank)
         options.setdefault("group", ctx.world)
         return cls(ctx.assigned_training_ranks, **options)

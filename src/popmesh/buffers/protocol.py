@@ -32,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from popmesh.core.errors import MessageError
 from popmesh.comm.messages import internal_tag
+from popmesh.core.errors import MessageError
 
 __all__ = [
     "MessageType", "Message", "ProtocolError", "HEADER_KEY", "PROTOCOL_VERSION", "REQUEST_TAG", "SCORE_TAG",

@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 
+from popmesh.buffers.protocol import batch_size
 from popmesh.core.arrays import is_torch
 from popmesh.core.errors import ConfigError
-from popmesh.buffers.protocol import batch_size
 
 __all__ = ["LocalStore", "concat_batches", "select_rows", "to_numpy"]
 

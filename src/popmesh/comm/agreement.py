@@ -8,12 +8,13 @@ each rank's values (Accelerate's debug mode, torch's DETAIL checks).
 from __future__ import annotations
 
 import zlib
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
-from popmesh.core.dtypes import DTYPES
 from popmesh.core.arrays import dtype_name, leaf_shape
+from popmesh.core.dtypes import DTYPES
 from popmesh.core.errors import CollectiveMismatch
 
 __all__ = ["describe_leaves", "agree", "exchange_shapes", "exchange_all_shapes"]

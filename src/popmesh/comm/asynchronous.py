@@ -11,13 +11,13 @@ from typing import Any
 
 import numpy as np
 
-from popmesh.core.arrays import is_torch
 from popmesh.comm.collectives import _setup
-from popmesh.comm.reduction import engine_view, finish_, lowering_of
-from popmesh.core.handles import Completed, Handle
 from popmesh.comm.fusion import fresh_copy, is_contiguous, write_back
-from popmesh.core.ops import ReduceOp
+from popmesh.comm.reduction import engine_view, finish_, lowering_of
 from popmesh.comm.world import Comm
+from popmesh.core.arrays import is_torch
+from popmesh.core.handles import Completed, Handle
+from popmesh.core.ops import ReduceOp
 
 __all__ = ["AsyncHandle", "all_reduce_async", "all_reduce_async_"]
 

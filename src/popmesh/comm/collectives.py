@@ -15,13 +15,13 @@ from typing import Any
 import numpy as np
 
 from popmesh.comm.agreement import agree, describe_leaves, exchange_all_shapes, exchange_shapes
-from popmesh.core.arrays import flatten, is_torch, restore_scalar, to_array, unflatten
-from popmesh.core.errors import ConfigError
 from popmesh.comm.fusion import apply_fused, fresh_copy, is_contiguous, write_back
-from popmesh.wire.objects import decode_object, encode_object
-from popmesh.core.ops import ReduceOp
 from popmesh.comm.reduction import engine_view, finish_, lowering_of
 from popmesh.comm.world import Comm, resolve_group
+from popmesh.core.arrays import flatten, is_torch, restore_scalar, to_array, unflatten
+from popmesh.core.errors import ConfigError
+from popmesh.core.ops import ReduceOp
+from popmesh.wire.objects import decode_object, encode_object
 
 __all__ = [
     "ReduceOp",
@@ -52,7 +52,8 @@ def _setup(group: Comm | None, timeout: float | None, what: str) -> tuple[Comm, 
 def _leaves(x: Any, what: str, *, mutable: bool = False) -> tuple[list[Any], list[Any], Any]:
     leaves, tree = flatten(x)
     if mutable and any(not (isinstance(v, np.ndarray) or is_torch(v)) for v in leaves):
-        raise TypeError(f"{what} writes into its input: pass arrays or tensors, not scalars (or use the returning form)")
+        raise TypeError(f"{what} writes into its input: pass arrays or tensors, not scalars "
+                        "(or use the returning form)")
     return leaves, [to_array(v) for v in leaves], tree
 
 
@@ -201,7 +202,7 @@ def all_gather_ragged(x: Any, *, group: Comm | None = None, timeout: float | Non
     """Every rank's value where leading sizes may differ (0 included): a list with one entry per
     group rank, each with that rank's structure. dtypes and trailing dimensions must match."""
     comm, seconds = _setup(group, timeout, "all_gather_ragged")
-    leaves, arrays, tree = _leaves(x, "all_gather_ragged")
+    _, arrays, tree = _leaves(x, "all_gather_ragged")
     for a in arrays:
         if a.ndim == 0:
             raise ConfigError("all_gather_ragged needs arrays with a leading dimension; use all_gather for scalars")

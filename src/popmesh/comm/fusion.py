@@ -8,7 +8,8 @@ tensor (gloo: 10-20x on small RL models).
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 

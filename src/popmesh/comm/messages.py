@@ -27,11 +27,11 @@ import operator
 from collections.abc import Callable, Collection
 from typing import Any
 
-from popmesh.engines.p2p_base import TAG_LIMIT
-from popmesh.core.handles import Handle
-from popmesh.core.errors import ConfigError, MessageError
-from popmesh.wire import decode, encode_message
 from popmesh.comm.world import Comm, resolve_group
+from popmesh.core.errors import ConfigError, MessageError
+from popmesh.core.handles import Handle
+from popmesh.engines.p2p_base import TAG_LIMIT
+from popmesh.wire import decode, encode_message
 
 __all__ = [
     "INTERNAL_TAG_BASE", "TAG_LIMIT", "BUFFERS_TAGS", "POPULATION_TAGS", "InternalTag", "internal_tag",

@@ -8,13 +8,14 @@ Ranks are global unless a name says otherwise (``group_rank``).
 from __future__ import annotations
 
 import atexit
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
-from popmesh.engines import Engine, GroupSpec, create_engine
-from popmesh.core.launch_env import detect_engine, read_check, read_timeout
 from popmesh.core.errors import ConfigError, NotInGroup
+from popmesh.core.launch_env import detect_engine, read_check, read_timeout
+from popmesh.engines import Engine, GroupSpec, create_engine
 
 __all__ = ["Comm", "World", "Group", "init", "current_world", "resolve_group", "finalize"]
 
@@ -24,13 +25,13 @@ _HOSTNAME_NBYTES = 256
 class Comm:
     """What World and Group share: the member ranks and the engine handle used by collectives."""
 
-    def __init__(self, world: "World | None", spec: GroupSpec, handle: Any) -> None:
+    def __init__(self, world: World | None, spec: GroupSpec, handle: Any) -> None:
         self._world = world if world is not None else self  # type: ignore[assignment]
         self.spec = spec
         self.handle = handle
 
     @property
-    def world(self) -> "World":
+    def world(self) -> World:
         return self._world  # type: ignore[return-value]
 
     @property
@@ -109,7 +110,7 @@ class World(Comm):
     def num_nodes(self) -> int:
         return len(set(self.hostnames))
 
-    def new_group(self, ranks: Sequence[int]) -> "Group":
+    def new_group(self, ranks: Sequence[int]) -> Group:
         """A sub-communicator over ``ranks`` (global). Every rank of the world must call this, in the
         same order, with the same list; non-members get a Group whose ``is_member`` is False."""
         members = tuple(int(r) for r in ranks)
@@ -133,7 +134,7 @@ class World(Comm):
     def finalized(self) -> bool:
         return self._finalized
 
-    def __enter__(self) -> "World":
+    def __enter__(self) -> World:
         return self
 
     def __exit__(self, *exc: Any) -> None:

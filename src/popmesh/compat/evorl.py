@@ -30,9 +30,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
 import optax
 
+import jax
 import popmesh.jax as _pj
 from popmesh.jax.updates import attach_params as _attach_params_to_agent_state
 from popmesh.jax.updates import detach_params as _detach_params_to_agent_state

@@ -49,13 +49,16 @@ import torch
 
 import popmesh.comm.collectives as _collectives
 import popmesh.comm.messages as _messages
-import popmesh.topology.roles as _roles
 import popmesh.observe.stats as _stats
+import popmesh.topology.roles as _roles
 import popmesh.torch as _pt
+from popmesh.comm.world import Comm, World
+from popmesh.comm.world import current_world as _current_world
+from popmesh.comm.world import init as _init
 from popmesh.core.errors import ConfigError
 from popmesh.observe.reports import format_report
-from popmesh.observe.timing import report_imbalance as _report_imbalance, report_timings as _report_timings
-from popmesh.comm.world import Comm, World, current_world as _current_world, init as _init
+from popmesh.observe.timing import report_imbalance as _report_imbalance
+from popmesh.observe.timing import report_timings as _report_timings
 
 __all__ = [
     "Group",

@@ -45,11 +45,15 @@ import numpy as np
 
 import popmesh.observe.stats as _stats
 import popmesh.torch as _pt
+from popmesh.comm.collectives import all_reduce_ as _all_reduce_
+from popmesh.comm.world import World
+from popmesh.comm.world import current_world as _current_world
+from popmesh.comm.world import init as _init
 from popmesh.core.arrays import is_torch
 from popmesh.core.errors import ConfigError
-from popmesh.launch import fork as _fork, in_launched_world, launch as _launch
-from popmesh.comm.collectives import all_reduce_ as _all_reduce_
-from popmesh.comm.world import World, current_world as _current_world, init as _init
+from popmesh.launch import fork as _fork
+from popmesh.launch import in_launched_world
+from popmesh.launch import launch as _launch
 
 __all__ = [
     "setup_distributed",

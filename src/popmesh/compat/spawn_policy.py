@@ -39,6 +39,7 @@ import math
 import sys
 from typing import Any
 
+from popmesh.comm.world import Comm, resolve_group
 from popmesh.core.errors import ConfigError
 from popmesh.population import (
     AsyncSelectiveAveraging,
@@ -50,7 +51,6 @@ from popmesh.population import (
     worst_by_ratio,
 )
 from popmesh.population.options import due
-from popmesh.comm.world import Comm, resolve_group
 
 __all__ = [
     "AsyncSelectiveAveragingPolicy",

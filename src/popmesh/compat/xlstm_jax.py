@@ -24,8 +24,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import flax.linen as nn
-import jax
 
+import jax
 import popmesh.jax as _pj
 
 __all__ = [

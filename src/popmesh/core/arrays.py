@@ -6,8 +6,9 @@ complex). Containers are dicts, lists and tuples (named tuples included), nested
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -42,7 +43,7 @@ class TreeDef:
     """The shape of a nested structure: ``kind`` is leaf/dict/list/tuple/namedtuple."""
 
     kind: str
-    children: tuple["TreeDef", ...] = ()
+    children: tuple[TreeDef, ...] = ()
     keys: tuple[Any, ...] = ()
     cls: Any = None
 

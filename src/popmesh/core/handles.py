@@ -9,7 +9,8 @@ return a Handle.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Generic, Protocol, TypeVar
+from collections.abc import Callable
+from typing import Any, Generic, Protocol, TypeVar
 
 __all__ = ["Pending", "Completed", "Handle"]
 

@@ -20,7 +20,7 @@ class ReduceOp(str, Enum):
     PROD = "prod"
 
     @classmethod
-    def parse(cls, op: Any) -> "ReduceOp":
+    def parse(cls, op: Any) -> ReduceOp:
         """Accept a ReduceOp, a name such as ``"sum"``/``"MEAN"``, or a foreign enum with such a name
         (e.g. ``torch.distributed.ReduceOp.SUM``)."""
         if isinstance(op, ReduceOp):

@@ -9,8 +9,8 @@ import argparse
 import json
 import sys
 
-from popmesh.launch.cli import Command
 from popmesh.demo.config import POLICIES, STRATEGIES, DemoConfig
+from popmesh.launch.cli import Command
 
 __all__ = ["COMMAND", "configure", "run_command"]
 
@@ -21,7 +21,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", choices=("torch", "mpi"), default=defaults.engine, help="engine (default torch/gloo)")
     p.add_argument("--policy", choices=POLICIES, default=defaults.policy, help="population policy (default async)")
     p.add_argument("--seed", type=int, default=defaults.seed, help="base seed; rank r uses seed*1000+r")
-    p.add_argument("--steps", type=int, default=defaults.steps, help=f"env steps per agent (default {defaults.steps:,})")
+    p.add_argument("--steps", type=int, default=defaults.steps,
+                   help=f"env steps per agent (default {defaults.steps:,})")
     p.add_argument("--every", type=int, default=defaults.every, help="iterations between population decisions")
     p.add_argument("--strategy", choices=STRATEGIES, default=defaults.strategy,
                    help="how donors combine into a replaced agent (default mean)")
@@ -36,7 +37,8 @@ def run_command(ns: argparse.Namespace) -> int:
     from popmesh.launch.api import launch
 
     config = DemoConfig(ranks=ns.ranks, engine=ns.engine, policy=ns.policy, seed=ns.seed, steps=ns.steps,
-                        every=ns.every, strategy=ns.strategy, donors=ns.donors, warmup=ns.warmup, out_dir=ns.out, live=not ns.no_live, stop_at_target=ns.stop_at_target)
+                        every=ns.every, strategy=ns.strategy, donors=ns.donors, warmup=ns.warmup, out_dir=ns.out,
+                        live=not ns.no_live, stop_at_target=ns.stop_at_target)
     terminal = config.live and sys.stdout.isatty() and config.engine == "torch"
     result = launch("popmesh.demo.worker", ["--config", json.dumps(config.to_dict())], module=True,
                     nproc=config.ranks, engine=config.engine, quiet_others=True, rank0_terminal=terminal)

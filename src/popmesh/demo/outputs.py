@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 __all__ = ["new_run_dir", "steps_to_target", "write_events", "write_summary", "plot_returns"]
 

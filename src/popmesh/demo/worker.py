@@ -13,15 +13,14 @@ import time
 from typing import Any
 
 import popmesh
-
-from popmesh.population import AsyncSelectiveAveraging, AverageAll, DonorRule, ReplacementRule, SelectiveAveraging
-from popmesh.observe.reports import Timer, print_report
-from popmesh.observe.timing import report_imbalance, report_timings
 from popmesh.demo.config import DemoConfig, rank_hyper, rank_seed
 from popmesh.demo.learner import CartPoleLearner
 from popmesh.demo.outputs import new_run_dir, plot_returns, write_events, write_summary
 from popmesh.demo.reporter import Reporter
 from popmesh.demo.view import PopulationView
+from popmesh.observe.reports import Timer, print_report
+from popmesh.observe.timing import report_imbalance, report_timings
+from popmesh.population import AsyncSelectiveAveraging, AverageAll, DonorRule, ReplacementRule, SelectiveAveraging
 
 __all__ = ["make_policy", "run", "main"]
 

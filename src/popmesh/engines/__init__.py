@@ -6,8 +6,8 @@ import importlib.util
 import sys
 from typing import Any
 
-from popmesh.core.launch_env import read_torch_env
 from popmesh.core.errors import ConfigError
+from popmesh.core.launch_env import read_torch_env
 from popmesh.engines.base import Engine, GroupSpec
 
 __all__ = ["Engine", "GroupSpec", "create_engine", "available_engines", "mpi_library_version"]
@@ -51,5 +51,5 @@ def mpi_library_version() -> str | None:
         from mpi4py import MPI
 
         return str(MPI.Get_library_version()).strip().splitlines()[0]
-    except Exception as e:  # noqa: BLE001 - a broken install is worth reporting, not crashing on
+    except Exception as e:
         return f"unavailable ({type(e).__name__}: {e})"

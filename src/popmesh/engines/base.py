@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from popmesh.core.handles import Pending
 from popmesh.core.ops import ReduceOp

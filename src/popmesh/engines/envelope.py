@@ -30,8 +30,8 @@ from typing import NamedTuple
 import numpy as np
 
 from popmesh.core.errors import MessageError
-from popmesh.wire.format import join_frame
 from popmesh.engines.p2p_base import PAGE_NBYTES
+from popmesh.wire.format import join_frame
 
 __all__ = [
     "ENVELOPE_MAX_NBYTES", "GOODBYE_TAG", "HEADER_NBYTES", "INLINE_NBYTES", "MAX_SEGMENTS", "PAGE_NBYTES", "Envelope",

@@ -6,8 +6,8 @@ import socket
 from typing import Any
 
 from popmesh.core.errors import ConfigError
-from popmesh.core.ops import ReduceOp
 from popmesh.core.handles import Completed
+from popmesh.core.ops import ReduceOp
 from popmesh.engines.base import GroupSpec, Tuning
 
 __all__ = ["LocalEngine"]

@@ -28,10 +28,10 @@ from typing import Any
 
 import numpy as np
 
-from popmesh.core.handles import Completed, Pending
 from popmesh.core.errors import CommTimeout, ConfigError
-from popmesh.wire.format import join_frame
+from popmesh.core.handles import Completed, Pending
 from popmesh.engines.base import poll_until
+from popmesh.wire.format import join_frame
 
 __all__ = [
     "TAG_LIMIT", "Frame", "Item", "RecvRequest", "P2PBase", "LoopbackP2P",
@@ -108,7 +108,7 @@ class RecvRequest:
     Timing out leaves the request posted; dropping the last reference withdraws it.
     """
 
-    __slots__ = ("sources", "tag", "_owner", "_item", "__weakref__")
+    __slots__ = ("__weakref__", "_item", "_owner", "sources", "tag")
 
     def __init__(self, owner: P2PBase, sources: frozenset[int] | None, tag: int) -> None:
         self.sources, self.tag, self._owner = sources, tag, owner

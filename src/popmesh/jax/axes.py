@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias
 
-import jax
 import jax.numpy as jnp
 
+import jax
 from popmesh.core.errors import ConfigError
 
 __all__ = [

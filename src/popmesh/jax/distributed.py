@@ -9,11 +9,10 @@ world it is a no-op, so the same script runs on one process.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import jax
-
 from popmesh.core.errors import ConfigError
 
 __all__ = ["JaxProcess", "read_jax_env", "init", "is_initialized", "shutdown"]

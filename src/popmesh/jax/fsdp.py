@@ -22,11 +22,11 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 from flax import struct
 from jax.sharding import Mesh, PartitionSpec
 
+import jax
 from popmesh.core.errors import ConfigError
 from popmesh.jax.axes import _checked, axis_size, require_bound, varying_axes
 

@@ -13,11 +13,11 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+import jax
 from popmesh.core.errors import ConfigError
 
 __all__ = ["vmap_per_device", "map_per_device", "split_key_per_device", "device_ranks"]

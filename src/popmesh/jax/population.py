@@ -14,10 +14,10 @@ import math
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
-import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+import jax
 from popmesh.core.errors import ConfigError
 from popmesh.jax.axes import POPULATION_AXIS, AxisName, all_gather, psum
 

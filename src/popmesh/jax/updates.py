@@ -12,9 +12,9 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import jax
 import optax
 
+import jax
 from popmesh.jax.axes import AxisName, as_varying, axis_names, require_bound
 from popmesh.jax.fsdp import mean_grads
 

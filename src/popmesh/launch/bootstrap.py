@@ -82,7 +82,7 @@ def _report(exc: BaseException) -> None:
     """Print the traceback like Python does and write the error record, if the launcher asked for one."""
     try:
         from popmesh.launch import errorfile
-    except Exception:  # noqa: BLE001 - a broken popmesh install must not hide the user's error
+    except Exception:
         import traceback
 
         traceback.print_exception(exc)
@@ -127,7 +127,7 @@ def run(target: str, args: list[str], *, module: bool = False) -> int:
         if exc.code not in (None, 0):
             _mpi_abort(exc.code if isinstance(exc.code, int) else 1)
         raise
-    except BaseException as exc:  # noqa: BLE001 - every failure must be recorded, KeyboardInterrupt too
+    except BaseException as exc:
         _report(exc)
         _mpi_abort(1)
         _exit_soon(1)

@@ -42,7 +42,7 @@ def _version(package: str) -> str | None:
         return None
     try:
         return str(getattr(importlib.import_module(package), "__version__", "unknown"))
-    except Exception as e:  # noqa: BLE001 - a broken install is worth reporting, not crashing on
+    except Exception as e:
         return f"broken ({type(e).__name__}: {e})"
 
 

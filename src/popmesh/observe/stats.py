@@ -24,12 +24,12 @@ from typing import Any
 import numpy as np
 
 from popmesh.comm.agreement import exchange_shapes
-from popmesh.core.arrays import flatten, is_torch, unflatten
 from popmesh.comm.asynchronous import all_reduce_async_
 from popmesh.comm.collectives import all_reduce, gather
+from popmesh.comm.world import Comm, resolve_group
+from popmesh.core.arrays import flatten, is_torch, unflatten
 from popmesh.core.errors import ConfigError
 from popmesh.core.ops import ReduceOp
-from popmesh.comm.world import Comm, resolve_group
 
 __all__ = ["reduce_value", "is_integral", "mean_std", "gather_rows"]
 

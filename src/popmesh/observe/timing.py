@@ -15,10 +15,19 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from popmesh.comm.collectives import all_gather_object, barrier as _barrier, gather_object
-from popmesh.core.errors import ConfigError
-from popmesh.observe.reports import ImbalanceReport, TimeReport, Timer, imbalance_report, print_report, save_chart, time_report
+from popmesh.comm.collectives import all_gather_object, gather_object
+from popmesh.comm.collectives import barrier as _barrier
 from popmesh.comm.world import Comm
+from popmesh.core.errors import ConfigError
+from popmesh.observe.reports import (
+    ImbalanceReport,
+    Timer,
+    TimeReport,
+    imbalance_report,
+    print_report,
+    save_chart,
+    time_report,
+)
 
 __all__ = ["gather_timings", "report_timings", "report_imbalance"]
 

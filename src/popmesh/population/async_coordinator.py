@@ -12,13 +12,13 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from popmesh.core.errors import CommTimeout, PeerFailure
 from popmesh.comm.messages import irecv, isend
+from popmesh.comm.world import World
+from popmesh.core.errors import CommTimeout, PeerFailure
 from popmesh.population.async_protocol import Channels, CoordinatorBook, decision_message, parse_up, told_directly
 from popmesh.population.async_trainer import reap
 from popmesh.population.options import SelectiveOptions
 from popmesh.population.selection import update_state
-from popmesh.comm.world import World
 
 __all__ = ["CoordinatorLink"]
 
@@ -125,7 +125,7 @@ class CoordinatorLink:
                 continue  # this rank's trainer side fails with the coordinator, in the same thread
             try:
                 isend({"kind": "abort", "reason": reason}, dst, self.tags.down, group=self.world)
-            except Exception:  # noqa: BLE001 - a dead peer cannot be told anything
+            except Exception:
                 pass
 
     def drain(self, timeout: float) -> None:

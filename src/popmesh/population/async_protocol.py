@@ -38,8 +38,8 @@ from typing import Any
 
 import numpy as np
 
-from popmesh.core.errors import ConfigError
 from popmesh.comm.messages import INTERNAL_TAG_BASE, POPULATION_TAGS, internal_tag
+from popmesh.core.errors import ConfigError
 
 __all__ = [
     "METRIC", "ACK", "BYE", "MAX_INSTANCES", "Channels", "channels", "up_row", "parse_up", "decision_message",

@@ -24,13 +24,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from popmesh.core.errors import CommTimeout, PopmeshError
 from popmesh.comm.messages import on_arrival
+from popmesh.comm.world import World
+from popmesh.core.errors import CommTimeout, PopmeshError
 from popmesh.population.async_coordinator import CoordinatorLink
 from popmesh.population.async_protocol import BYE, METRIC, Channels
 from popmesh.population.async_trainer import Pending, Snapshot, TrainerLink, reap
 from popmesh.population.options import SelectiveOptions
-from popmesh.comm.world import World
 
 __all__ = ["Runtime", "surface"]
 
@@ -135,7 +135,7 @@ class Runtime:
                     break
                 self._wake.wait(pause)
                 self._wake.clear()
-        except BaseException as e:  # noqa: BLE001 - surfaced to the main thread
+        except BaseException as e:
             self.error = e
             if self.coordinator is not None:
                 self.coordinator.abort(f"{type(e).__name__}: {e}")

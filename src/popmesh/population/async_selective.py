@@ -22,6 +22,7 @@ import warnings
 import weakref
 from typing import Any
 
+from popmesh.comm.world import Comm, resolve_group
 from popmesh.core.errors import ConfigError, PopmeshError
 from popmesh.population.async_coordinator import CoordinatorLink
 from popmesh.population.async_protocol import Channels, channels
@@ -33,7 +34,6 @@ from popmesh.population.info import Clock, PolicyInfo
 from popmesh.population.model_state import layout_of, model_tensors, optimizer_tensors, snapshot
 from popmesh.population.options import SelectiveOptions, check_metric, due
 from popmesh.population.replace import apply_replacement
-from popmesh.comm.world import Comm, resolve_group
 
 __all__ = ["AsyncSelectiveAveraging"]
 
@@ -206,5 +206,5 @@ def _shutdown_at_exit(slot: dict[str, Any]) -> None:
         runtime.request_shutdown(runtime.timeout)
         runtime.join(runtime.timeout)
         surface(runtime.error)
-    except Exception as e:  # noqa: BLE001 - never raise from a finalizer
+    except Exception as e:
         warnings.warn(f"AsyncSelectiveAveraging shut down with an error: {e}", RuntimeWarning, stacklevel=1)

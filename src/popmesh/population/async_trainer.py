@@ -17,8 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from popmesh.core.errors import CommTimeout, PeerFailure, PopmeshError
 from popmesh.comm.messages import irecv, isend
+from popmesh.comm.world import World
+from popmesh.core.errors import CommTimeout, PeerFailure, PopmeshError
 from popmesh.population.async_protocol import (
     ACK,
     BYE,
@@ -30,7 +31,6 @@ from popmesh.population.async_protocol import (
 )
 from popmesh.population.combine import _check_weights, combine
 from popmesh.population.decision import Decision
-from popmesh.comm.world import World
 
 __all__ = ["Pending", "Snapshot", "TrainerLink", "reap"]
 

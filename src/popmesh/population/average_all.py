@@ -6,11 +6,11 @@ import time
 from typing import Any
 
 from popmesh.comm.collectives import all_reduce_
+from popmesh.comm.world import Comm, resolve_group
 from popmesh.population.events import EventLog
 from popmesh.population.info import PolicyInfo
 from popmesh.population.model_state import load_, model_tensors, snapshot
 from popmesh.population.options import check_every, due
-from popmesh.comm.world import Comm, resolve_group
 
 __all__ = ["AverageAll"]
 

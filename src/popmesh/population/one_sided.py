@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from popmesh.comm.collectives import all_gather
+from popmesh.comm.world import Comm, resolve_group
 from popmesh.core.errors import ConfigError
 from popmesh.population.combine import OptimizerPolicy, combine
 from popmesh.population.decision import Decision
@@ -42,7 +43,6 @@ from popmesh.population.model_state import (
 from popmesh.population.options import SelectiveOptions, check_metric, due
 from popmesh.population.replace import apply_replacement
 from popmesh.population.selection import SelectionState, update_state
-from popmesh.comm.world import Comm, resolve_group
 
 __all__ = ["OneSidedAveraging"]
 

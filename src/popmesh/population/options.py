@@ -101,8 +101,8 @@ class SelectiveOptions:
     """Everything a selective policy decides and combines with (see the policies' docstrings)."""
 
     every: int
-    rule: ReplacementRule = ReplacementRule(ratio=0.25)
-    donor_rule: DonorRule = DonorRule()
+    rule: ReplacementRule = field(default_factory=lambda: ReplacementRule(ratio=0.25))
+    donor_rule: DonorRule = field(default_factory=DonorRule)
     strategy: Strategy = Strategy.MEAN
     momentum: float = 0.0
     optimizer_policy: OptimizerPolicy = DEFAULT_OPTIMIZER_POLICY

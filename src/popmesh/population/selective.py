@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from popmesh.comm.collectives import all_gather, all_reduce_, broadcast_, broadcast_object
+from popmesh.comm.world import Comm, resolve_group
 from popmesh.core.errors import ConfigError
 from popmesh.population.decision import Decision
 from popmesh.population.events import EventLog, replacement_event
@@ -32,7 +33,6 @@ from popmesh.population.model_state import (
 from popmesh.population.options import SelectiveOptions, check_metric, due
 from popmesh.population.replace import apply_replacement
 from popmesh.population.selection import SelectionState, update_state
-from popmesh.comm.world import Comm, resolve_group
 
 __all__ = ["SelectiveAveraging", "combination_groups", "gather_metrics"]
 

@@ -19,9 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from popmesh.comm.collectives import all_gather_object
+from popmesh.comm.world import Group, World
 from popmesh.core.errors import ConfigError
 from popmesh.topology.layout import RankLayout
-from popmesh.comm.world import Group, World
 
 __all__ = ["Roles", "assign_roles"]
 

@@ -17,7 +17,7 @@ if importlib.util.find_spec("torch") is None:  # pragma: no cover - torch is an 
 
     raise EngineUnavailable("popmesh.torch needs PyTorch: pip install 'popmesh[torch]'")
 
-from typing import Any  # noqa: E402
+from typing import Any
 
 _LAZY = {
     "popmesh.torch.params": ("mean_grads_", "mean_params_", "broadcast_params_"),

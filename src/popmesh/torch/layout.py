@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from popmesh.torch.bucketing import BucketPlan, ParamSpec
 from popmesh.core.errors import ConfigError
+from popmesh.torch.bucketing import BucketPlan, ParamSpec
 
 __all__ = ["ParamSource", "FlatGrads", "specs_of", "signature_of"]
 

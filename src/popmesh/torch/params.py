@@ -18,14 +18,14 @@ from typing import Any
 
 import torch
 
-from popmesh.torch.bucketing import ParamSpec, plan_buckets
 from popmesh.comm.collectives import all_reduce_, broadcast_
 from popmesh.comm.world import Comm, resolve_group
+from popmesh.torch.bucketing import ParamSpec, plan_buckets
 from popmesh.torch.sync import GradientSync, default_cap_bytes
 
 __all__ = ["mean_grads_", "mean_params_", "broadcast_params_"]
 
-_SYNCS: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.WeakKeyDictionary[Comm, GradientSync]]" = (
+_SYNCS: weakref.WeakKeyDictionary[torch.nn.Module, weakref.WeakKeyDictionary[Comm, GradientSync]] = (
     weakref.WeakKeyDictionary()
 )
 

@@ -17,18 +17,18 @@ gradient for keeps ``grad = None``.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from popmesh.comm.agreement import agree
 from popmesh.comm.asynchronous import AsyncHandle, all_reduce_async_
-from popmesh.torch.bucketing import DEFAULT_CAP_BYTES, BucketPlan, plan_buckets, plan_differs
+from popmesh.comm.world import Comm, resolve_group
 from popmesh.core.errors import ConfigError
 from popmesh.core.ops import ReduceOp
-from popmesh.comm.world import Comm, resolve_group
+from popmesh.torch.bucketing import DEFAULT_CAP_BYTES, BucketPlan, plan_buckets, plan_differs
 from popmesh.torch.layout import FlatGrads, Named, ParamSource, signature_of, specs_of
 
 __all__ = ["GradientSync", "default_cap_bytes"]
@@ -133,7 +133,7 @@ class GradientSync:
             self._reset_pass()
 
     @contextmanager
-    def no_sync(self) -> Iterator["GradientSync"]:
+    def no_sync(self) -> Iterator[GradientSync]:
         """Backward passes inside only accumulate (no reduction starts): for gradient accumulation."""
         self._paused += 1
         try:
@@ -255,7 +255,7 @@ class GradientSync:
             self._hooks.append(p.register_post_accumulate_grad_hook(_hook(ref, i)))
 
 
-def _hook(ref: "weakref.ref[GradientSync]", i: int) -> Callable[[torch.Tensor], None]:
+def _hook(ref: weakref.ref[GradientSync], i: int) -> Callable[[torch.Tensor], None]:
     """A hook that does not keep the GradientSync alive (the parameters outlive it)."""
 
     def on_grad(_: torch.Tensor) -> None:

@@ -18,28 +18,28 @@ import numpy as np
 
 from popmesh.core.errors import MessageError
 from popmesh.wire.format import (
-    FORMAT_VERSION,
-    FrameHeader,
-    HEADER_NBYTES,
-    Kind,
-    MAGIC,
-    join_frame,
     _CODE_DTYPES,
     _CRC,
     _DEVICE_NAMES,
     _DTYPE_NAMES,
     _FIXED,
     _FLAG_PAYLOAD_CRC,
-    _KINDS,
     _KIND_VALUES,
+    _KINDS,
     _MAX_NDIM,
     _SHAPES,
     _UINT8_CODE,
+    FORMAT_VERSION,
+    HEADER_NBYTES,
+    MAGIC,
+    FrameHeader,
+    Kind,
     _as_bytes_view,
     _check_meta,
     _is_torch,
     _numpy_dtype,
     _torch,
+    join_frame,
 )
 
 __all__ = ["decode", "read_header"]

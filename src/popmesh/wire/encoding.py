@@ -37,13 +37,6 @@ import numpy as np
 
 from popmesh.core.errors import MessageError
 from popmesh.wire.format import (
-    CHECKSUM_AUTO_LIMIT,
-    DTYPE_CODES,
-    FORMAT_VERSION,
-    Kind,
-    MAGIC,
-    SMALL_FRAME_NBYTES,
-    frame_nbytes,
     _CRC,
     _DEVICE_CODES,
     _FIXED,
@@ -52,10 +45,17 @@ from popmesh.wire.format import (
     _SHAPES,
     _SMALL_DTYPE_CODES,
     _UINT8_CODE,
+    CHECKSUM_AUTO_LIMIT,
+    DTYPE_CODES,
+    FORMAT_VERSION,
+    MAGIC,
+    SMALL_FRAME_NBYTES,
+    Kind,
     _as_bytes_view,
     _is_jax,
     _is_torch,
     _torch,
+    frame_nbytes,
 )
 
 __all__ = ["encode", "encode_message"]

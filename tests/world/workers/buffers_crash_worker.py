@@ -10,13 +10,13 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import popmesh  # noqa: E402
-from popmesh import CommTimeout, PeerFailure  # noqa: E402
-from popmesh.comm import messages as m  # noqa: E402
-from popmesh.buffers import ReplayBufferClient, ReplayBufferManager  # noqa: E402
-from popmesh.buffers.manager import send_outgoing  # noqa: E402
-from popmesh.buffers.protocol import REQUEST_TAG, from_payload  # noqa: E402
-from worldlib import check, main  # noqa: E402
+import popmesh
+from popmesh import CommTimeout, PeerFailure
+from popmesh.buffers import ReplayBufferClient, ReplayBufferManager
+from popmesh.buffers.manager import send_outgoing
+from popmesh.buffers.protocol import REQUEST_TAG, from_payload
+from popmesh.comm import messages as m
+from worldlib import check, main
 
 BATCH = {"states": np.ones((4, 8), np.float32), "log_rewards": np.zeros(4)}
 

@@ -15,13 +15,13 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import popmesh  # noqa: E402
-from popmesh import ConfigError  # noqa: E402
-from popmesh.comm import messages as m  # noqa: E402
-from popmesh.buffers import Coordinator, ReplayBufferClient, ReplayBufferManager, novelty_score  # noqa: E402
-from popmesh.buffers.protocol import REQUEST_TAG, SCORE_TAG, Message, MessageType, from_payload, to_payload  # noqa: E402
-from popmesh.topology.layout import RankLayout  # noqa: E402
-from worldlib import check, main  # noqa: E402
+import popmesh
+from popmesh import ConfigError
+from popmesh.buffers import Coordinator, ReplayBufferClient, ReplayBufferManager, novelty_score
+from popmesh.buffers.protocol import REQUEST_TAG, SCORE_TAG, Message, MessageType, from_payload, to_payload
+from popmesh.comm import messages as m
+from popmesh.topology.layout import RankLayout
+from worldlib import check, main
 
 CTX = {}
 
@@ -97,7 +97,7 @@ def bad_requests_get_error_replies(w):
     m.send({"not": "a service message"}, 2, REQUEST_TAG)
     w.engine.p2p().send(b"\x00garbage frame", 2, int(REQUEST_TAG), 30)
     for _ in range(3):
-        src, payload = m.recv(2, SCORE_TAG, timeout=30)
+        _src, payload = m.recv(2, SCORE_TAG, timeout=30)
         assert from_payload(payload).type is MessageType.ERROR
 
 

@@ -8,9 +8,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import popmesh  # noqa: E402
-from popmesh import CollectiveMismatch, ConfigError, NotInGroup  # noqa: E402
-from worldlib import check, main  # noqa: E402
+import popmesh
+from popmesh import CollectiveMismatch, ConfigError, NotInGroup
+from worldlib import check, main
 
 try:
     import torch

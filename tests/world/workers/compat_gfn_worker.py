@@ -7,9 +7,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import popmesh.compat.gfn as gfn  # noqa: E402
-from popmesh import ConfigError  # noqa: E402
-from worldlib import check, main  # noqa: E402
+import popmesh.compat.gfn as gfn
+from popmesh import ConfigError
+from worldlib import check, main
 
 torch.set_num_threads(1)
 

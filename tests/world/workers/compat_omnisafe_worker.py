@@ -7,8 +7,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import popmesh.compat.omnisafe as omnisafe  # noqa: E402
-from worldlib import check, main  # noqa: E402
+import popmesh.compat.omnisafe as omnisafe
+from worldlib import check, main
 
 torch.set_num_threads(1)
 RANK_BEFORE_INIT = omnisafe.get_rank()  # the facade initialises the launched world itself

@@ -8,10 +8,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import popmesh  # noqa: E402
-import popmesh.compat.spawn_policy as sp  # noqa: E402
-from popmesh import ConfigError  # noqa: E402
-from worldlib import check, main  # noqa: E402
+import popmesh
+import popmesh.compat.spawn_policy as sp
+from popmesh import ConfigError
+from worldlib import check, main
 
 torch.set_num_threads(1)
 METRIC = {0: 1.0, 1: 5.0}  # rank 0 is the worse agent

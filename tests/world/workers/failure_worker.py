@@ -8,9 +8,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import popmesh  # noqa: E402
-from popmesh import CommTimeout, PeerFailure  # noqa: E402
-from worldlib import check, main  # noqa: E402
+import popmesh
+from popmesh import CommTimeout, PeerFailure
+from worldlib import check, main
 
 SCENARIO = os.environ.get("SCENARIO", "late")
 

@@ -12,14 +12,14 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import ml_dtypes  # noqa: E402
-import torch  # noqa: E402
+import ml_dtypes
+import torch
 
-import popmesh  # noqa: E402
-from popmesh import CommTimeout, ConfigError, MessageError, NotInGroup  # noqa: E402
-from popmesh.comm import messages as m  # noqa: E402
-from popmesh.wire import encode, join_frame  # noqa: E402
-from worldlib import check, main  # noqa: E402
+import popmesh
+from popmesh import CommTimeout, ConfigError, MessageError, NotInGroup
+from popmesh.comm import messages as m
+from popmesh.wire import encode, join_frame
+from worldlib import check, main
 
 NP_DTYPES = ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16",
              "float32", "float64", "complex64", "complex128"]
@@ -292,7 +292,7 @@ def group_restricts_any_source(w):
 @check
 def bad_arguments_are_config_errors(w):
     for tag in (m.INTERNAL_TAG_BASE, m.TAG_LIMIT - 1, -1, m.TAG_LIMIT, 1.5, True):
-        for call in (lambda: m.send(1, 0, tag), lambda: m.recv(0, tag, timeout=0.1)):
+        for call in (lambda tag=tag: m.send(1, 0, tag), lambda tag=tag: m.recv(0, tag, timeout=0.1)):
             try:
                 call()
             except ConfigError:

@@ -6,10 +6,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from popmesh import CommTimeout, PeerFailure  # noqa: E402
-from popmesh.population import AsyncSelectiveAveraging, ReplacementRule  # noqa: E402
-from worldlib import check, main  # noqa: E402
-from workers.population_common import make_agent  # noqa: E402
+from popmesh import CommTimeout, PeerFailure
+from popmesh.population import AsyncSelectiveAveraging, ReplacementRule
+from workers.population_common import make_agent
+from worldlib import check, main
 
 DEAD = 2
 SHUTDOWN_S = 3.0

@@ -12,16 +12,16 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import popmesh  # noqa: E402
-from popmesh import ConfigError, PopmeshError  # noqa: E402
-from popmesh.population import (  # noqa: E402
+import popmesh
+from popmesh import ConfigError, PopmeshError
+from popmesh.population import (
     AsyncSelectiveAveraging,
     ReplacementRule,
     SelectiveAveraging,
     decide,
 )
-from worldlib import check, main  # noqa: E402
-from workers.population_common import adam_for, assert_all, exp_avg_of, make_agent, mean, values  # noqa: E402
+from workers.population_common import adam_for, assert_all, exp_avg_of, make_agent, mean, values
+from worldlib import check, main
 
 QUARTER = ReplacementRule(ratio=0.25)
 WORST_FIRST = {1: [1.0], 2: [1.0, 2.0], 3: [1.0, 3.0, 2.0], 4: [1.0, 4.0, 2.0, 3.0]}
@@ -72,7 +72,7 @@ def coordinator_donates_best_only(w):
         return
     metrics = [float(n - r) for r in range(n)]  # rank 0 (the coordinator) is the best
     policy = AsyncSelectiveAveraging(every=10, rule=QUARTER, strategy="best_only")
-    model, _, info = one_round(w, policy, metrics, replaced=(n - 1,))
+    model, _, _info = one_round(w, policy, metrics, replaced=(n - 1,))
     assert_all(model, 1.0 if w.rank == n - 1 else w.rank + 1, what="best_only from the coordinator")
 
 
@@ -131,7 +131,7 @@ def events_and_reset_weights(w):
     path = os.path.join(os.environ["POPMESH_TEST_OUT"], "async-events-{rank}.jsonl")
     policy = AsyncSelectiveAveraging(every=10, rule=QUARTER, strategy="reset_weights",
                                      model_builder=lambda: make_agent(-1.0), events_path=path)
-    model, _, info = one_round(w, policy, WORST_FIRST[n], replaced=(0,))
+    model, _, _info = one_round(w, policy, WORST_FIRST[n], replaced=(0,))
     assert_all(model, -1.0 if w.rank == 0 else w.rank + 1, what="reset_weights")
     mine = path.format(rank=w.rank)
     if w.rank == 0:
@@ -153,7 +153,7 @@ def dedicated_coordinator_rank(w):
     if w.rank == n - 1:
         assert policy.coordinate(group, timeout=WAIT_S) == 1
         return
-    model, _, info = one_round(w, policy, WORST_FIRST[n - 1], replaced=(0,), group=group)
+    model, _, _info = one_round(w, policy, WORST_FIRST[n - 1], replaced=(0,), group=group)
     assert_all(model, mean([r + 1 for r in range(1, n - 1)]) if w.rank == 0 else w.rank + 1, what="dedicated")
 
 

@@ -9,10 +9,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import popmesh  # noqa: E402
-from popmesh.population import OneSidedAveraging, ReplacementRule  # noqa: E402
-from worldlib import check, main  # noqa: E402
-from workers.population_common import adam_for, assert_all, exp_avg_of, make_agent, mean  # noqa: E402
+import popmesh
+from popmesh.population import OneSidedAveraging, ReplacementRule
+from workers.population_common import adam_for, assert_all, exp_avg_of, make_agent, mean
+from worldlib import check, main
 
 QUARTER = ReplacementRule(ratio=0.25)
 WORST_FIRST = {1: [1.0], 2: [1.0, 2.0], 3: [1.0, 3.0, 2.0], 4: [1.0, 4.0, 2.0, 3.0]}
@@ -76,7 +76,7 @@ def rank0_donates_best_only_with_momentum(w):
         return
     metrics = [float(n - r) for r in range(n)]
     policy = OneSidedAveraging(every=5, rule=QUARTER, strategy="best_only", momentum=0.5)
-    model, _, info = decide_once(w, policy, metrics)
+    model, _, _info = decide_once(w, policy, metrics)
     expected = 0.5 * n + 0.5 * 1.0 if w.rank == n - 1 else w.rank + 1
     assert_all(model, expected, what="best_only from rank 0 with momentum")
 
@@ -88,7 +88,7 @@ def nan_metric_never_donates(w):
         return
     metrics = [float(r + 1) for r in range(n)]
     metrics[1] = math.nan
-    model, _, info = decide_once(w, OneSidedAveraging(every=5, rule=QUARTER), metrics)
+    model, _, _info = decide_once(w, OneSidedAveraging(every=5, rule=QUARTER), metrics)
     expected = mean([r + 1 for r in range(n) if r != 1]) if w.rank == 1 else w.rank + 1
     assert_all(model, expected, what="NaN rank replaced")
 
@@ -117,7 +117,7 @@ def reset_weights_and_default_optimizer_reset(w):
     model = make_agent(w.rank + 1)
     opt = adam_for(model)
     policy = OneSidedAveraging(every=5, rule=QUARTER, strategy="reset_weights", model_builder=lambda: make_agent(-2.0))
-    model, opt, info = decide_once(w, policy, WORST_FIRST[n], model=model, optimizer=opt)
+    model, opt, _info = decide_once(w, policy, WORST_FIRST[n], model=model, optimizer=opt)
     assert_all(model, -2.0 if w.rank == 0 else w.rank + 1, what="reset_weights")
     assert (exp_avg_of(opt) is None) == (w.rank == 0)
 

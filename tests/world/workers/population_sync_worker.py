@@ -14,9 +14,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import popmesh  # noqa: E402
-from popmesh import ConfigError  # noqa: E402
-from popmesh.population import (  # noqa: E402
+import popmesh
+from popmesh import ConfigError
+from popmesh.population import (
     AverageAll,
     DonorRule,
     Explore,
@@ -26,8 +26,7 @@ from popmesh.population import (  # noqa: E402
     decide,
     rank_weights,
 )
-from worldlib import check, main  # noqa: E402
-from workers.population_common import (  # noqa: E402
+from workers.population_common import (
     adam_for,
     assert_all,
     buffers_value,
@@ -36,6 +35,7 @@ from workers.population_common import (  # noqa: E402
     mean,
     values,
 )
+from worldlib import check, main
 
 WORST_FIRST = {1: [1.0], 2: [1.0, 2.0], 3: [1.0, 3.0, 2.0], 4: [1.0, 4.0, 2.0, 3.0]}
 QUARTER = ReplacementRule(ratio=0.25)
@@ -52,7 +52,7 @@ def run(policy, w, metrics, model=None, optimizer=None, iteration=0, group=None)
 
 @check
 def average_all_divides_by_group_size(w):
-    model, opt, info = run(AverageAll(every=5), w, WORST_FIRST[w.size])
+    model, _opt, info = run(AverageAll(every=5), w, WORST_FIRST[w.size])
     assert info.averaged and info.acted and not info.replaced
     assert_all(model, (w.size + 1) / 2, what="average")
     assert np.allclose(buffers_value(model), w.rank + 1), "buffers are left alone by default"

@@ -12,10 +12,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import popmesh.compat.omnisafe as omnisafe  # noqa: E402
-from popmesh import CollectiveMismatch, ConfigError, NotInGroup, ReduceOp  # noqa: E402
-from popmesh.observe.stats import gather_rows, mean_std, reduce_value  # noqa: E402
-from worldlib import check, main  # noqa: E402
+import popmesh.compat.omnisafe as omnisafe
+from popmesh import CollectiveMismatch, ConfigError, NotInGroup, ReduceOp
+from popmesh.observe.stats import gather_rows, mean_std, reduce_value
+from worldlib import check, main
 
 torch.set_num_threads(1)
 

@@ -7,10 +7,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import popmesh  # noqa: E402
-from popmesh import CollectiveMismatch, ConfigError, NotInGroup  # noqa: E402
-from popmesh.torch import GradientSync, broadcast_params_, mean_grads_, mean_params_  # noqa: E402
-from worldlib import check, main  # noqa: E402
+import popmesh
+from popmesh import CollectiveMismatch, ConfigError, NotInGroup
+from popmesh.torch import GradientSync, broadcast_params_, mean_grads_, mean_params_
+from worldlib import check, main
 
 torch.set_num_threads(1)
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -98,7 +99,7 @@ class MpiEngine:
             return
         self.all_reduce_start(buf, op, group).wait(timeout)
 
-    def all_reduce_start(self, buf: Any, op: ReduceOp, group: _Handle) -> "_MpiPending":
+    def all_reduce_start(self, buf: Any, op: ReduceOp, group: _Handle) -> _MpiPending:
         arr, finish = self._reducible(buf)
         req = group.comm.Iallreduce(self._mpi.IN_PLACE, arr, op=self._op(op))
         return _MpiPending(self, req, group, lambda: finish(arr))

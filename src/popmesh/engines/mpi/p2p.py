@@ -187,7 +187,7 @@ class MpiP2P(P2PBase):
         partials = self._partials.setdefault(tag, [])
         blocked: set[int] = set()
         for partial in partials:
-            if sources is not None and partial.src not in sources or partial.src in blocked:
+            if (sources is not None and partial.src not in sources) or partial.src in blocked:
                 continue
             if self._complete(partial, tag):
                 partials.remove(partial)

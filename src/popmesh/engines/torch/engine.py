@@ -11,14 +11,15 @@ from __future__ import annotations
 import socket
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
-from popmesh.core.launch_env import TorchEnv
 from popmesh.core.errors import CommTimeout, ConfigError, EngineUnavailable, PeerFailure, PopmeshError
+from popmesh.core.launch_env import TorchEnv
 from popmesh.core.ops import ReduceOp
 from popmesh.engines.base import GroupSpec, Tuning, timeout_message
 from popmesh.engines.interop import numpy_to_torch, torch_to_numpy
@@ -126,7 +127,7 @@ class TorchEngine:
             return
         self.all_reduce_start(buf, op, group).wait(timeout)
 
-    def all_reduce_start(self, buf: Any, op: ReduceOp, group: _Handle) -> "_TorchPending":
+    def all_reduce_start(self, buf: Any, op: ReduceOp, group: _Handle) -> _TorchPending:
         t, finish = self._prepare(buf)
         wide = self._widen(t, op)
         work = self._dist.all_reduce(wide, op=self._op(op), group=group.pg, async_op=True)

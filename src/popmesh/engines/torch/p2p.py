@@ -41,7 +41,14 @@ from typing import Any
 import numpy as np
 
 from popmesh.core.errors import ConfigError, MessageError, PeerFailure, PopmeshError
-from popmesh.engines.envelope import GOODBYE_TAG, HEADER_NBYTES, MAX_SEGMENTS, goodbye_envelope, parse_envelope, plan_frame
+from popmesh.engines.envelope import (
+    GOODBYE_TAG,
+    HEADER_NBYTES,
+    MAX_SEGMENTS,
+    goodbye_envelope,
+    parse_envelope,
+    plan_frame,
+)
 from popmesh.engines.p2p_base import BufferPool, Item, P2PBase, RecvRequest
 from popmesh.engines.torch.send import LONG, Outbox, TorchSend, failure, is_gone, tensor
 
