@@ -202,3 +202,29 @@ def test_handle_finishes_once_and_survives_a_timed_out_wait():
         handle.wait()  # the default timeout is the call's
     assert handle.wait(1) == "done:raw" and handle.wait() == "done:raw" and handle.done()
     assert calls == ["raw"]
+
+
+def test_flat_buffers_pack_view_and_copy_back_for_numpy_and_torch():
+    import torch
+
+    from popmesh.core.flat import copy_back, flatten_into, group_indices, packed_offsets, views_of
+
+    assert group_indices(["f", "i", "f", "b", "i"]) == [[0, 2], [1, 4], [3]]
+    assert packed_offsets([3, 2, 4]) == ([0, 3, 5], 9)
+    for kind in (np, torch):
+        dtype = kind.float64
+        parts = [kind.arange(6, dtype=dtype).reshape(2, 3), kind.full((), 7.0, dtype=dtype),
+                 kind.arange(10, 14, dtype=dtype)]
+        flat = flatten_into(parts)
+        assert [float(v) for v in flat] == [0, 1, 2, 3, 4, 5, 7, 10, 11, 12, 13]
+        views = views_of(flat, [p.shape for p in parts])
+        assert all((v == p).all() for v, p in zip(views, parts))
+        views[0][0, 0] = -1.0  # a view, not a copy
+        assert float(flat[0]) == -1.0
+        targets = [p.clone() if torch.is_tensor(p) else p.copy() for p in parts]
+        for target in targets:
+            target *= 0
+        copy_back(flat, targets)
+        assert float(targets[0][0, 0]) == -1.0 and float(targets[2][3]) == 13.0
+        out = flat * 0
+        assert flatten_into(parts, out=out) is out and float(out[6]) == 7.0

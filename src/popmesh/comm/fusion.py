@@ -1,5 +1,6 @@
 """Preparing leaves for an engine: contiguous copies, fusing many small leaves into one buffer per
-(kind, dtype, device), splitting results back, and writing results into the caller's leaves.
+(kind, dtype, device) with :mod:`popmesh.core.flat`, splitting results back, and writing results into
+the caller's leaves.
 
 Fusion is what makes a nested structure of many small tensors cost one collective instead of one per
 tensor (gloo: 10-20x on small RL models).
@@ -7,13 +8,13 @@ tensor (gloo: 10-20x on small RL models).
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from popmesh.core.arrays import device_name, dtype_name, is_torch
+from popmesh.core.flat import flatten_into, group_indices, views_of
 
 __all__ = ["fresh_copy", "is_contiguous", "fuse_groups", "write_back", "apply_fused"]
 
@@ -36,27 +37,7 @@ def fresh_copy(x: Any) -> Any:
 
 def fuse_groups(leaves: Sequence[Any]) -> list[list[int]]:
     """Indices of leaves that can share one buffer: same kind (numpy/torch), dtype and device."""
-    groups: dict[tuple[bool, str, str], list[int]] = defaultdict(list)
-    for i, leaf in enumerate(leaves):
-        groups[(is_torch(leaf), dtype_name(leaf), device_name(leaf))].append(i)
-    return list(groups.values())
-
-
-def _concat(parts: Sequence[Any]) -> Any:
-    if is_torch(parts[0]):
-        import torch
-
-        return torch.cat([p.reshape(-1) for p in parts])
-    return np.concatenate([np.ravel(p) for p in parts])
-
-
-def _split(flat: Any, like: Sequence[Any]) -> list[Any]:
-    out, offset = [], 0
-    for leaf in like:
-        n = int(np.prod(leaf.shape, dtype=np.int64))
-        out.append(flat[offset : offset + n].reshape(tuple(leaf.shape)))
-        offset += n
-    return out
+    return group_indices([(is_torch(leaf), dtype_name(leaf), device_name(leaf)) for leaf in leaves])
 
 
 def apply_fused(leaves: Sequence[Any], run: Callable[[Any], None], *, in_place: bool) -> list[Any]:
@@ -73,9 +54,9 @@ def apply_fused(leaves: Sequence[Any], run: Callable[[Any], None], *, in_place: 
             run(buf)
             results[idx[0]] = buf
             continue
-        flat = _concat(parts)
+        flat = flatten_into(parts)
         run(flat)
-        for i, piece in zip(idx, _split(flat, parts)):
+        for i, piece in zip(idx, views_of(flat, [tuple(p.shape) for p in parts])):
             results[i] = piece
     if in_place:
         for leaf, result in zip(leaves, results):

@@ -23,6 +23,7 @@ import numpy as np
 
 from popmesh.core.dtypes import ITEMSIZE
 from popmesh.core.errors import ConfigError
+from popmesh.core.flat import copy_back, flatten_into, group_indices, numel_of, packed_offsets, views_of
 
 __all__ = [
     "Entry",
@@ -65,15 +66,16 @@ class Layout:
     @classmethod
     def from_specs(cls, specs: Sequence[tuple[str, str, Sequence[int]]]) -> Layout:
         """A layout from ``(name, dtype, shape)`` triples, packed per dtype in the order given."""
-        used: dict[str, int] = {}
-        entries = []
-        for name, dtype, shape in specs:
+        for name, dtype, _ in specs:
             if dtype not in ITEMSIZE:
                 raise ConfigError(f"tensor {name!r} has dtype {dtype}, which population policies cannot move")
-            numel = int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
-            entries.append(Entry(name, dtype, tuple(int(s) for s in shape), used.get(dtype, 0), numel))
-            used[dtype] = used.get(dtype, 0) + numel
-        return cls(tuple(entries))
+        numels = [numel_of(shape) for _, _, shape in specs]
+        offsets = [0] * len(specs)
+        for idx in group_indices([dtype for _, dtype, _ in specs]):
+            for i, offset in zip(idx, packed_offsets([numels[i] for i in idx])[0]):
+                offsets[i] = offset
+        return cls(tuple(Entry(name, dtype, tuple(int(s) for s in shape), offset, numel)
+                         for (name, dtype, shape), offset, numel in zip(specs, offsets, numels)))
 
     @functools.cached_property
     def dtypes(self) -> tuple[str, ...]:
@@ -191,7 +193,7 @@ def refresh_(flat: FlatState, tensors: Mapping[str, Any]) -> FlatState:
     _check_same(flat.layout, tensors)
     with torch.no_grad():  # one cat per dtype: a snapshot runs between training steps, cold
         for dt, names in flat.layout.names_by_dtype.items():
-            torch.cat([tensors[n].reshape(-1) for n in names], out=flat.buffers[dt])
+            flatten_into([tensors[n] for n in names], out=flat.buffers[dt])
     return flat
 
 
@@ -200,15 +202,13 @@ def load_(tensors: Mapping[str, Any], flat: FlatState) -> None:
     torch = _torch()
     _check_same(flat.layout, tensors)
     with torch.no_grad():
-        for e in flat.layout.entries:
-            src = flat.buffers[e.dtype][e.offset:e.offset + e.numel]
-            tensors[e.name].copy_(src.reshape(e.shape))
+        for dt, names in flat.layout.names_by_dtype.items():
+            copy_back(flat.buffers[dt], [tensors[n] for n in names])
 
 
 def tensors_of(flat: FlatState) -> dict[str, Any]:
     """Each named tensor of ``flat`` as a view into its buffer, in the layout's shape."""
-    return {e.name: flat.buffers[e.dtype][e.offset:e.offset + e.numel].reshape(e.shape)
-            for e in flat.layout.entries}
+    return {e.name: views_of(flat.buffers[e.dtype], [e.shape], [e.offset])[0] for e in flat.layout.entries}
 
 
 def to_numpy(flat: FlatState) -> dict[str, np.ndarray]:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from popmesh.core.errors import ConfigError
+from popmesh.core.flat import views_of
 from popmesh.torch.bucketing import BucketPlan, ParamSpec
 
 __all__ = ["ParamSource", "FlatGrads", "specs_of", "signature_of"]
@@ -95,8 +96,9 @@ class FlatGrads:
             self.buffers.append(buf)
             self.grad_parts.append(buf[:bucket.numel])
             self.flags.append(buf[bucket.numel:])
-            for i, off, n in zip(bucket.indices, bucket.offsets, bucket.sizes):
-                self.views[i] = buf[off:off + n].view(self.params[i].shape)
+            shapes = [tuple(self.params[i].shape) for i in bucket.indices]
+            for i, view in zip(bucket.indices, views_of(buf, shapes, bucket.offsets)):
+                self.views[i] = view
                 self.bucket_of[i] = b
 
     def rebind(self, params: Named) -> None:
