@@ -16,30 +16,30 @@ from typing import Any
 
 import numpy as np
 
+from popmesh.core.arrays import is_torch
 from popmesh.core.errors import MessageError
 from popmesh.wire.format import (
-    _CODE_DTYPES,
-    _CRC,
-    _DEVICE_NAMES,
-    _DTYPE_NAMES,
-    _FIXED,
-    _FLAG_PAYLOAD_CRC,
-    _KIND_VALUES,
-    _KINDS,
-    _MAX_NDIM,
-    _SHAPES,
-    _UINT8_CODE,
+    CRC,
+    DEVICE_NAMES,
+    DTYPE_NAMES,
+    FIXED_HEADER,
+    FLAG_PAYLOAD_CRC,
     FORMAT_VERSION,
     HEADER_NBYTES,
+    KIND_VALUES,
+    KINDS,
     MAGIC,
+    MAX_NDIM,
+    NUMPY_BY_CODE,
+    SHAPE_STRUCTS,
+    UINT8_CODE,
     FrameHeader,
     Kind,
-    _as_bytes_view,
-    _check_meta,
-    _is_torch,
-    _numpy_dtype,
-    _torch,
+    as_bytes_view,
+    check_meta,
+    import_torch,
     join_frame,
+    numpy_dtype,
 )
 
 __all__ = ["decode", "read_header"]
@@ -53,10 +53,10 @@ def _input_view(buf: Any) -> memoryview:
     try:
         if isinstance(buf, (list, tuple)):
             return memoryview(join_frame(buf))
-        if _is_torch(buf):
+        if is_torch(buf):
             t = buf.detach().cpu().contiguous().reshape(-1)
-            buf = (t if t.dtype == _torch().uint8 else t.view(_torch().uint8)).numpy()
-        return _as_bytes_view(buf)
+            buf = (t if t.dtype == import_torch().uint8 else t.view(import_torch().uint8)).numpy()
+        return as_bytes_view(buf)
     except (TypeError, AttributeError, RuntimeError) as e:
         raise MessageError(f"cannot decode a {type(buf).__qualname__}: pass bytes, a uint8 array or tensor, "
                            "or the list returned by encode()") from e
@@ -70,32 +70,32 @@ def read_header(buf: Any) -> FrameHeader:
     mv = _input_view(buf)
     if len(mv) < HEADER_NBYTES:
         raise MessageError(f"truncated frame: {len(mv)} bytes, a frame header needs at least {HEADER_NBYTES}")
-    magic, version, kind, flags, dtype, device, ndim, res1, pcrc, nbytes, res2 = _FIXED.unpack_from(mv)
+    magic, version, kind, flags, dtype, device, ndim, res1, pcrc, nbytes, res2 = FIXED_HEADER.unpack_from(mv)
     if magic != MAGIC:
         raise MessageError(f"not a popmesh frame (magic {bytes(magic)!r}, expected {MAGIC!r}): the sender did not "
                            "use popmesh.wire.encoding or the stream is misaligned")
     if version != FORMAT_VERSION:
         raise MessageError(f"frame format version {version} is not supported (this popmesh reads version "
                            f"{FORMAT_VERSION}); run the same popmesh version on every rank")
-    if ndim > _MAX_NDIM or len(mv) < HEADER_NBYTES + 8 * ndim:
+    if ndim > MAX_NDIM or len(mv) < HEADER_NBYTES + 8 * ndim:
         raise MessageError(f"truncated or corrupt frame: ndim {ndim} needs a {HEADER_NBYTES + 8 * ndim}-byte "
                            f"header, got {len(mv)} bytes")
     shape_bytes = mv[HEADER_NBYTES:HEADER_NBYTES + 8 * ndim]
-    (stored,) = _CRC.unpack_from(mv, _FIXED.size)
-    if zlib.crc32(shape_bytes, zlib.crc32(mv[:_FIXED.size])) != stored:
+    (stored,) = CRC.unpack_from(mv, FIXED_HEADER.size)
+    if zlib.crc32(shape_bytes, zlib.crc32(mv[:FIXED_HEADER.size])) != stored:
         raise MessageError("corrupt frame: header checksum mismatch (the bytes were damaged or misaligned in transit)")
-    if res1 or res2 or flags & ~_FLAG_PAYLOAD_CRC or kind not in _KIND_VALUES:
+    if res1 or res2 or flags & ~FLAG_PAYLOAD_CRC or kind not in KIND_VALUES:
         raise MessageError(f"foreign frame: kind {kind}, flags {flags:#x} or reserved fields not understood")
-    if (dtype and dtype not in _DTYPE_NAMES) or (pcrc and not flags & _FLAG_PAYLOAD_CRC):
+    if (dtype and dtype not in DTYPE_NAMES) or (pcrc and not flags & FLAG_PAYLOAD_CRC):
         raise MessageError(f"foreign frame: unknown dtype code {dtype} or stray payload checksum")
-    shape = _SHAPES[ndim].unpack(shape_bytes)
+    shape = SHAPE_STRUCTS[ndim].unpack(shape_bytes)
     if ndim and min(shape) < 0:
         raise MessageError(f"corrupt frame: negative shape {shape}")
-    name = _DTYPE_NAMES.get(dtype)
-    kind = _KINDS[kind]
-    _check_meta(kind, name, shape, nbytes, device)
-    return FrameHeader(kind, name, _DEVICE_NAMES[device] if kind == Kind.TORCH else None, shape, nbytes,
-                       HEADER_NBYTES + 8 * ndim, bool(flags & _FLAG_PAYLOAD_CRC), pcrc)
+    name = DTYPE_NAMES.get(dtype)
+    kind = KINDS[kind]
+    check_meta(kind, name, shape, nbytes, device)
+    return FrameHeader(kind, name, DEVICE_NAMES[device] if kind == Kind.TORCH else None, shape, nbytes,
+                       HEADER_NBYTES + 8 * ndim, bool(flags & FLAG_PAYLOAD_CRC), pcrc)
 
 
 def _payload(mv: memoryview, head: FrameHeader, exact: bool) -> memoryview:
@@ -125,13 +125,13 @@ def _place(t: Any, device: Any, head: FrameHeader) -> Any:
 def _decode_array(head: FrameHeader, data: memoryview, device: Any) -> Any:
     """NDARRAY/TORCH payload to an array or tensor; shares ``data`` when writable and aligned."""
     is_bf16_tensor = head.kind is Kind.TORCH and head.dtype == "bfloat16"
-    arr = np.frombuffer(data, dtype=np.dtype("<i2") if is_bf16_tensor else _numpy_dtype(str(head.dtype)))
+    arr = np.frombuffer(data, dtype=np.dtype("<i2") if is_bf16_tensor else numpy_dtype(str(head.dtype)))
     arr = arr.reshape(head.shape)
     if data.readonly or not arr.flags.aligned or not arr.dtype.isnative:
         arr = arr.astype(arr.dtype.newbyteorder("="))
     if head.kind is Kind.NDARRAY:
         return arr
-    torch = _torch()
+    torch = import_torch()
     t = torch.from_numpy(arr)
     return _place(t.view(torch.bfloat16) if is_bf16_tensor else t, device, head)
 
@@ -172,21 +172,21 @@ def _decode_plain(mv: memoryview) -> Any:
     n = len(mv)
     if n < HEADER_NBYTES:
         return None
-    magic, version, kind, flags, dtype, device, ndim, res1, pcrc, nbytes, res2 = _FIXED.unpack_from(mv)
+    magic, version, kind, flags, dtype, device, ndim, res1, pcrc, nbytes, res2 = FIXED_HEADER.unpack_from(mv)
     header_nbytes = HEADER_NBYTES + 8 * ndim
-    if (magic != MAGIC or version != FORMAT_VERSION or flags & ~_FLAG_PAYLOAD_CRC or device or res1 or res2
-            or ndim > _MAX_NDIM or n != header_nbytes + nbytes or not 1 <= kind <= 2 or (pcrc and not flags)):
+    if (magic != MAGIC or version != FORMAT_VERSION or flags & ~FLAG_PAYLOAD_CRC or device or res1 or res2
+            or ndim > MAX_NDIM or n != header_nbytes + nbytes or not 1 <= kind <= 2 or (pcrc and not flags)):
         return None
-    (stored,) = _CRC.unpack_from(mv, _FIXED.size)
-    if zlib.crc32(mv[HEADER_NBYTES:header_nbytes], zlib.crc32(mv[:_FIXED.size])) != stored:
+    (stored,) = CRC.unpack_from(mv, FIXED_HEADER.size)
+    if zlib.crc32(mv[HEADER_NBYTES:header_nbytes], zlib.crc32(mv[:FIXED_HEADER.size])) != stored:
         return None
     data = mv[header_nbytes:]
     if flags and zlib.crc32(data) != pcrc:
         return None
-    shape = _SHAPES[ndim].unpack_from(mv, HEADER_NBYTES)
+    shape = SHAPE_STRUCTS[ndim].unpack_from(mv, HEADER_NBYTES)
     if kind == Kind.BYTES:
-        return bytes(data) if dtype == _UINT8_CODE and ndim == 1 and shape[0] == nbytes else None
-    np_dtype = _CODE_DTYPES.get(dtype)
+        return bytes(data) if dtype == UINT8_CODE and ndim == 1 and shape[0] == nbytes else None
+    np_dtype = NUMPY_BY_CODE.get(dtype)
     if np_dtype is None or (ndim and min(shape) < 0) or math.prod(shape) * np_dtype.itemsize != nbytes:
         return None
     arr = np.frombuffer(data, dtype=np_dtype).reshape(shape)

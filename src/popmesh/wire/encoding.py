@@ -35,27 +35,27 @@ from typing import Any
 
 import numpy as np
 
+from popmesh.core.arrays import is_torch
 from popmesh.core.errors import MessageError
 from popmesh.wire.format import (
-    _CRC,
-    _DEVICE_CODES,
-    _FIXED,
-    _FLAG_PAYLOAD_CRC,
-    _MAX_NDIM,
-    _SHAPES,
-    _SMALL_DTYPE_CODES,
-    _UINT8_CODE,
     CHECKSUM_AUTO_LIMIT,
+    CRC,
+    DEVICE_CODES,
     DTYPE_CODES,
+    FIXED_HEADER,
+    FLAG_PAYLOAD_CRC,
     FORMAT_VERSION,
     MAGIC,
+    MAX_NDIM,
+    NATIVE_DTYPE_CODES,
+    SHAPE_STRUCTS,
     SMALL_FRAME_NBYTES,
+    UINT8_CODE,
     Kind,
-    _as_bytes_view,
-    _is_jax,
-    _is_torch,
-    _torch,
+    as_bytes_view,
     frame_nbytes,
+    import_torch,
+    is_jax,
 )
 
 __all__ = ["encode", "encode_message"]
@@ -78,13 +78,13 @@ def _numpy_body(arr: np.ndarray) -> _Body | None:
 
 def _torch_body(t: Any) -> _Body | None:
     """A torch tensor's frame fields and (CPU) data view, or None if it cannot be framed."""
-    torch = _torch()
+    torch = import_torch()
     if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
         return None
     name = str(t.dtype).removeprefix("torch.")
     if name not in DTYPE_CODES:
         return None
-    device = _DEVICE_CODES.get(t.device.type, 255)
+    device = DEVICE_CODES.get(t.device.type, 255)
     t = t.detach().cpu().resolve_conj().resolve_neg().contiguous()
     arr = (t.view(torch.int16) if name == "bfloat16" else t).numpy()
     return Kind.TORCH, DTYPE_CODES[name], device, tuple(t.shape), memoryview(arr.reshape(-1).view(np.uint8))
@@ -92,9 +92,9 @@ def _torch_body(t: Any) -> _Body | None:
 
 def _array_body(x: Any) -> _Body | None:
     """Frame fields and data of an array-like payload (numpy, torch, jax), else None."""
-    if _is_torch(x):
+    if is_torch(x):
         return _torch_body(x)
-    if type(x) is np.ndarray or _is_jax(x):
+    if type(x) is np.ndarray or is_jax(x):
         return _numpy_body(np.asarray(x))
     return None
 
@@ -122,10 +122,10 @@ def _frame(kind: Kind, dtype: int, device: int, shape: Sequence[int], body: list
     if covered:
         for part in body:
             payload_crc = zlib.crc32(part, payload_crc)
-    fixed = _FIXED.pack(MAGIC, FORMAT_VERSION, kind, _FLAG_PAYLOAD_CRC if covered else 0, dtype, device,
+    fixed = FIXED_HEADER.pack(MAGIC, FORMAT_VERSION, kind, FLAG_PAYLOAD_CRC if covered else 0, dtype, device,
                         len(shape), 0, payload_crc, nbytes, 0)
-    shape_bytes = _SHAPES[len(shape)].pack(*shape)
-    header = fixed + _CRC.pack(zlib.crc32(shape_bytes, zlib.crc32(fixed))) + shape_bytes
+    shape_bytes = SHAPE_STRUCTS[len(shape)].pack(*shape)
+    header = fixed + CRC.pack(zlib.crc32(shape_bytes, zlib.crc32(fixed))) + shape_bytes
     return [header, *body]
 
 
@@ -163,7 +163,7 @@ def encode(payload: Any, *, allow_pickle: bool = False, checksum: bool | None = 
     for a payload that needs pickle when ``allow_pickle`` is False.
     """
     if isinstance(payload, (bytes, bytearray, memoryview)):
-        data = _as_bytes_view(payload)
+        data = as_bytes_view(payload)
         return _frame(Kind.BYTES, DTYPE_CODES["uint8"], 0, (len(data),), [data], checksum)
     array = _array_body(payload)
     if array is not None:
@@ -190,10 +190,10 @@ def encode(payload: Any, *, allow_pickle: bool = False, checksum: bool | None = 
 
 def _small_frame(kind: int, dtype: int, shape: tuple[int, ...], data: bytes) -> bytes:
     """The whole frame of a small, checksummed payload as one bytes object (same bytes as encode)."""
-    fixed = _FIXED.pack(MAGIC, FORMAT_VERSION, kind, _FLAG_PAYLOAD_CRC, dtype, 0, len(shape), 0,
+    fixed = FIXED_HEADER.pack(MAGIC, FORMAT_VERSION, kind, FLAG_PAYLOAD_CRC, dtype, 0, len(shape), 0,
                         zlib.crc32(data), len(data), 0)
-    shape_bytes = _SHAPES[len(shape)].pack(*shape)
-    return b"".join((fixed, _CRC.pack(zlib.crc32(shape_bytes, zlib.crc32(fixed))), shape_bytes, data))
+    shape_bytes = SHAPE_STRUCTS[len(shape)].pack(*shape)
+    return b"".join((fixed, CRC.pack(zlib.crc32(shape_bytes, zlib.crc32(fixed))), shape_bytes, data))
 
 
 def encode_message(payload: Any, *, allow_pickle: bool = False,
@@ -210,10 +210,10 @@ def encode_message(payload: Any, *, allow_pickle: bool = False,
     t = type(payload)
     if t is bytes:
         if len(payload) <= SMALL_FRAME_NBYTES:
-            return _small_frame(Kind.BYTES, _UINT8_CODE, (len(payload),), payload)
+            return _small_frame(Kind.BYTES, UINT8_CODE, (len(payload),), payload)
     elif t is np.ndarray:
-        code = _SMALL_DTYPE_CODES.get(payload.dtype)
-        if code is not None and payload.ndim <= _MAX_NDIM:
+        code = NATIVE_DTYPE_CODES.get(payload.dtype)
+        if code is not None and payload.ndim <= MAX_NDIM:
             if payload.nbytes <= SMALL_FRAME_NBYTES:
                 return _small_frame(Kind.NDARRAY, code, payload.shape, payload.tobytes())
             if payload.flags.c_contiguous:  # encode's own path, minus its dispatch

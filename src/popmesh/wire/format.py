@@ -52,11 +52,11 @@ MAGIC = b"PMSH"
 FORMAT_VERSION = 1
 HEADER_NBYTES = 32
 CHECKSUM_AUTO_LIMIT = 1 << 20
-_MAX_NDIM = 64
-_FLAG_PAYLOAD_CRC = 1
-_FIXED = struct.Struct("<4sBBBBBBHIQI")  # bytes [0, 28): everything before the header CRC
-_CRC = struct.Struct("<I")
-_SHAPES = [struct.Struct(f"<{n}q") for n in range(_MAX_NDIM + 1)]  # shape entries, precompiled per ndim
+MAX_NDIM = 64
+FLAG_PAYLOAD_CRC = 1
+FIXED_HEADER = struct.Struct("<4sBBBBBBHIQI")  # bytes [0, 28): everything before the header CRC
+CRC = struct.Struct("<I")
+SHAPE_STRUCTS = [struct.Struct(f"<{n}q") for n in range(MAX_NDIM + 1)]  # shape entries, precompiled per ndim
 SMALL_FRAME_NBYTES = 4096  # encode_message joins frames of up to this many payload bytes into one buffer
 
 
@@ -72,23 +72,23 @@ class Kind(enum.IntEnum):
 
 
 DTYPE_CODES = WIRE_CODES  # the stable codes of popmesh's one dtype table (popmesh.core.dtypes)
-_DTYPE_NAMES = {d.wire_code: d.name for d in DTYPES}
-_DEVICE_CODES = {"cpu": 0, "cuda": 1, "mps": 2, "xpu": 3, "hpu": 4}
-_DEVICE_NAMES = {**{code: name for name, code in _DEVICE_CODES.items()}, 255: "other"}
+DTYPE_NAMES = {d.wire_code: d.name for d in DTYPES}
+DEVICE_CODES = {"cpu": 0, "cuda": 1, "mps": 2, "xpu": 3, "hpu": 4}
+DEVICE_NAMES = {**{code: name for name, code in DEVICE_CODES.items()}, 255: "other"}
 _ARRAY_KINDS = (Kind.BYTES, Kind.NDARRAY, Kind.TORCH)
-_KIND_VALUES = frozenset(k.value for k in Kind)
-_KINDS = {k.value: k for k in Kind}  # Kind(value) through the enum machinery costs ~0.5 us
-_UINT8_CODE = DTYPE_CODES["uint8"]
+KIND_VALUES = frozenset(k.value for k in Kind)
+KINDS = {k.value: k for k in Kind}  # Kind(value) through the enum machinery costs ~0.5 us
+UINT8_CODE = DTYPE_CODES["uint8"]
 # numpy dtypes whose element bytes go on the wire as they are (native little-endian, not bfloat16)
-_SMALL_DTYPE_CODES: dict[np.dtype, int] = {}
+NATIVE_DTYPE_CODES: dict[np.dtype, int] = {}
 _NUMPY_DTYPES: dict[str, np.dtype] = {}
-_CODE_DTYPES: dict[int, np.dtype] = {}  # wire code -> numpy dtype, bfloat16 aside (it needs ml_dtypes)
+NUMPY_BY_CODE: dict[int, np.dtype] = {}  # wire code -> numpy dtype, bfloat16 aside (it needs ml_dtypes)
 for _name, _code, _ in DTYPES:
     if _name != "bfloat16":
-        _CODE_DTYPES[_code] = np.dtype(_name).newbyteorder("<")
+        NUMPY_BY_CODE[_code] = np.dtype(_name).newbyteorder("<")
         _NUMPY_DTYPES[_name] = np.dtype(_name).newbyteorder("<")
         if np.dtype(_name).newbyteorder("<") == np.dtype(_name):
-            _SMALL_DTYPE_CODES[np.dtype(_name)] = _code
+            NATIVE_DTYPE_CODES[np.dtype(_name)] = _code
 
 
 class FrameHeader(NamedTuple):
@@ -109,15 +109,11 @@ class FrameHeader(NamedTuple):
         return self.header_nbytes + self.payload_nbytes
 
 
-def _is_torch(x: object) -> bool:
-    return type(x).__module__.startswith("torch")
-
-
-def _is_jax(x: object) -> bool:
+def is_jax(x: object) -> bool:
     return type(x).__module__.startswith(("jax.", "jaxlib.")) and hasattr(x, "__array__")
 
 
-def _torch() -> Any:
+def import_torch() -> Any:
     try:
         import torch
     except ImportError as e:
@@ -126,7 +122,7 @@ def _torch() -> Any:
     return torch
 
 
-def _numpy_dtype(name: str) -> np.dtype:
+def numpy_dtype(name: str) -> np.dtype:
     if name != "bfloat16":
         return _NUMPY_DTYPES[name]
     try:
@@ -137,7 +133,7 @@ def _numpy_dtype(name: str) -> np.dtype:
     return np.dtype(ml_dtypes.bfloat16)
 
 
-def _check_meta(kind: Kind, dtype: str | None, shape: tuple[int, ...], nbytes: int, device: int) -> None:
+def check_meta(kind: Kind, dtype: str | None, shape: tuple[int, ...], nbytes: int, device: int) -> None:
     """Kind-specific consistency of dtype, shape, device and length."""
     if kind in _ARRAY_KINDS:
         if dtype is None or (kind is Kind.BYTES and (dtype != "uint8" or len(shape) != 1)):
@@ -149,13 +145,13 @@ def _check_meta(kind: Kind, dtype: str | None, shape: tuple[int, ...], nbytes: i
         raise MessageError(f"foreign frame: a {kind.name} frame with dtype {dtype} and shape {shape}")
     elif kind is Kind.DICT and (shape[0] > nbytes or shape[0] % 8):
         raise MessageError(f"corrupt frame: DICT index of {shape[0]} bytes in a payload of {nbytes}")
-    if device not in _DEVICE_NAMES or (device and kind is not Kind.TORCH):
+    if device not in DEVICE_NAMES or (device and kind is not Kind.TORCH):
         raise MessageError(f"foreign frame: unknown device code {device} for a {kind.name} frame")
 
 
 # --- a frame as buffers --------------------------------------------------------------------
 
-def _as_bytes_view(obj: Any) -> memoryview:
+def as_bytes_view(obj: Any) -> memoryview:
     """A flat, C-contiguous byte memoryview over ``obj`` (copying only when it is not contiguous)."""
     mv = memoryview(obj)
     if not mv.c_contiguous:
@@ -168,7 +164,7 @@ def _as_bytes_view(obj: Any) -> memoryview:
 
 def frame_nbytes(parts: Sequence[bytes | memoryview]) -> int:
     """Total length in bytes of the buffers :func:`popmesh.wire.encoding.encode` returned."""
-    return sum(len(_as_bytes_view(p)) for p in parts)
+    return sum(len(as_bytes_view(p)) for p in parts)
 
 
 def join_frame(parts: Sequence[Any], head: int = 0) -> np.ndarray:
@@ -176,7 +172,7 @@ def join_frame(parts: Sequence[Any], head: int = 0) -> np.ndarray:
     new contiguous, writable uint8 numpy array (one copy), after ``head`` bytes left for the caller
     to fill (not zeroed)."""
     arrays = [p if isinstance(p, np.ndarray) and p.dtype == np.uint8 and p.ndim == 1
-              else np.frombuffer(_as_bytes_view(p), dtype=np.uint8) for p in parts]
+              else np.frombuffer(as_bytes_view(p), dtype=np.uint8) for p in parts]
     out = np.empty(head + sum(a.size for a in arrays), dtype=np.uint8)
     pos = head
     for a in arrays:
