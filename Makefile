@@ -1,10 +1,10 @@
-# Two commands: `make demo` and `make test`. Each creates .venv on first use.
+# Two commands: `make demo` and `make test` (which runs `make lint` first). Each creates .venv on first use.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.popmesh-installed
 
-.PHONY: demo test test-fast bench clean
+.PHONY: demo lint test test-fast bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -17,7 +17,11 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/popmesh demo
 
-test: $(STAMP)
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/mypy
+
+test: lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
 
 test-fast: $(STAMP)

@@ -17,6 +17,7 @@ from popmesh.core.errors import (
     EngineUnavailable,
     MessageError,
     NotInGroup,
+    PeerClosed,
     PeerFailure,
     PopmeshError,
 )
@@ -38,8 +39,8 @@ _LAZY = {
 _HOME = {name: module for module, names in _LAZY.items() for name in names}
 
 __all__ = [name for names in _LAZY.values() for name in names] + [
-    "PopmeshError", "ConfigError", "EngineUnavailable", "PeerFailure", "CommTimeout", "CollectiveMismatch",
-    "MessageError", "NotInGroup",
+    "PopmeshError", "ConfigError", "EngineUnavailable", "PeerFailure", "PeerClosed", "CommTimeout",
+    "CollectiveMismatch", "MessageError", "NotInGroup",
 ]
 
 

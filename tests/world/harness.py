@@ -1,7 +1,11 @@
 """Launch a real world for a test: N local processes on torch/gloo (loopback) or under mpiexec.
 
-Each worker runs its registered checks in order (see ``worldlib``) and writes one JSON result file
-per rank. The whole world has a hard timeout; on expiry every process group is killed.
+Each worker runs its registered checks in order (see ``worldlib``) and keeps one JSON result file per
+rank. The harness watches the world: as soon as one rank reports a failed check (or, unless deaths
+are expected, a rank exits with an error) it kills every process group of the world, as torch's
+MultiProcessTestCase does, so peers are not left waiting in a collective until their timeout. The
+checks that did not run because of that are reported as such. The whole world also has a hard
+timeout; on expiry every process group is killed.
 """
 
 from __future__ import annotations
@@ -18,7 +22,25 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from worldlib import SKIPPED
+
 ROOT = Path(__file__).resolve().parents[2]
+MISSING, NOT_RUN, TAKEN_DOWN = "missing", "not run", "taken down while running it"
+POLL_S = 0.05
+ABORT_GRACE_S = 0.3  # after the first failure, for ranks failing the same check at the same moment
+
+
+@dataclass(frozen=True)
+class Abort:
+    """Why the harness took a world down: ``rank`` failed (or died in) ``check``."""
+
+    rank: int
+    check: str | None
+    error: str
+
+    def reason(self) -> str:
+        what = f"check {self.check} failed on rank {self.rank}" if self.check else f"rank {self.rank} failed"
+        return f"the world was taken down after {what}: {self.error.splitlines()[0]}"
 
 
 @dataclass
@@ -28,11 +50,38 @@ class WorldRun:
     returncodes: list[int]
     output: str
     results: dict[int, dict[str, str]] = field(default_factory=dict)
+    running: dict[int, str | None] = field(default_factory=dict)  # the check each rank was in when it ended
+    seconds: dict[int, dict[str, float]] = field(default_factory=dict)  # each rank's time per check
     timed_out: bool = False
+    aborted: Abort | None = None
 
     def outcome(self, name: str) -> dict[int, str]:
-        """Each rank's outcome of one check ("ok" or the error text; "missing" if it never ran)."""
-        return {r: self.results.get(r, {}).get(name, "missing") for r in range(self.size)}
+        """Each rank's outcome of one check: "ok", "skipped: why", the error text, or one of
+        TAKEN_DOWN, NOT_RUN (the world was taken down before or while it ran) or MISSING (no report)."""
+        return {r: self._outcome(r, name) for r in range(self.size)}
+
+    def _outcome(self, rank: int, name: str) -> str:
+        if name in self.results.get(rank, {}):
+            return self.results[rank][name]
+        abort = self.aborted
+        if abort is None or abort.check is None:  # nothing ran, or a rank died outside any check
+            return MISSING
+        if abort.rank == rank and abort.check == name:
+            return abort.error
+        return TAKEN_DOWN if self.running.get(rank) == name else NOT_RUN
+
+    def verdict(self, name: str) -> tuple[str, str]:
+        """("pass" | "skip" | "fail", why) of one check over every rank."""
+        outcomes = self.outcome(name)
+        text = "; ".join(f"rank {r}: {o}" for r, o in outcomes.items() if o != "ok")
+        errors = [o for o in outcomes.values() if o not in ("ok", NOT_RUN, TAKEN_DOWN) and not o.startswith(SKIPPED)]
+        if errors:
+            return "fail", f"{name} on {self.engine}-{self.size}: {text}"
+        if any(o in (NOT_RUN, TAKEN_DOWN) for o in outcomes.values()):
+            return "skip", f"not run: {self.aborted.reason()}"
+        if all(o.startswith(SKIPPED) for o in outcomes.values()):
+            return "skip", outcomes[0]
+        return "pass", ""
 
 
 def mpiexec() -> str | None:
@@ -40,18 +89,26 @@ def mpiexec() -> str | None:
     return str(local) if local.exists() else shutil.which("mpiexec")
 
 
-def _base_env(out_dir: str, extra: dict[str, str] | None) -> dict[str, str]:
+def _base_env(out_dir: str, extra: dict[str, str] | None, fail_fast: bool) -> dict[str, str]:
     env = dict(os.environ)
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "POPMESH_ENGINE", "PMI_RANK",
                  "PMI_SIZE", "POPMESH_STORE_FD"):
         env.pop(name, None)
     env.update({"POPMESH_TEST_OUT": out_dir, "OMP_NUM_THREADS": "1", "POPMESH_TIMEOUT": "30",
+                "POPMESH_TEST_FAIL_FAST": "1" if fail_fast else "0",
                 "PYTHONPATH": str(ROOT / "tests" / "world") + os.pathsep + env.get("PYTHONPATH", "")})
     env.update(extra or {})
     return env
 
 
-def _spawn_torch(script: Path, size: int, env: dict[str, str]) -> list[subprocess.Popen]:
+def _popen(cmd: list[str], env: dict[str, str], log: Path, fds: tuple[int, ...] = ()) -> subprocess.Popen:
+    """Start one process in a session of its own, its output in ``log`` (a pipe nobody reads would fill)."""
+    with open(log, "wb") as out:
+        return subprocess.Popen(cmd, env=env, pass_fds=fds, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+def _spawn_torch(script: Path, size: int, env: dict[str, str], logs: Path) -> list[subprocess.Popen]:
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(size + 8)
@@ -65,58 +122,120 @@ def _spawn_torch(script: Path, size: int, env: dict[str, str]) -> list[subproces
         if rank == 0:
             rank_env["POPMESH_STORE_FD"] = str(listener.fileno())
             fds = (listener.fileno(),)
-        procs.append(subprocess.Popen([sys.executable, str(script)], env=rank_env, pass_fds=fds,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True))
+        procs.append(_popen([sys.executable, str(script)], rank_env, logs / f"out{rank}.log", fds))
     listener.close()
     return procs
 
 
-def _spawn_mpi(script: Path, size: int, env: dict[str, str]) -> list[subprocess.Popen]:
+def _spawn_mpi(script: Path, size: int, env: dict[str, str], logs: Path) -> list[subprocess.Popen]:
     exe = mpiexec()
     if exe is None:
         raise RuntimeError("mpiexec not found: pip install mpi4py mpich")
     cmd = [exe, "-n", str(size), sys.executable, str(script)]
-    return [subprocess.Popen(cmd, env=dict(env, POPMESH_ENGINE="mpi"), stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, start_new_session=True)]
+    return [_popen(cmd, dict(env, POPMESH_ENGINE="mpi"), logs / "out0.log")]
 
 
 def run_world(script: str | Path, engine: str, size: int, timeout: float = 120,
-              env: dict[str, str] | None = None) -> WorldRun:
-    """Run ``script`` on ``size`` ranks of ``engine`` (torch, mpi or local) and collect results."""
-    out_dir = tempfile.mkdtemp(prefix="popmesh-test-")
+              env: dict[str, str] | None = None, *, fail_fast: bool = True,
+              expect_deaths: bool = False) -> WorldRun:
+    """Run ``script`` on ``size`` ranks of ``engine`` (torch, mpi or local) and collect results.
+
+    ``fail_fast``: take the world down at the first failed check. ``expect_deaths``: a rank exiting
+    with an error is part of the test (a crash scenario), not a reason to take the world down.
+    """
+    out_dir = Path(tempfile.mkdtemp(prefix="popmesh-test-"))
     path = Path(script)
-    base = _base_env(out_dir, env)
+    base = _base_env(str(out_dir), env, fail_fast)
     if engine == "mpi":
-        procs = _spawn_mpi(path, size, base)
+        procs = _spawn_mpi(path, size, base, out_dir)
     elif engine == "torch":
-        procs = _spawn_torch(path, size, base)
+        procs = _spawn_torch(path, size, base, out_dir)
     else:
-        procs = [subprocess.Popen([sys.executable, str(path)], env=dict(base, POPMESH_ENGINE="local"),
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)]
-    output, timed_out = _wait_all(procs, timeout)
-    run = WorldRun(engine, size, [p.returncode for p in procs], output, timed_out=timed_out)
+        procs = [_popen([sys.executable, str(path)], dict(base, POPMESH_ENGINE="local"), out_dir / "out0.log")]
+    try:
+        # under mpiexec one process is the whole world, and mpiexec ends it when a rank dies
+        deaths = fail_fast and not expect_deaths and engine != "mpi"
+        timed_out, aborted = _watch(procs, out_dir, timeout, fail_fast, deaths)
+    finally:
+        kill_all(procs)
+        for p in procs:
+            p.wait()
+    output = "\n".join((out_dir / f"out{i}.log").read_text(errors="replace") for i in range(len(procs)))
+    run = WorldRun(engine, size, [p.returncode for p in procs], output, timed_out=timed_out, aborted=aborted)
     for rank in range(size):
-        f = Path(out_dir) / f"rank{rank}.json"
+        f = out_dir / f"rank{rank}.json"
         if f.exists():
-            run.results[rank] = json.loads(f.read_text())
+            report = json.loads(f.read_text())
+            run.results[rank], run.running[rank], run.seconds[rank] = (report["outcomes"], report["running"],
+                                                                       report["seconds"])
+    if aborted is not None:
+        run.output += f"\n[harness] {aborted.reason()}\n"
     shutil.rmtree(out_dir, ignore_errors=True)
     return run
 
 
-def _wait_all(procs: list[subprocess.Popen], timeout: float) -> tuple[str, bool]:
+def _watch(procs: list[subprocess.Popen], out_dir: Path, timeout: float, fail_fast: bool,
+           deaths: bool) -> tuple[bool, Abort | None]:
+    """Wait until every process ended, the world failed (then kill it) or ``timeout`` passed.
+    ``deaths``: a rank process exiting with an error fails the world too. Returns (timed out, why
+    the world was taken down). Result files are replaced atomically: they can be read any time."""
     deadline = time.monotonic() + timeout
-    outputs = []
-    timed_out = False
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            timed_out = True
+    first_failure: float | None = None
+    while [p for p in procs if p.poll() is None]:  # polls every process: _died reads returncode
+        now = time.monotonic()
+        if now >= deadline:
+            return True, None
+        died = _died(procs) if deaths else None
+        if died is not None:
+            time.sleep(ABORT_GRACE_S)  # its own failure report may be on its way
+        elif fail_fast and first_failure is None and _markers(out_dir):
+            first_failure = now
+        if died is not None or (first_failure is not None and now - first_failure >= ABORT_GRACE_S):
             kill_all(procs)
-            out, _ = p.communicate()
-        outputs.append(out.decode(errors="replace"))
-    kill_all(procs)
-    return "\n".join(outputs), timed_out
+            return False, _root_cause(out_dir, procs, deaths)
+        time.sleep(POLL_S)
+    return False, _root_cause(out_dir, procs, deaths) if fail_fast else None
+
+
+def _root_cause(out_dir: Path, procs: list[subprocess.Popen], deaths: bool) -> Abort | None:
+    """The first failure a rank reported (by the ranks' own clocks), unless a rank died first without
+    reporting one (its peers' errors then follow from its death)."""
+    died = _died(procs) if deaths else None
+    reports = sorted(_reports(out_dir))
+    if died is not None and died[0] not in {rank for _, rank, _ in reports}:
+        return _death(out_dir, *died)
+    if not reports:
+        return None
+    _, rank, check = reports[0]
+    outcomes = json.loads((out_dir / f"rank{rank}.json").read_text())["outcomes"]
+    return Abort(rank, check, outcomes[check])
+
+
+def _markers(out_dir: Path) -> list[str]:
+    return [n for n in os.listdir(out_dir) if n.startswith("failed-rank")]
+
+
+def _died(procs: list[subprocess.Popen]) -> tuple[int, int] | None:
+    """(rank, exit code) of a rank process that exited with an error (returncode as last polled)."""
+    for rank, p in enumerate(procs):
+        if p.returncode not in (None, 0):
+            return rank, p.returncode
+    return None
+
+
+def _reports(out_dir: Path) -> list[tuple[float, int, str]]:
+    """(time, rank, check) of every failure reported so far."""
+    reports = []
+    for name in _markers(out_dir):
+        marker = json.loads((out_dir / name).read_text())
+        reports.append((marker["at"], int(name.removeprefix("failed-rank")), marker["check"]))
+    return reports
+
+
+def _death(out_dir: Path, rank: int, code: int) -> Abort:
+    f = out_dir / f"rank{rank}.json"
+    running = json.loads(f.read_text())["running"] if f.exists() else None
+    return Abort(rank, running, f"rank {rank} exited with code {code} without reporting (see its output)")
 
 
 def kill_all(procs: list[subprocess.Popen]) -> None:

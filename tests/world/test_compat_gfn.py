@@ -1,4 +1,5 @@
-"""popmesh.compat.gfn: the seed document's signatures, and its behaviours on real 2-rank worlds (torch, MPI)."""
+"""popmesh.compat.gfn: the seed document's signatures, and its behaviours on real worlds of 1, 2 and 3 ranks
+(torch, MPI; the compat files share these worlds)."""
 
 import logging
 import sys
@@ -41,6 +42,6 @@ def test_reports_tolerate_ragged_iterations(caplog):
     assert "step" in text and len(caplog.records) == 2, text
 
 
-world_run, test_on_two_ranks, test_world_exits_cleanly = world_tests(
-    worker, [("torch", 2), ("mpi", 2)], timeout=90
+world_run, test_on_a_world, test_world_exits_cleanly = world_tests(
+    worker, [("torch", 1), ("torch", 2), ("torch", 3), ("mpi", 1), ("mpi", 2), ("mpi", 3)], timeout=120, suite="compat"
 )

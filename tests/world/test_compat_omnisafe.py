@@ -1,4 +1,5 @@
-"""popmesh.compat.omnisafe: the seed document's signatures, and its examples on a real 2-rank torch world."""
+"""popmesh.compat.omnisafe: the seed document's signatures, and its examples on real torch worlds of 1, 2 and 3
+ranks (the compat files share these worlds)."""
 
 import subprocess
 import sys
@@ -56,4 +57,6 @@ def test_a_world_of_one_without_init():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60, env=env)
 
 
-world_run, test_on_two_ranks, test_world_exits_cleanly = world_tests(worker, [("torch", 2)], timeout=90)
+world_run, test_on_a_world, test_world_exits_cleanly = world_tests(
+    worker, [("torch", 1), ("torch", 2), ("torch", 3)], timeout=120, suite="compat"
+)

@@ -1,5 +1,6 @@
 """popmesh.compat.spawn_policy: the seed document's signatures, the worst-ranks helper, and the policies
-on real 2-rank worlds (torch; MPI for the one-sided policies)."""
+on real worlds of 1, 2 and 3 ranks (torch; MPI for the one-sided policies; the compat files share these
+worlds)."""
 
 import inspect
 import sys
@@ -54,6 +55,6 @@ def test_constructor_arguments_are_checked_and_kept():
         sp.AsyncSelectiveAveragingPolicy(lambda: None, 10, momentum=2.0)
 
 
-world_run, test_on_two_ranks, test_world_exits_cleanly = world_tests(
-    worker, [("torch", 2), ("mpi", 2)], timeout=100
+world_run, test_on_a_world, test_world_exits_cleanly = world_tests(
+    worker, [("torch", 1), ("torch", 2), ("torch", 3), ("mpi", 1), ("mpi", 2), ("mpi", 3)], timeout=120, suite="compat"
 )

@@ -1,5 +1,7 @@
-"""A silent rank becomes a CommTimeout that names it; a dead rank becomes an error, never a hang."""
+"""A silent rank becomes a CommTimeout that names it; a dead rank becomes an error, never a hang; and the
+harness takes a world down as soon as one of its ranks fails."""
 
+import time
 from pathlib import Path
 
 import pytest
@@ -23,7 +25,44 @@ def test_silent_rank_named_in_timeout(engine):
 
 @pytest.mark.timeout(90)
 def test_dead_rank_is_an_error_not_a_hang():
-    run = run_world(SCRIPT, "torch", 2, timeout=60, env={"SCENARIO": "dead"})
+    run = run_world(SCRIPT, "torch", 2, timeout=60, env={"SCENARIO": "dead"}, expect_deaths=True)
     assert not run.timed_out, run.output[-3000:]
     assert run.outcome("dead_rank_surfaces")[0] == "ok", run.output[-3000:]
     assert run.returncodes[1] == 3
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(("engine", "scenario"), [("torch", "fail"), ("mpi", "fail"), ("torch", "crash")])
+def test_a_failing_rank_takes_the_world_down_at_once(engine, scenario, tmp_path):
+    """The harness itself: a check failing (or a rank dying) on rank 1 while ranks 0 and 2 wait in a
+    barrier ends the world within seconds, names the rank and the error, and reports the later check
+    as not run (not as a 30 s timeout); no process of the world is left. (Under mpiexec a dying rank
+    takes its world down by itself.)"""
+    if engine == "mpi" and mpiexec() is None:
+        pytest.skip("mpiexec not installed")
+    start = time.monotonic()
+    run = run_world(SCRIPT, engine, 3, timeout=60, env={"SCENARIO": scenario, "POPMESH_TEST_PIDDIR": str(tmp_path)})
+    elapsed = time.monotonic() - start
+    assert not run.timed_out and elapsed < 15, (elapsed, run.output[-3000:])
+    assert run.aborted is not None and (run.aborted.rank, run.aborted.check) == (1, "one_rank_fails_while_peers_wait")
+    verdict, why = run.verdict("one_rank_fails_while_peers_wait")
+    error = "AssertionError: deliberate failure on rank 1" if scenario == "fail" else "rank 1 exited with code 7"
+    assert verdict == "fail" and f"rank 1: {error}" in why, why
+    if (engine, scenario) == ("torch", "fail"):  # (a death, the others may see before the harness does)
+        assert "rank 0: taken down while running it" in why and "rank 2: taken down while running it" in why, why
+    verdict, why = run.verdict("after_the_failure")
+    assert verdict == "skip" and why.startswith("not run: the world was taken down after check "
+                                                f"one_rank_fails_while_peers_wait failed on rank 1: {error}"), why
+    pids = [int(f.read_text()) for f in tmp_path.glob("*.pid")]
+    assert len(pids) == 3
+    deadline = time.monotonic() + 5
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(pid) for pid in pids), "a process of the world survived the harness"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False

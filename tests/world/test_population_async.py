@@ -1,5 +1,6 @@
-"""AsyncSelectiveAveraging on real worlds: 1 rank, torch/gloo
-at 4 ranks and MPI at 3 ranks, one world per engine and size, one pytest item per check."""
+"""AsyncSelectiveAveraging on real worlds: 1 rank, torch/gloo at 2, 3 and 4 ranks and MPI at 3 ranks,
+one pytest item per check (the population files share one world per engine and size); and dead or
+finalized peers in worlds of their own."""
 
 from pathlib import Path
 
@@ -10,7 +11,7 @@ from workers import population_async_worker as worker
 from worldtests import world_tests
 
 world_run, test_check, test_world_exits_cleanly = world_tests(
-    worker, [("local", 1), ("torch", 4), ("mpi", 3)], timeout=240
+    worker, [("local", 1), ("torch", 2), ("torch", 3), ("torch", 4), ("mpi", 3)], timeout=240, suite="population"
 )
 
 
@@ -18,7 +19,7 @@ world_run, test_check, test_world_exits_cleanly = world_tests(
 def test_dead_peer_is_an_error_not_a_hang():
     from workers import population_async_failure_worker as failure
 
-    run = run_world(Path(failure.__file__), "torch", 3, timeout=90)
+    run = run_world(Path(failure.__file__), "torch", 3, timeout=90, expect_deaths=True)
     assert not run.timed_out, run.output[-3000:]
     for rank in (0, 1):
         assert run.outcome("dead_peer_surfaces_at_shutdown")[rank] == "ok", run.output[-3000:]
@@ -29,8 +30,20 @@ def test_dead_peer_is_an_error_not_a_hang():
 def test_dead_donor_is_an_error_on_the_replaced_rank():
     from workers import population_async_failure_worker as failure
 
-    run = run_world(Path(failure.__file__), "torch", 3, timeout=90, env={"POPMESH_TEST_DEAD": "donor"})
+    run = run_world(Path(failure.__file__), "torch", 3, timeout=90, env={"POPMESH_TEST_DEAD": "donor"},
+                    expect_deaths=True)
     assert not run.timed_out, run.output[-3000:]
     for rank in (0, 2):
         assert run.outcome("dead_donor_surfaces_on_the_replaced_rank")[rank] == "ok", run.output[-3000:]
     assert run.returncodes[1] == 3
+
+
+@pytest.mark.timeout(120)
+def test_peers_finalizing_before_a_late_rank_reads_fin():
+    """Regression: a goodbye that overtakes a slow rank's FIN is an orderly end, not a PeerFailure."""
+    from workers import population_async_failure_worker as failure
+
+    run = run_world(Path(failure.__file__), "torch", 3, timeout=90, env={"POPMESH_TEST_DEAD": "nobody"})
+    assert not run.timed_out, run.output[-3000:]
+    assert run.outcome("peers_finalizing_first_is_no_error") == {0: "ok", 1: "ok", 2: "ok"}, run.output[-3000:]
+    assert run.returncodes == [0, 0, 0], run.output[-3000:]

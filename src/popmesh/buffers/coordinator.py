@@ -50,11 +50,11 @@ class Coordinator:
         self.managers = tuple(int(r) for r in managers)
         self.baseline_reduce, self.group, self.timeout = baseline_reduce, group, timeout
         self.modes: set[str] = set()
-        self.modes_by_rank: Counter = Counter()
+        self.modes_by_rank: Counter[int] = Counter()
         self.baselines: dict[int, float | None] = {}
         self.global_baseline: float | None = None
         self.exited: set[int] = set()
-        self.messages: Counter = Counter()
+        self.messages: Counter[str] = Counter()
         self.errors = 0
 
     @classmethod

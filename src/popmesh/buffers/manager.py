@@ -61,8 +61,8 @@ class Outgoing(NamedTuple):
 class ManagerStats:
     """What a manager saw: messages per type, DATA rows per sender, error replies sent."""
 
-    messages: Counter = field(default_factory=Counter)
-    rows_from: Counter = field(default_factory=Counter)
+    messages: Counter[str] = field(default_factory=Counter)  # MessageType value -> count
+    rows_from: Counter[int] = field(default_factory=Counter)  # sender rank -> DATA rows
     errors: int = 0
 
     def to_dict(self) -> dict[str, Any]:

@@ -37,7 +37,7 @@ def concat_batches(batches: Sequence[dict[str, Any]]) -> dict[str, Any]:
     keys = list(batches[0])
     if any(list(b) != keys for b in batches):
         raise ConfigError(f"batches to join have different keys: {[list(b) for b in batches]}")
-    out = {}
+    out: dict[str, Any] = {}
     for key in keys:
         values = [b[key] for b in batches]
         if is_torch(values[0]):

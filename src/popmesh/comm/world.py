@@ -26,13 +26,17 @@ class Comm:
     """What World and Group share: the member ranks and the engine handle used by collectives."""
 
     def __init__(self, world: World | None, spec: GroupSpec, handle: Any) -> None:
-        self._world = world if world is not None else self  # type: ignore[assignment]
+        if world is None:  # only a World is its own world
+            if not isinstance(self, World):
+                raise TypeError("a Group needs the World it belongs to")
+            world = self
+        self._world = world
         self.spec = spec
         self.handle = handle
 
     @property
     def world(self) -> World:
-        return self._world  # type: ignore[return-value]
+        return self._world
 
     @property
     def ranks(self) -> tuple[int, ...]:

@@ -37,7 +37,8 @@ import abc
 import logging
 import math
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from popmesh.comm.world import Comm, resolve_group
 from popmesh.core.errors import ConfigError
@@ -63,6 +64,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+_R = TypeVar("_R")
 _EDGE = 1e-6  # ratio 0 and 1 of the original mean "one rank" and "all but one"
 
 
@@ -110,12 +112,20 @@ def _compute_worst_ranks_by_ratio(metrics: list[float], replacement_ratio: float
     return set(worst_by_ratio(metrics, _ratio(replacement_ratio))) if len(metrics) > 1 else set()
 
 
+def _parameters_not_inherited(method: Callable[..., _R]) -> Callable[..., _R]:
+    """``method`` unchanged; type checkers keep only its return type. torchgfn's policies do not take
+    the parameters of SpawnPolicy's abstract ``__call__`` (they add ``optimizer`` after ``model``, the
+    one-sided ones ``expose_params`` too), which the facade copies as they are."""
+    return method
+
+
 class SpawnPolicy(abc.ABC):
     """Base of the spawn policies: ``average_every = max(int(average_every), 1)``."""
 
     def __init__(self, average_every: int) -> None:
         self.average_every = max(int(average_every), 1)
 
+    @_parameters_not_inherited
     @abc.abstractmethod
     def __call__(self, iteration: int, model: Any, local_metric: float | None = None,
                  group: Any = _WORLD) -> tuple[Any, Any, dict[str, Any]]:
@@ -192,7 +202,7 @@ class _OneSided(SpawnPolicy):
         self.train_comm_group, self.comm_size, self.myrank = comm, comm.size, comm.rank
         self.threshold_metric, self.replacement_ratio, self.averaging_strategy = (threshold_metric, replacement_ratio,
                                                                                 averaging_strategy)
-        self.momentum, self.age_range, self.replacement_mode = momentum, tuple(age_range), replacement_mode
+        self.momentum, self.age_range, self.replacement_mode = momentum, (*age_range,), replacement_mode
         self.age = self.agents_killed = self.num_replacements = self.total_iterations = self.averaging_ranks = 0
         self.max_age: int | None = None  # lifetimes are drawn by popmesh's age rule (seeded, per rank)
         self.debug_mode = False
@@ -206,7 +216,7 @@ class _OneSided(SpawnPolicy):
                                          strategy=averaging_strategy, momentum=momentum,
                                          model_builder=_builder(model_builder))
 
-    def __call__(self, iteration: int, model: Any, optimizer: Any, local_metric: float,  # type: ignore[override]
+    def __call__(self, iteration: int, model: Any, optimizer: Any, local_metric: float,
                  expose_params: bool = True, group: Any = _COMM_WORLD) -> tuple[Any, Any, dict[str, Any]]:
         """Possibly perform a spawn/averaging step on this iteration; the first call is collective."""
         comm = _group(group) or self.train_comm_group

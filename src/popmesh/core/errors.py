@@ -14,6 +14,7 @@ __all__ = [
     "ConfigError",
     "EngineUnavailable",
     "PeerFailure",
+    "PeerClosed",
     "CommTimeout",
     "CollectiveMismatch",
     "MessageError",
@@ -49,6 +50,14 @@ class PeerFailure(PopmeshError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return type(self), (str(self), self.ranks), {"exact": self.exact}
+
+
+class PeerClosed(PeerFailure):
+    """A peer closed its transport in order (it finalized its world or exited): it sends nothing more.
+
+    Raised where the engine can tell a goodbye from a broken connection (gloo). Still a failure to
+    whoever waits for a message from that peer; a service that only listens may take it as "done".
+    """
 
 
 class CommTimeout(PopmeshError, TimeoutError):

@@ -10,7 +10,7 @@ return a Handle.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar, overload
 
 __all__ = ["Pending", "Completed", "Handle"]
 
@@ -46,10 +46,16 @@ class Handle(Generic[T]):
     timeout of the call that started it) and returns the result, computed once. A ``wait`` that
     times out leaves the work in flight, so it may be waited for again."""
 
-    def __init__(self, pending: Pending, timeout: float,
-                 finish: Callable[[Any], T] = _nothing) -> None:  # type: ignore[assignment]
-        self._pending, self._timeout, self._finish = pending, timeout, finish
-        self._result: T | None = None
+    _result: T  # set by the first wait() that finishes
+
+    @overload
+    def __init__(self: Handle[None], pending: Pending, timeout: float) -> None: ...
+    @overload
+    def __init__(self, pending: Pending, timeout: float, finish: Callable[[Any], T]) -> None: ...
+
+    def __init__(self, pending: Pending, timeout: float, finish: Callable[[Any], Any] = _nothing) -> None:
+        self._pending, self._timeout = pending, timeout
+        self._finish: Callable[[Any], T] = finish
         self._waited = False
 
     def done(self) -> bool:
@@ -61,4 +67,4 @@ class Handle(Generic[T]):
             raw = self._pending.wait(self._timeout if timeout is None else float(timeout))
             self._result = self._finish(raw)
             self._waited = True
-        return self._result  # type: ignore[return-value]
+        return self._result

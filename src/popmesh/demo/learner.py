@@ -137,8 +137,8 @@ class CartPoleLearner:
             for t in range(hp.rollout):
                 logits, value = self.model(torch.as_tensor(self.obs, dtype=torch.float32))
                 dist = torch.distributions.Categorical(logits=logits)
-                action = dist.sample()
-                obs_buf[t], act_buf[t], logp_buf[t], val_buf[t] = self.obs, action, dist.log_prob(action), value
+                action = dist.sample()  # type: ignore[no-untyped-call]  # torch: Categorical's methods are unannotated
+                obs_buf[t], act_buf[t], logp_buf[t], val_buf[t] = self.obs, action, dist.log_prob(action), value  # type: ignore[no-untyped-call]  # torch: Categorical's methods are unannotated
                 self.obs, reward, term, trunc, _ = self.envs.step(action.numpy())
                 rew_buf[t], done_buf[t] = reward, np.logical_or(term, trunc)
                 finished.extend(self._track_returns(reward, done_buf[t]))
@@ -180,10 +180,10 @@ class CartPoleLearner:
         hp = self.hyper
         logits, value = self.model(mb["obs"])
         dist = torch.distributions.Categorical(logits=logits)
-        ratio = torch.exp(dist.log_prob(mb["act"]) - mb["logp"])
+        ratio = torch.exp(dist.log_prob(mb["act"]) - mb["logp"])  # type: ignore[no-untyped-call]  # torch: Categorical's methods are unannotated
         adv = (mb["adv"] - mb["adv"].mean()) / (mb["adv"].std() + 1e-8)
         policy = -torch.min(ratio * adv, ratio.clamp(1 - hp.clip, 1 + hp.clip) * adv).mean()
-        return policy + 0.5 * ((value - mb["ret"]) ** 2).mean() - hp.entropy * dist.entropy().mean()
+        return policy + 0.5 * ((value - mb["ret"]) ** 2).mean() - hp.entropy * dist.entropy().mean()  # type: ignore[no-untyped-call]  # torch: Categorical's methods are unannotated
 
     def close(self) -> None:
         self.envs.close()

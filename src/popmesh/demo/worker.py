@@ -27,9 +27,9 @@ __all__ = ["make_policy", "run", "main"]
 
 def make_policy(config: DemoConfig, learner: CartPoleLearner) -> Any:
     """The population policy named by ``config.policy`` (None for ``none``)."""
-    selective = dict(rule=ReplacementRule(ratio=config.ratio), donor_rule=DonorRule(kind="best_k", k=config.donors),
-                     strategy=config.strategy, optimizer_builder=learner.make_optimizer, include_buffers=True,
-                     seed=config.seed)
+    selective: dict[str, Any] = dict(  # keyword options shared by both selective policies
+        rule=ReplacementRule(ratio=config.ratio), donor_rule=DonorRule(kind="best_k", k=config.donors),
+        strategy=config.strategy, optimizer_builder=learner.make_optimizer, include_buffers=True, seed=config.seed)
     if config.policy == "average-all":
         return AverageAll(config.every, include_buffers=True)
     if config.policy == "selective":

@@ -70,7 +70,7 @@ def plan_frame(parts: list[np.ndarray], tag: int,
     total = sum(p.size for p in parts)
     if total <= inline_nbytes:  # inline whole: one copy of each part, after a header left unzeroed
         env = join_frame(parts, head=HEADER_NBYTES)
-        _HEAD.pack_into(env, 0, _MAGIC, _VERSION, 0, total, total, tag, 0)
+        _HEAD.pack_into(env, 0, _MAGIC, _VERSION, 0, total, total, tag, 0)  # type: ignore[arg-type]  # numpy stubs: ndarray is a Buffer only on 3.12+
         return env, []
     count, used = 0, 0  # leading parts that fit inline
     while count < len(parts) and used + parts[count].size <= inline_nbytes:
@@ -116,7 +116,7 @@ def parse_envelope(buf: np.ndarray, exact: bool = True, inline_nbytes: int = INL
     """
     if buf.size < HEADER_NBYTES:
         raise MessageError(f"an envelope has at least {HEADER_NBYTES} bytes, got {buf.size}")
-    magic, version, nseg, total, inline, tag, page_offset = _HEAD.unpack_from(buf)
+    magic, version, nseg, total, inline, tag, page_offset = _HEAD.unpack_from(buf)  # type: ignore[arg-type]  # numpy stubs: ndarray is a Buffer only on 3.12+
     if magic != _MAGIC or version != _VERSION:
         raise MessageError(f"not a popmesh envelope (magic {bytes(magic)!r}, version {version}): another program "
                            "sent on popmesh's internal tags, or the ranks run different popmesh versions")
@@ -130,7 +130,7 @@ def parse_envelope(buf: np.ndarray, exact: bool = True, inline_nbytes: int = INL
         if inline != total:
             raise MessageError(f"corrupt envelope: {inline} inline bytes, no segments, frame length {total}")
         return Envelope(tag, total, buf[inline_at:end], [])
-    lengths = list(struct.unpack_from(f"<{nseg}Q", buf, HEADER_NBYTES))
+    lengths = list(struct.unpack_from(f"<{nseg}Q", buf, HEADER_NBYTES))  # type: ignore[arg-type]  # numpy stubs: ndarray is a Buffer only on 3.12+
     if any(n == 0 for n in lengths) or inline + sum(lengths) != total:
         raise MessageError(f"corrupt envelope: {inline} inline bytes and segments {lengths} do not add up to {total}")
     return Envelope(tag, total, buf[inline_at:end], lengths, page_offset)

@@ -8,7 +8,7 @@ from typing import Any
 from popmesh.core.errors import ConfigError
 from popmesh.core.handles import Completed
 from popmesh.core.ops import ReduceOp
-from popmesh.engines.base import GroupSpec, Tuning
+from popmesh.engines.base import GroupSpec, SnapshotWindow, Tuning
 
 __all__ = ["LocalEngine"]
 
@@ -61,7 +61,7 @@ class LocalEngine:
     def barrier(self, group: Any, timeout: float) -> None:
         return None
 
-    def snapshot_window(self, group: Any, nbytes: int) -> Any:
+    def snapshot_window(self, group: Any, nbytes: int) -> SnapshotWindow:
         """No one-sided windows on this engine (``one_sided`` is False)."""
         raise ConfigError(f"the {self.name} engine has no one-sided windows: launch under mpiexec or "
                           "popmesh.init(engine='mpi')")

@@ -131,7 +131,7 @@ def varying_axes(x: Any) -> frozenset[str]:
     Empty outside ``shard_map``, under ``vmap`` and under ``shard_map(check_vma=False)``.
     """
     aval = jax.typeof(x)
-    vma = getattr(aval, "vma", None)
+    vma: Any = getattr(aval, "vma", None)
     if vma is None:
         vma = getattr(getattr(aval, "manual_axis_type", None), "varying", frozenset())
     return frozenset(vma)

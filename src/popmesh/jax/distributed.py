@@ -68,7 +68,7 @@ def init(coordinator_address: str | None = None, num_processes: int | None = Non
     if process.coordinator_address is None:
         raise ConfigError("a multi-process JAX run needs a coordinator address (JAX_COORDINATOR_ADDRESS)")
     # Only the CPU backend reads this; set it before anything initialises a backend.
-    jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
+    jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)  # type: ignore[no-untyped-call]  # jax: config.update is unannotated
     jax.distributed.initialize(
         process.coordinator_address, process.num_processes, process.process_id,
         initialization_timeout=int(timeout),
@@ -84,4 +84,4 @@ def is_initialized() -> bool:
 def shutdown() -> None:
     """Leave the multi-process run (no-op when not initialised)."""
     if jax.distributed.is_initialized():
-        jax.distributed.shutdown()
+        jax.distributed.shutdown()  # type: ignore[no-untyped-call]  # jax: distributed.shutdown is unannotated

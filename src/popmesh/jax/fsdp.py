@@ -47,7 +47,7 @@ Names = tuple[Any, ...]
 TieBreak = Literal["first", "last"]
 
 
-class PaddedPartitioned(nn.Partitioned):
+class PaddedPartitioned(nn.Partitioned[Any]):  # type: ignore[no-untyped-call]  # flax: PyTreeNode.__init_subclass__ is unannotated
     """A ``Partitioned`` shard of a parameter zero-padded along its sharded dimension.
 
     ``unpadded`` is the original length of that dimension; :func:`gather_tree` gathers the
@@ -55,7 +55,7 @@ class PaddedPartitioned(nn.Partitioned):
     receives zero gradient.
     """
 
-    unpadded: int = struct.field(default=0, pytree_node=False)
+    unpadded: int = struct.field(default=0, pytree_node=False)  # type: ignore[no-untyped-call]  # flax: struct.field is unannotated
 
 
 def _is_partitioned(x: Any) -> bool:
@@ -155,13 +155,17 @@ def _gather(
     return jax.lax.all_gather(x.astype(gather_dtype), axis_name, axis=axis, tiled=True)
 
 
-def _gather_fwd(x, axis, axis_name, gather_dtype, scatter_dtype, dtype):  # type: ignore[no-untyped-def]
+def _gather_fwd(
+    x: jax.Array, axis: int, axis_name: str, gather_dtype: Any, scatter_dtype: Any, dtype: Any
+) -> tuple[jax.Array, None]:
     return _gather(x, axis, axis_name, gather_dtype, scatter_dtype, dtype), None
 
 
-def _gather_bwd(axis, axis_name, gather_dtype, scatter_dtype, dtype, _, ct):  # type: ignore[no-untyped-def]
+def _gather_bwd(
+    axis: int, axis_name: str, gather_dtype: Any, scatter_dtype: Any, dtype: Any, _: None, ct: jax.Array
+) -> tuple[jax.Array]:
     n = jax.lax.axis_size(axis_name)
-    scattered = jax.lax.psum_scatter(ct.astype(scatter_dtype), axis_name, scatter_dimension=axis, tiled=True)
+    scattered = jax.lax.psum_scatter(ct.astype(scatter_dtype), axis_name, scatter_dimension=axis, tiled=True)  # type: ignore[no-untyped-call]  # jax: lax.psum_scatter is unannotated
     return ((scattered / n).astype(dtype),)
 
 
@@ -250,7 +254,7 @@ def _sync_value(value: jax.Array, axes: tuple[str, ...], checked: frozenset[str]
     # Under check_vma, a gradient invariant along a checked axis was already reduced by JAX.
     vary = varying_axes(value)
     axes = tuple(a for a in axes if a not in checked or a in vary)
-    return jax.lax.pmean(value, axes) if axes else value
+    return jax.lax.pmean(value, axes) if axes else value  # type: ignore[no-untyped-call]  # jax: lax.pmean is unannotated
 
 
 def mean_grads(grads: PyTree, axis_names: Sequence[str]) -> PyTree:
@@ -286,7 +290,7 @@ def sharded_init(
     replicated leaves), found by a shape-only trace, so the returned global arrays hold each
     device's shard and can be passed back to ``shard_map`` with ``in_specs=partition_specs``.
     """
-    probe = jax.shard_map(init_fn, mesh=mesh, in_specs=in_specs, out_specs=PartitionSpec(), check_vma=False)
+    probe = jax.shard_map(init_fn, mesh=mesh, in_specs=in_specs, out_specs=PartitionSpec(), check_vma=False)  # type: ignore[no-untyped-call]  # jax: PartitionSpec is unannotated
     specs = nn.get_partition_spec(jax.eval_shape(probe, *args))
     init = jax.shard_map(init_fn, mesh=mesh, in_specs=in_specs, out_specs=specs, check_vma=check_vma)
     return jax.jit(init)(*args), specs

@@ -119,7 +119,7 @@ def split_key_per_device(
     """
     keys = jax.random.split(key, len(devices))
     mesh = Mesh(np.asarray(devices), (axis_name,))
-    return jax.device_put(keys, NamedSharding(mesh, PartitionSpec(axis_name)))
+    return jax.device_put(keys, NamedSharding(mesh, PartitionSpec(axis_name)))  # type: ignore[no-untyped-call]  # jax: PartitionSpec is unannotated
 
 
 def device_ranks(
@@ -134,6 +134,6 @@ def device_ranks(
     """
     devices = list(jax.devices() if devices is None else devices)
     mesh = Mesh(np.asarray(devices), (axis_name,))
-    sharding = NamedSharding(mesh, PartitionSpec(axis_name))
+    sharding = NamedSharding(mesh, PartitionSpec(axis_name))  # type: ignore[no-untyped-call]  # jax: PartitionSpec is unannotated
     ranks = np.arange(len(devices), dtype=np.int32)
     return jax.make_array_from_callback(ranks.shape, sharding, lambda index: ranks[index])

@@ -173,7 +173,7 @@ def population_update(
     ``[population]`` vector sharded the same way. Wraps :func:`replace_worst` in ``jax.shard_map``.
     """
     _check(replacement_ratio, strategy, momentum)
-    metric_spec = jax.sharding.PartitionSpec(axis_name)
+    metric_spec = jax.sharding.PartitionSpec(axis_name)  # type: ignore[no-untyped-call]  # jax: PartitionSpec is unannotated
 
     def body(members: Any, metrics: jax.Array) -> tuple[Any, jax.Array]:
         return replace_worst(members, metrics, axis_name, replacement_ratio=replacement_ratio,

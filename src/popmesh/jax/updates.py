@@ -76,7 +76,7 @@ def attach_params(agent_state: Any, params: Any) -> Any:
         return agent_state.replace(params=params)
     if hasattr(agent_state, "_replace"):
         return agent_state._replace(params=params)
-    if dataclasses.is_dataclass(agent_state):
+    if dataclasses.is_dataclass(agent_state) and not isinstance(agent_state, type):
         return dataclasses.replace(agent_state, params=params)
     if isinstance(agent_state, Mapping):
         return {**agent_state, "params": params}

@@ -183,10 +183,11 @@ def _free_port(addr: str) -> int:
 
 
 def _judge(sup: Supervisor, spec: LaunchSpec, error_dir: str, pump: OutputPump, store_fd: bool) -> LaunchResult:
-    common = dict(error_dir=error_dir, pump=pump, teardown_at=sup.teardown_at, received=sup.received)
     if spec.engine == "mpi":
-        return judge_mpi(sup.children[0], world_size=spec.world_size, **common)
-    result = judge_local(sup.children, world_size=spec.world_size, engine=spec.engine, **common)
+        return judge_mpi(sup.children[0], world_size=spec.world_size, error_dir=error_dir, pump=pump,
+                         teardown_at=sup.teardown_at, received=sup.received)
+    result = judge_local(sup.children, world_size=spec.world_size, engine=spec.engine, error_dir=error_dir,
+                         pump=pump, teardown_at=sup.teardown_at, received=sup.received)
     if store_fd and spec.engine == "torch" and _mentions_port_clash(result):
         hint = (
             "rank 0 already holds the rendezvous socket (POPMESH_STORE_FD); create torch's TCPStore "

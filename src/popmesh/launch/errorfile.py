@@ -13,6 +13,7 @@ import os
 import socket
 import time
 import traceback
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -42,11 +43,11 @@ class ErrorRecord:
     host: str
 
 
-def rank_from_env(env: dict[str, str] | None = None) -> int:
+def rank_from_env(env: Mapping[str, str] | None = None) -> int:
     """This process's global rank from the launcher's or the MPI library's variables (0 if none)."""
-    env = os.environ if env is None else env
+    variables = os.environ if env is None else env
     for name in _RANK_VARS:
-        value = env.get(name)
+        value = variables.get(name)
         if value is not None and value.strip().isdigit():
             return int(value)
     return 0

@@ -19,6 +19,7 @@ import sys
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from popmesh.core.errors import ConfigError
 from popmesh.launch.api import launch
@@ -81,7 +82,7 @@ def _warn_if_other_size(n: int) -> None:
             return
 
 
-def fork(n: int, *, engine: str = "torch", quiet_others: bool = False, **options: object) -> bool:
+def fork(n: int, *, engine: str = "torch", quiet_others: bool = False, **options: Any) -> bool:
     """Relaunch this program on ``n`` ranks; True in the parent once they all succeeded.
 
     Returns False in the ranks themselves (the program is already inside a launched world) and
@@ -104,6 +105,6 @@ def fork(n: int, *, engine: str = "torch", quiet_others: bool = False, **options
         engine=engine,
         quiet_others=quiet_others,
         python=[sys.executable, *how.interpreter_options],
-        **options,  # type: ignore[arg-type]
+        **options,
     ).check()
     return True

@@ -16,7 +16,7 @@ import math
 import numbers
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -80,8 +80,13 @@ class Timer:
         self._times.clear()
 
 
+def _is_real(value: object) -> bool:
+    """A real number (numpy's included) and not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def _duration(value: Any, where: str) -> float:
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    ok = _is_real(value) and math.isfinite(value)
     if not ok or value < 0:
         raise ConfigError(f"{where}: durations must be finite non-negative seconds, got {value!r}")
     return float(value)
@@ -204,16 +209,21 @@ def _step_time(name: str, timings: list[dict[str, list[float]]]) -> StepTime:
     lists = [t.get(name) for t in timings]
     totals = tuple(None if v is None else math.fsum(v) for v in lists)
     means = tuple(None if not v else math.fsum(v) / len(v) for v in lists)
-    present = [r for r, v in enumerate(totals) if v is not None]
+    present = {r: v for r, v in enumerate(totals) if v is not None}  # rank -> total, in rank order
     fastest = min((m for m in means if m is not None), default=0.0)
     return StepTime(
         name=name, totals=totals, means=means, counts=tuple(0 if v is None else len(v) for v in lists),
-        min_total=min(totals[r] for r in present), max_total=max(totals[r] for r in present),
-        mean_total=math.fsum(totals[r] for r in present) / len(present),
-        min_rank=min(present, key=lambda r: (totals[r], r)),
-        max_rank=max(present, key=lambda r: (totals[r], -r)),
+        min_total=min(present.values()), max_total=max(present.values()),
+        mean_total=math.fsum(present.values()) / len(present),
+        min_rank=min(present, key=lambda r: (present[r], r)),
+        max_rank=max(present, key=lambda r: (present[r], -r)),
         scores=tuple(None if m is None else _score(fastest, m) for m in means),
         missing_ranks=tuple(r for r, v in enumerate(totals) if v is None))
+
+
+def _fsum_present(values: Iterable[float | None]) -> float:
+    """The exact sum of the values that are not None (over steps every rank has, that is all of them)."""
+    return math.fsum(v for v in values if v is not None)
 
 
 def time_report(all_timing: Sequence[TimingDict], world_size: int | None = None,
@@ -223,15 +233,15 @@ def time_report(all_timing: Sequence[TimingDict], world_size: int | None = None,
     Steps missing on some ranks are kept (their ``missing_ranks`` say where) but, like steps some
     rank has no entries for, left out of the per-rank figures, so that ranks compare fairly.
     """
-    if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) or not 0.0 < threshold <= 1.0:
+    if not _is_real(threshold) or not 0.0 < threshold <= 1.0:
         raise ConfigError(f"threshold must be in (0, 1], got {threshold!r}; "
                           "0.7 flags ranks taking more than 1/0.7 = 1.43 times the fastest rank's time")
     timings = _normalise(all_timing, world_size)
     steps = tuple(_step_time(name, timings) for name in _step_names(timings))
     common = [s for s in steps if all(c > 0 for c in s.counts)]
     n = len(timings)
-    totals = tuple(math.fsum(s.totals[r] for s in common) for r in range(n))
-    per_iteration = tuple(math.fsum(s.means[r] for s in common) for r in range(n))
+    totals = tuple(_fsum_present(s.totals[r] for s in common) for r in range(n))
+    per_iteration = tuple(_fsum_present(s.means[r] for s in common) for r in range(n))
     scores = tuple(_score(min(per_iteration), t) for t in per_iteration)
     return TimeReport(n, steps, totals, per_iteration, scores,
                       tuple(r for r, x in enumerate(scores) if x < threshold), float(threshold))

@@ -194,6 +194,7 @@ def _rows(local: Any) -> Any:
 
 def _pad_rows(data: Any, rows: int) -> Any:
     shape = (rows,) + tuple(data.shape[1:])
+    out: Any  # a torch tensor or a numpy array, like data
     if is_torch(data):
         import torch
 

@@ -58,7 +58,7 @@ def gather_timings(timing: Timings, *, group: Comm | None = None, dst: int | Non
 
 
 def _gathered(timing: Timings | Sequence[Mapping[str, Any]], group: Comm | None, dst: int | None,
-              timeout: float | None) -> list[Mapping[str, Any]] | None:
+              timeout: float | None) -> Sequence[Mapping[str, Any]] | None:
     if isinstance(timing, (Timer, Mapping)):
         return gather_timings(timing, group=group, dst=dst, timeout=timeout)
     if group is not None:

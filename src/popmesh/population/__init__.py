@@ -29,6 +29,7 @@ from popmesh.population.explore import explore
 from popmesh.population.info import PolicyInfo
 from popmesh.population.one_sided import OneSidedAveraging
 from popmesh.population.options import Explore, SelectiveOptions
+from popmesh.population.policy import PopulationPolicy
 from popmesh.population.selection import (
     AgeState,
     DonorRule,
@@ -56,6 +57,7 @@ __all__ = [
     "EventLog",
     "Explore",
     "OneSidedAveraging",
+    "PopulationPolicy",
     "PolicyInfo",
     "SelectiveAveraging",
     "SelectiveOptions",

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from popmesh.comm.messages import irecv, isend
+from popmesh.comm.messages import RecvHandle, irecv, isend
 from popmesh.comm.world import World
 from popmesh.core.errors import CommTimeout, PeerFailure
 from popmesh.population.async_protocol import Channels, CoordinatorBook, decision_message, parse_up, told_directly
@@ -33,7 +33,7 @@ class CoordinatorLink:
         self.timeout = timeout
         self.book = CoordinatorBook(len(self.ranks))
         self.state = options.init_state(len(self.ranks))
-        self._up = irecv(self.ranks, tags.up, group=world)
+        self._up: RecvHandle | None = irecv(self.ranks, tags.up, group=world)
         self._sends: list[Any] = []
         self._dispatched_at = 0.0
         self.decisions = 0
@@ -43,7 +43,7 @@ class CoordinatorLink:
         """Take every up message that arrived, decide if a complete iteration is ready, FIN at the end."""
         self._sends = reap(self._sends, self.timeout)  # a completed send is no progress: nothing follows
         progress = False
-        while self._up.done():
+        while self._up is not None and self._up.done():
             src, row = self._up.wait()
             self._up = irecv(self.ranks, self.tags.up, group=self.world)
             kind, iteration, metric, fingerprint, acked = parse_up(row)

@@ -191,6 +191,6 @@ def decision_from_bytes(data: Any) -> dict[str, Any]:
     return message
 
 
-def metrics_by_rank(ranks: Sequence[int], metrics: Sequence[float | None]) -> Mapping[int, float]:
+def metrics_by_rank(ranks: Sequence[int], metrics: Sequence[float | None]) -> dict[int, float]:
     """Global rank → metric, null (JSON) back to NaN."""
     return {int(g): (math.nan if m is None else float(m)) for g, m in zip(ranks, metrics)}

@@ -29,10 +29,10 @@ from popmesh.population.async_protocol import Channels, channels
 from popmesh.population.async_runtime import Runtime, surface
 from popmesh.population.async_trainer import Pending, Snapshot
 from popmesh.population.combine import OptimizerPolicy
-from popmesh.population.events import EventLog, replacement_event
 from popmesh.population.info import Clock, PolicyInfo
 from popmesh.population.model_state import layout_of, model_tensors, optimizer_tensors, snapshot
-from popmesh.population.options import SelectiveOptions, check_metric, due
+from popmesh.population.options import SelectiveOptions, check_metric
+from popmesh.population.policy import PopulationPolicy
 from popmesh.population.replace import apply_replacement
 
 __all__ = ["AsyncSelectiveAveraging"]
@@ -40,7 +40,7 @@ __all__ = ["AsyncSelectiveAveraging"]
 _INSTANCES = itertools.count()
 
 
-class AsyncSelectiveAveraging:
+class AsyncSelectiveAveraging(PopulationPolicy):
     """Asynchronous selective averaging (same options as :class:`SelectiveAveraging`), plus:
 
     * ``coordinator``: global rank that decides. Default: the group's first rank, which also trains
@@ -71,29 +71,22 @@ class AsyncSelectiveAveraging:
         self.coordinator = coordinator
         self.tags: Channels = channels(next(_INSTANCES) if channel is None else channel)
         self.poll_interval = float(poll_interval)
-        self._slot: dict[str, Any] = {"runtime": None, "ranks": None, "group": None}
-        self._events: EventLog | None = None
+        self._slot: dict[str, Any] = {"runtime": None, "ranks": None}
+        self.every, self.events_path = self.options.every, self.options.events_path
         self._closed = False
         self._finalizer = weakref.finalize(self, _shutdown_at_exit, self._slot)
 
-    def __call__(self, iteration: int, model: Any, optimizer: Any = None, local_metric: float | None = None,
-                 group: Comm | None = None) -> tuple[Any, Any, PolicyInfo]:
-        """Swap in a finished replacement, and on decision points report the metric and a snapshot."""
-        is_due = due(iteration, self.options.every)
+    def _idle(self, group: Comm | None) -> bool:
+        """Most calls: nothing to report or swap in. Kept to a few attribute reads, since such a
+        call runs cold between training steps (a full call measured ~80 us of CPU there)."""
         runtime = self._slot["runtime"]
-        if not is_due and runtime is not None and group is self._slot["group"] and runtime.quiet() and not self._closed:
-            # Most calls: nothing to report or swap in. Kept to a few attribute reads, since such a
-            # call runs cold between training steps (a full call measured ~80 us of CPU there).
-            return model, optimizer, PolicyInfo(int(iteration), self.name)
-        comm = resolve_group(group)
-        comm.require_member("AsyncSelectiveAveraging")
-        iteration = int(iteration)
+        return runtime is not None and group is self._last_group and runtime.quiet() and not self._closed
+
+    def _step(self, comm: Comm, iteration: int, is_due: bool, model: Any, optimizer: Any,
+              local_metric: float | None) -> tuple[Any, Any, PolicyInfo]:
+        """Swap in a finished replacement, and on decision points report the metric and a snapshot."""
         info = PolicyInfo(iteration, self.name, acted=is_due)
-        if comm.size == 1:
-            info.summary = "a group of one" if is_due else ""
-            return model, optimizer, info
         runtime = self._runtime(comm)
-        self._slot["group"] = group
         surface(runtime.error)
         clock = Clock()
         pending = runtime.take_pending()
@@ -140,12 +133,7 @@ class AsyncSelectiveAveraging:
         info.strategy, info.summary, info.metrics = pending.strategy, pending.summary, pending.metrics
         info.decision_iteration, info.optimizer, info.hparams = (pending.decision_iteration,
                                                                  applied.optimizer_text, applied.hparams)
-        if self.options.events_path is not None:
-            if self._events is None:
-                self._events = EventLog(self.options.events_path, comm.rank)
-            self._events.write(replacement_event(self.name, info.iteration, info.decision_iteration, comm.rank,
-                                                 info.donors, info.weights, info.metrics, info.strategy,
-                                                 info.optimizer, pending.reason))
+        self._log_replacement(comm, info, pending.reason)
         return applied.optimizer
 
     def shutdown(self, timeout: float | None = None) -> None:

@@ -19,7 +19,7 @@ import numpy as np
 
 from popmesh.comm.messages import irecv, isend
 from popmesh.comm.world import World
-from popmesh.core.errors import CommTimeout, PeerFailure, PopmeshError
+from popmesh.core.errors import CommTimeout, PeerClosed, PeerFailure, PopmeshError
 from popmesh.population.async_protocol import (
     ACK,
     BYE,
@@ -170,6 +170,7 @@ class _Job:
 
     @property
     def iteration(self) -> int:
+        assert self.decision.iteration is not None  # the coordinator's decisions carry their iteration
         return int(self.decision.iteration)
 
     def missing(self) -> list[int]:
@@ -192,7 +193,7 @@ class TrainerLink:
         self._combiner = _Combiner()
         self._up_lock = threading.Lock()  # rows go up from the main thread (METRIC) and this one
         self._acked = -1  # newest decision iteration combined and handed over
-        self._reported = -1  # newest iteration reported up (BYE: infinity)
+        self._reported: float = -1  # newest iteration reported up (BYE: infinity)
         self.finished = False
 
     # ---- up rows (main thread and background thread) ------------------------------------------
@@ -228,7 +229,10 @@ class TrainerLink:
             self._down = irecv(self.coordinator, self.tags.down, group=self.world)
             self.handle(message)
             progress = True
-        while self._data is not None and self._data.done():
+        if self.finished:
+            return progress  # FIN follows every finished replacement: no stream can come after it
+        while self._stream_waiting():
+            assert self._data is not None  # _stream_waiting() is True only while a receive is posted
             src, payload = self._data.wait()
             self._data = irecv(self._peers, self.tags.data, group=self.world)
             self._stream(src, payload)
@@ -236,6 +240,21 @@ class TrainerLink:
         if self._job is not None and time.monotonic() > self._job.deadline:
             self._fail_job(self._job)
         return progress
+
+    def _stream_waiting(self) -> bool:
+        """Whether a donor's stream has arrived. When every peer has closed its transport in order
+        (PeerClosed), they finished: nothing more streams in, so unless a job still waits for a donor
+        the data channel is withdrawn, and the coordinator's FIN or abort decides the rest (a peer
+        finalizes once it has FIN, maybe before this thread has read its own)."""
+        if self._data is None:
+            return False
+        try:
+            return self._data.done()
+        except PeerClosed:
+            if self._job is not None:
+                raise
+            self._data = None
+            return False
 
     def handle(self, message: dict[str, Any]) -> None:
         """One message of the coordinator (from the down channel, or handed over in-process)."""
@@ -268,7 +287,7 @@ class TrainerLink:
             snap = self._latest()
             if snap is None:
                 raise PopmeshError(f"rank {self.me} was asked to donate before taking any snapshot")
-            payload = snap.payload(int(decision.iteration))
+            payload = snap.payload(job.iteration)
             payload["decision"] = decision_bytes(message)
             for dst in recipients:
                 self._sends.append(isend(payload, dst, self.tags.data, group=self.world, timeout=self.timeout,

@@ -6,16 +6,16 @@ import time
 from typing import Any
 
 from popmesh.comm.collectives import all_reduce_
-from popmesh.comm.world import Comm, resolve_group
-from popmesh.population.events import EventLog
+from popmesh.comm.world import Comm
 from popmesh.population.info import PolicyInfo
 from popmesh.population.model_state import load_, model_tensors, snapshot
-from popmesh.population.options import check_every, due
+from popmesh.population.options import check_every
+from popmesh.population.policy import PopulationPolicy
 
 __all__ = ["AverageAll"]
 
 
-class AverageAll:
+class AverageAll(PopulationPolicy):
     """Plain model averaging over a group (torchgfn's ``AverageAllPolicy``, with its divisor bug fixed).
 
     On iterations that are multiples of ``every``, every parameter (and, with ``include_buffers``,
@@ -27,6 +27,8 @@ class AverageAll:
     """
 
     name = "average_all"
+    averages_all = True
+    needs_metric = False
 
     def __init__(self, every: int, include_buffers: bool = False, *, events_path: str | None = None,
                  timeout: float | None = None) -> None:
@@ -34,30 +36,19 @@ class AverageAll:
         self.include_buffers = bool(include_buffers)
         self.events_path = events_path
         self.timeout = timeout
-        self._events: EventLog | None = None
 
-    def __call__(self, iteration: int, model: Any, optimizer: Any = None, local_metric: float | None = None,
-                 group: Comm | None = None) -> tuple[Any, Any, PolicyInfo]:
-        """Average on decision points; return ``(model, optimizer, info)`` (the same objects)."""
-        if not due(iteration, self.every):
-            return model, optimizer, PolicyInfo(int(iteration), self.name)
-        comm = resolve_group(group)
-        comm.require_member("AverageAll")
+    def _step(self, comm: Comm, iteration: int, is_due: bool, model: Any, optimizer: Any,
+              local_metric: float | None) -> tuple[Any, Any, PolicyInfo]:
+        """Average on decision points; the model and optimizer come back as the same objects."""
         start = time.perf_counter()
         tensors = model_tensors(model, self.include_buffers)
         flat = snapshot(tensors)
         all_reduce_(flat.buffers, "avg", group=comm, timeout=self.timeout)
         load_(tensors, flat)
         elapsed = time.perf_counter() - start
-        self._log(comm, int(iteration))
-        return model, optimizer, PolicyInfo(int(iteration), self.name, acted=True, averaged=True,
+        if comm.rank == comm.ranks[0]:
+            self._log(comm, {"event": "average", "policy": self.name, "iteration": iteration,
+                             "ranks": list(comm.ranks)})
+        return model, optimizer, PolicyInfo(iteration, self.name, acted=True, averaged=True,
                                             summary=f"averaged over {comm.size} ranks {list(comm.ranks)}",
                                             timings={"average": elapsed})
-
-    def _log(self, comm: Comm, iteration: int) -> None:
-        if self.events_path is None or comm.rank != comm.ranks[0]:
-            return
-        if self._events is None:
-            self._events = EventLog(self.events_path, comm.rank)
-        self._events.write({"event": "average", "policy": self.name, "iteration": iteration,
-                            "ranks": list(comm.ranks)})

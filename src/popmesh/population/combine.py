@@ -8,7 +8,6 @@ float16 or float32 model is not rounded once per donor.
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Callable, Mapping, Sequence
 from enum import StrEnum
 from typing import Any
@@ -16,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from popmesh.core.errors import ConfigError
-from popmesh.population.selection import as_metrics
+from popmesh.population.selection import _is_real, as_metrics
 
 __all__ = [
     "Strategy",
@@ -188,7 +187,7 @@ def combine(donor_arrays: Sequence[Any], weights: Sequence[float]) -> Any:
 
 
 def _check_momentum(m: float) -> float:
-    if isinstance(m, bool) or not isinstance(m, numbers.Real) or not 0.0 <= m < 1.0:
+    if not _is_real(m) or not 0.0 <= m < 1.0:
         raise ConfigError(f"momentum must be in [0, 1), got {m!r}; 0 takes the combined weights as they are")
     return float(m)
 

@@ -46,7 +46,7 @@ def _check(perturb: Sequence[float], resample_prob: float, hparams: Mapping[str,
 def _scale(value: Any, factor: float) -> Any:
     """``value · factor``; an int stays an int and moves by at least 1 when the product would round back."""
     if isinstance(value, numbers.Integral):
-        new = round(value * factor)
+        new = round(int(value) * factor)
         if new == value and value * factor != value:
             new += 1 if value * factor > value else -1
         return new

@@ -25,7 +25,6 @@ from popmesh.comm.world import Comm, resolve_group
 from popmesh.core.errors import ConfigError
 from popmesh.population.combine import OptimizerPolicy, combine
 from popmesh.population.decision import Decision
-from popmesh.population.events import EventLog, replacement_event
 from popmesh.population.info import Clock, PolicyInfo
 from popmesh.population.model_state import (
     FlatState,
@@ -40,7 +39,8 @@ from popmesh.population.model_state import (
     tensors_of,
     unpack_bytes,
 )
-from popmesh.population.options import SelectiveOptions, check_metric, due
+from popmesh.population.options import SelectiveOptions, check_metric
+from popmesh.population.policy import PopulationPolicy
 from popmesh.population.replace import apply_replacement
 from popmesh.population.selection import SelectionState, update_state
 
@@ -76,7 +76,7 @@ class _Exposure:
         return tensors_of(from_numpy(optim, arrays))
 
 
-class OneSidedAveraging:
+class OneSidedAveraging(PopulationPolicy):
     """Selective averaging over MPI one-sided windows (the mpi engine only).
 
     Same options as :class:`SelectiveAveraging` (``rule``, ``donor_rule``, ``strategy``,
@@ -97,18 +97,11 @@ class OneSidedAveraging:
         self.read_timeout = read_timeout
         self._exposures: dict[tuple[int, ...], _Exposure] = {}
         self._states: dict[tuple[int, ...], SelectionState] = {}
-        self._events: EventLog | None = None
+        self.every, self.events_path = self.options.every, self.options.events_path
 
-    def __call__(self, iteration: int, model: Any, optimizer: Any = None, local_metric: float | None = None,
-                 group: Comm | None = None) -> tuple[Any, Any, PolicyInfo]:
+    def _step(self, comm: Comm, iteration: int, is_due: bool, model: Any, optimizer: Any,
+              local_metric: float | None) -> tuple[Any, Any, PolicyInfo]:
         """Publish, decide on what this rank sees, and replace this rank if it is among the worst."""
-        if not due(iteration, self.options.every):
-            return model, optimizer, PolicyInfo(int(iteration), self.name)
-        comm = resolve_group(group)
-        iteration = int(iteration)
-        if comm.size == 1:
-            comm.require_member("OneSidedAveraging")
-            return model, optimizer, PolicyInfo(iteration, self.name, acted=True, summary="a group of one")
         clock = Clock()
         exposure, metric = self._publish(comm, iteration, model, optimizer, local_metric)
         clock.lap("publish")
@@ -212,17 +205,8 @@ class OneSidedAveraging:
         clock.lap("apply")
         info.replaced, info.donors, info.weights = True, tuple(comm.ranks[d] for d in donors), weights
         info.optimizer, info.hparams = applied.optimizer_text, applied.hparams
-        self._log(comm, info, decision.reasons.get(me, ""))
+        self._log_replacement(comm, info, decision.reasons.get(me, ""))
         return applied.optimizer
-
-    def _log(self, comm: Comm, info: PolicyInfo, reason: str) -> None:
-        if self.options.events_path is None:
-            return
-        if self._events is None:
-            self._events = EventLog(self.options.events_path, comm.rank)
-        self._events.write(replacement_event(self.name, info.iteration, info.decision_iteration, comm.rank,
-                                             info.donors, info.weights, info.metrics, info.strategy,
-                                             info.optimizer, reason))
 
     def close(self) -> None:
         """Free every window. Collective over each group the policy was used with; idempotent."""

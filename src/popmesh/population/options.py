@@ -7,7 +7,6 @@ hyper-parameters on replaced ranks. Nothing here communicates.
 
 from __future__ import annotations
 
-import numbers
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -19,7 +18,7 @@ from popmesh.core.errors import ConfigError
 from popmesh.population.combine import DEFAULT_OPTIMIZER_POLICY, OptimizerPolicy, Strategy, _check_momentum
 from popmesh.population.decision import Decision, decide
 from popmesh.population.explore import SpaceEntry, explore
-from popmesh.population.selection import DonorRule, ReplacementRule, SelectionState, init_state
+from popmesh.population.selection import DonorRule, ReplacementRule, SelectionState, _is_real, init_state
 
 __all__ = ["Explore", "SelectiveOptions", "check_every", "check_metric", "due"]
 
@@ -125,7 +124,7 @@ class SelectiveOptions:
         if self.strategy is Strategy.RESET and self.model_builder is None:
             raise ConfigError("strategy='reset_weights' re-initialises replaced agents: pass "
                               "model_builder=<callable returning a fresh model of the same architecture>")
-        if self.timeout is not None and (not isinstance(self.timeout, numbers.Real) or not self.timeout > 0):
+        if self.timeout is not None and (not _is_real(self.timeout) or not self.timeout > 0):
             raise ConfigError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
         if self.events_path is not None:
             put(self, "events_path", os.fspath(self.events_path))

@@ -110,8 +110,13 @@ def worst_by_ratio(metrics: Sequence[float] | np.ndarray, ratio: float) -> list[
     return sorted(order_worst_first(m)[:k])
 
 
+def _is_real(value: object) -> bool:
+    """A real number (numpy's included) and not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def _check_fraction(value: float, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 < value < 1.0:
+    if not _is_real(value) or not 0.0 < value < 1.0:
         raise ConfigError(f"{name} must be a number in the open interval (0, 1), got {value!r}; "
                           "e.g. 0.25 replaces the worst quarter")
 
@@ -144,15 +149,16 @@ def below_threshold(metrics: Sequence[float] | np.ndarray, threshold: float,
     if cooldown > 0 and iteration is None and any(t is not None for t in last):
         raise ConfigError("below_threshold with a cooldown needs iteration= the current iteration")
     below = _sort_key(m) < threshold
-    chosen = [r for r in range(m.size)
-              if below[r] and (last[r] is None or cooldown == 0 or iteration - last[r] >= cooldown)]
+    # with a cooldown, iteration is None only when no agent was ever replaced (checked above)
+    chosen = [r for r, t in enumerate(last)
+              if below[r] and (t is None or cooldown == 0 or iteration is None or iteration - t >= cooldown)]
     if len(chosen) == m.size:
         chosen.remove(order_worst_first(m)[-1])
     return chosen
 
 
 def _check_threshold(threshold: float) -> None:
-    if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) or not math.isfinite(threshold):
+    if not _is_real(threshold) or not math.isfinite(threshold):
         raise ConfigError(f"threshold must be a finite number, got {threshold!r}; leave it None to disable")
 
 
@@ -355,8 +361,9 @@ def donors_best_k(metrics: Sequence[float] | np.ndarray, replaced: Sequence[int]
 
 
 def donors_random(metrics: Sequence[float] | np.ndarray, replaced: Sequence[int], k: int,
-                  rng: RngLike) -> list[int]:
-    """``k`` valid donors drawn uniformly without replacement (all of them if fewer), ascending."""
+                  rng: RngLike | None) -> list[int]:
+    """``k`` valid donors drawn uniformly without replacement (all of them if fewer), ascending.
+    ``rng`` is required when there is a choice to make (ConfigError if it is None then)."""
     _check_k(k)
     pool = sorted(_candidates(metrics, replaced))
     if len(pool) <= k:
@@ -370,6 +377,7 @@ def select_donors(metrics: Sequence[float] | np.ndarray, replaced: Sequence[int]
     """Dispatch on ``rule.kind``; ``rng`` is only needed (and required) for ``"random"``."""
     if rule.kind == "all":
         return donors_all_others(metrics, replaced)
+    assert rule.k is not None  # DonorRule checked k for every kind but "all"
     if rule.kind == "best_k":
         return donors_best_k(metrics, replaced, rule.k)
     return donors_random(metrics, replaced, rule.k, rng)

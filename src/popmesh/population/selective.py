@@ -16,10 +16,9 @@ from typing import Any
 import numpy as np
 
 from popmesh.comm.collectives import all_gather, all_reduce_, broadcast_, broadcast_object
-from popmesh.comm.world import Comm, resolve_group
+from popmesh.comm.world import Comm
 from popmesh.core.errors import ConfigError
 from popmesh.population.decision import Decision
-from popmesh.population.events import EventLog, replacement_event
 from popmesh.population.info import Clock, PolicyInfo
 from popmesh.population.model_state import (
     FlatState,
@@ -30,7 +29,8 @@ from popmesh.population.model_state import (
     snapshot,
     to_numpy,
 )
-from popmesh.population.options import SelectiveOptions, check_metric, due
+from popmesh.population.options import SelectiveOptions, check_metric
+from popmesh.population.policy import PopulationPolicy
 from popmesh.population.replace import apply_replacement
 from popmesh.population.selection import SelectionState, update_state
 
@@ -80,7 +80,7 @@ def _transfer(comm: Comm, combo: Combination, flat: FlatState, timeout: float | 
     return FlatState(flat.layout, contrib)
 
 
-class SelectiveAveraging:
+class SelectiveAveraging(PopulationPolicy):
     """Replace the weakest agents of a group by weighted averages of better ones, synchronously.
 
     On iterations that are multiples of ``every``: ``rule`` (:class:`ReplacementRule`, default the
@@ -101,16 +101,12 @@ class SelectiveAveraging:
 
     def __init__(self, every: int, **options: Any) -> None:
         self.options = SelectiveOptions.build(every, options, "SelectiveAveraging")
+        self.every, self.events_path = self.options.every, self.options.events_path
         self._states: dict[tuple[int, ...], SelectionState] = {}
-        self._events: EventLog | None = None
 
-    def __call__(self, iteration: int, model: Any, optimizer: Any = None, local_metric: float | None = None,
-                 group: Comm | None = None) -> tuple[Any, Any, PolicyInfo]:
-        """Decide and replace on decision points; otherwise return the inputs unchanged."""
-        if not due(iteration, self.options.every):
-            return model, optimizer, PolicyInfo(int(iteration), self.name)
-        comm = resolve_group(group)
-        comm.require_member("SelectiveAveraging")
+    def _step(self, comm: Comm, iteration: int, is_due: bool, model: Any, optimizer: Any,
+              local_metric: float | None) -> tuple[Any, Any, PolicyInfo]:
+        """Decide and replace on a decision point."""
         metric = check_metric(local_metric, iteration)
         clock = Clock()
         tensors = model_tensors(model, self.options.include_buffers)
@@ -137,11 +133,12 @@ class SelectiveAveraging:
               optimizer: Any) -> tuple[dict[str, np.ndarray] | None, dict[str, Any] | None]:
         me, combined, donor_state = comm.group_rank, None, None
         groups = combination_groups(decision)
-        flat = snapshot(tensors) if groups else None
-        for combo in groups:
-            out = _transfer(comm, combo, flat, self.options.timeout)
-            if me in combo[2]:
-                combined = to_numpy(out)
+        if groups:
+            flat = snapshot(tensors)
+            for combo in groups:
+                out = _transfer(comm, combo, flat, self.options.timeout)
+                if me in combo[2]:
+                    combined = to_numpy(out)
         sources = sorted({s for s in decision.copy_optimizer_from.values() if s is not None})
         for s in sources:
             mine = (optimizer_tensors(optimizer) if optimizer is not None else {}) if me == s else None
@@ -170,11 +167,6 @@ class SelectiveAveraging:
                                     rank=comm.rank, donor_state=donor_state,
                                     source=None if source is None else comm.ranks[source])
         info.optimizer, info.hparams = applied.optimizer_text, applied.hparams
-        if self.options.events_path is not None:
-            if self._events is None:
-                self._events = EventLog(self.options.events_path, comm.rank)
-            self._events.write(replacement_event(self.name, info.iteration, info.iteration, comm.rank,
-                                                 info.donors, info.weights, info.metrics, info.strategy,
-                                                 info.optimizer, decision.reasons.get(me, "")))
+        self._log_replacement(comm, info, decision.reasons.get(me, ""))
         return applied.optimizer
 

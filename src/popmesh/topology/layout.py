@@ -76,16 +76,16 @@ def _fmt(ranks: Sequence[int]) -> str:
     return "[" + ", ".join(parts) + "]"
 
 
-def _check_counts(world_size: object, num_buffers: object, num_agent_groups: object,
-                  use_coordinator: object, num_nodes: object) -> None:
+def _check_counts(world_size: int, num_buffers: int, num_agent_groups: int,
+                  use_coordinator: object, num_nodes: int) -> None:
     """Raise ConfigError unless the requested role counts fit in the world."""
     for name, value, low in (("world_size", world_size, 1), ("num_buffers", num_buffers, 0),
                              ("num_agent_groups", num_agent_groups, 1), ("num_nodes", num_nodes, 1)):
-        if not _is_int(value) or value < low:  # type: ignore[operator]
+        if not _is_int(value) or value < low:
             raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
     if not isinstance(use_coordinator, bool):
         raise ConfigError(f"use_coordinator must be True or False, got {use_coordinator!r}")
-    w, b, c = int(world_size), int(num_buffers), int(use_coordinator)  # type: ignore[call-overload]
+    w, b, c = int(world_size), int(num_buffers), int(use_coordinator)
     need = b + max(1, b) + c
     if w < need:
         raise ConfigError(

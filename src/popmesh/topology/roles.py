@@ -10,8 +10,8 @@ Attribute names and meanings mirror torchgfn's ``DistributedContext`` (whose fac
 :mod:`popmesh.compat.gfn`, subclasses :class:`Roles`), with global ranks throughout. Deliberate
 differences: groups are popmesh Groups (every rank holds every group; ``is_member`` says whether it
 belongs), one object serves torch and MPI alike (no second mpi4py context that must line up by
-rank), and :meth:`~Roles.cleanup` finalizes the world only when asked (torchgfn's always called
-``MPI.Finalize``).
+rank), and :meth:`~Roles.cleanup` leaves the world up (torchgfn's called ``MPI.Finalize``; end the
+world with ``popmesh.finalize()``).
 """
 
 from __future__ import annotations
@@ -71,8 +71,8 @@ class Roles:
         """This training rank's agent group (None on managers and the coordinator)."""
         return self.agent_groups[self.agent_group_id] if self.is_training_rank() else None
 
-    def cleanup(self, finalize: bool = False) -> None:
-        """Forget the groups (idempotent); with ``finalize=True`` also finalize the world.
+    def cleanup(self) -> None:
+        """Forget the groups (idempotent); the world stays up (end it with ``popmesh.finalize()``).
 
         Local only: no rank waits for the others here, so end with a barrier first if ranks must
         agree they are done.
@@ -82,8 +82,6 @@ class Roles:
         self._closed = True
         self.agent_groups = []
         self.buffer_group = None
-        if finalize:
-            self.world.finalize()
 
 
 def assign_roles(world: World, layout: RankLayout | None = None, *, num_buffers: int = 0,

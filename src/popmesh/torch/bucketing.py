@@ -51,7 +51,7 @@ class ParamSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
             raise ConfigError(f"parameter name must be a string, got {self.name!r}")
-        if isinstance(self.numel, bool) or not isinstance(self.numel, numbers.Integral) or self.numel < 0:
+        if not _is_int(self.numel) or self.numel < 0:
             raise ConfigError(f"parameter {self.name!r}: numel must be a non-negative int, "
                               f"got {self.numel!r}")
         if not isinstance(self.device, str) or not self.device:
@@ -151,11 +151,15 @@ class BucketPlan:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def _is_int(value: object) -> bool:
+    """An integer (numpy's included) and not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def _check_options(cap_bytes: int, align_bytes: int, order: str) -> None:
-    if isinstance(cap_bytes, bool) or not isinstance(cap_bytes, numbers.Integral) or cap_bytes <= 0:
+    if not _is_int(cap_bytes) or cap_bytes <= 0:
         raise ConfigError(f"cap_bytes must be a positive int, got {cap_bytes!r}; DDP uses 25 MiB")
-    if (isinstance(align_bytes, bool) or not isinstance(align_bytes, numbers.Integral) or align_bytes < 0
-            or align_bytes & (align_bytes - 1)):
+    if not _is_int(align_bytes) or align_bytes < 0 or align_bytes & (align_bytes - 1):
         raise ConfigError(f"align_bytes must be 0 (packed) or a power of two such as 64, got {align_bytes!r}")
     if order not in ("reverse", "forward"):
         raise ConfigError(f"order must be 'reverse' (backward ready order) or 'forward', got {order!r}")

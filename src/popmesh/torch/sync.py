@@ -252,7 +252,7 @@ class GradientSync:
             return
         ref = weakref.ref(self)
         for i, p in enumerate(self._layout().params):
-            self._hooks.append(p.register_post_accumulate_grad_hook(_hook(ref, i)))
+            self._hooks.append(p.register_post_accumulate_grad_hook(_hook(ref, i)))  # type: ignore[no-untyped-call]  # torch: this Tensor method is unannotated
 
 
 def _hook(ref: weakref.ref[GradientSync], i: int) -> Callable[[torch.Tensor], None]:

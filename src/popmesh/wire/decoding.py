@@ -52,7 +52,7 @@ def _input_view(buf: Any) -> memoryview:
         return memoryview(buf)
     try:
         if isinstance(buf, (list, tuple)):
-            return memoryview(join_frame(buf))
+            return memoryview(join_frame(buf))  # type: ignore[arg-type]  # numpy stubs: ndarray is a Buffer only on 3.12+
         if is_torch(buf):
             t = buf.detach().cpu().contiguous().reshape(-1)
             buf = (t if t.dtype == import_torch().uint8 else t.view(import_torch().uint8)).numpy()

@@ -73,7 +73,7 @@ def _numpy_body(arr: np.ndarray) -> _Body | None:
     if arr.dtype != arr.dtype.newbyteorder("<"):
         arr = arr.astype(arr.dtype.newbyteorder("<"))
     arr = arr if arr.flags.c_contiguous else arr.copy(order="C")  # ascontiguousarray turns 0-d into 1-d
-    return Kind.NDARRAY, code, 0, arr.shape, memoryview(arr.reshape(-1).view(np.uint8))
+    return Kind.NDARRAY, code, 0, arr.shape, memoryview(arr.reshape(-1).view(np.uint8))  # type: ignore[arg-type]  # numpy stubs: ndarray is a Buffer only on 3.12+
 
 
 def _torch_body(t: Any) -> _Body | None:
@@ -182,10 +182,10 @@ def encode(payload: Any, *, allow_pickle: bool = False, checksum: bool | None = 
             "str to arrays. Convert it (numpy scalars: np.asarray(x)), or pass allow_pickle=True to both encode "
             "and decode (trusted peers only).")
     try:
-        data = pickle.dumps(payload, protocol=5)
+        pickled = pickle.dumps(payload, protocol=5)
     except Exception as e:
         raise MessageError(f"cannot pickle a {type(payload).__qualname__}: {e}") from e
-    return _frame(Kind.PICKLE, 0, 0, (), [data], checksum)
+    return _frame(Kind.PICKLE, 0, 0, (), [pickled], checksum)
 
 
 def _small_frame(kind: int, dtype: int, shape: tuple[int, ...], data: bytes) -> bytes:

@@ -1,6 +1,6 @@
 """gloo goodbyes: every rank hears from every peer, the last rank finalizes early, the others learn it
-at once (PeerFailure, not a timeout; in a world of two also for an any-source receive) and everyone
-exits cleanly (no abort at interpreter exit)."""
+at once (PeerClosed, a PeerFailure, not a timeout; in a world of two also for an any-source receive)
+and everyone exits cleanly (no abort at interpreter exit)."""
 
 import sys
 import time
@@ -9,7 +9,7 @@ import numpy as np
 
 import popmesh
 from popmesh.comm import messages as m
-from popmesh.core.errors import PeerFailure
+from popmesh.core.errors import PeerClosed, PeerFailure
 
 world = popmesh.init()
 rank, size = world.rank, world.size
@@ -35,6 +35,7 @@ try:
     m.recv(early, tag=3, timeout=30)
 except PeerFailure as e:
     assert "closed its point-to-point transport" in str(e), e
+    assert isinstance(e, PeerClosed), f"a goodbye is an orderly close, not a broken connection: {e!r}"
     assert time.monotonic() - start < 10, time.monotonic() - start
 else:
     raise AssertionError("a receive from a rank that finalized must raise PeerFailure")
@@ -42,7 +43,8 @@ if size == 2:  # every possible sender is gone: an any-source receive fails at o
     start = time.monotonic()
     try:
         m.recv(None, tag=3, timeout=30)
-    except PeerFailure:
+    except PeerFailure as e:
+        assert isinstance(e, PeerClosed), repr(e)
         assert time.monotonic() - start < 10, time.monotonic() - start
     else:
         raise AssertionError("an any-source receive with every peer gone must raise PeerFailure")

@@ -3,6 +3,7 @@
 import math
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -208,10 +209,65 @@ def objects(w):
     assert popmesh.all_gather_object({r}, allow_pickle=True) == [{i} for i in range(n)]
 
 
+def _marker(round_, rank):
+    return os.path.join(os.environ["POPMESH_TEST_OUT"], f"barrier-{round_}-rank{rank}")
+
+
 @check
 def barrier(w):
+    """No rank leaves a barrier before every rank reached it: each round one rank arrives late, every
+    rank leaves a marker just before the barrier, and after it every marker must be there."""
     popmesh.barrier()
     popmesh.barrier(timeout=10)
+    pair = w.new_group(sorted({0, w.size - 1}))
+    rounds = [(late, w) for late in range(w.size)] + [(w.size - 1, pair)]
+    for round_, (late, group) in enumerate(rounds):
+        if not group.is_member:
+            continue
+        if w.rank == late:
+            time.sleep(0.2)
+        with open(_marker(round_, w.rank), "w") as f:
+            f.write(str(time.time()))
+        popmesh.barrier(group=group, timeout=10)
+        missing = [g for g in group.ranks if not os.path.exists(_marker(round_, g))]
+        assert not missing, f"round {round_}: the barrier returned before ranks {missing} reached it"
+
+
+@check
+def fast_paths_equal_the_tree_paths(w):
+    """One array or tensor takes a short way past the tree machinery, and a structure fuses its leaves
+    into one buffer per dtype: both give what each leaf reduced (or broadcast) alone gives."""
+    r, n = w.rank, w.size
+    leaves = [np.arange(6, dtype=np.float32).reshape(2, 3) * (r + 1), np.array([r + 1, -(r + 1)], np.int64),
+              np.full((3, 2), r + 1.5).T, np.array([r == 0, True, False]), np.arange(3, dtype=np.float16) + r,
+              np.float32(r + 1), torch.arange(4, dtype=torch.float64) - r,
+              torch.tensor([r + 0.5], dtype=torch.bfloat16),
+              torch.arange(6, dtype=torch.float32).reshape(2, 3).T * (r + 1), torch.tensor([r % 2 == 0, True])]
+    for op in ("sum", "avg", "max", "min", "prod"):
+        usable = [x for x in leaves if not (op == "avg" and x.dtype in (np.bool_, torch.bool))]
+        singles = [popmesh.all_reduce(x, op) for x in usable]
+        for structured in (popmesh.all_reduce(list(usable), op), popmesh.all_reduce({"k": tuple(usable)}, op)["k"]):
+            for one, other in zip(singles, structured):
+                _same(one, other, op)
+        in_place = [_copy(x) for x in usable if not isinstance(x, np.generic)]
+        popmesh.all_reduce_(in_place, op)
+        for x, got in zip([x for x in usable if not isinstance(x, np.generic)], in_place):
+            alone = _copy(x)
+            popmesh.all_reduce_(alone, op)
+            _same(alone, got, op)
+    singles = [popmesh.broadcast(x, src=n - 1) for x in leaves]
+    for one, other in zip(singles, popmesh.broadcast(list(leaves), src=n - 1)):
+        _same(one, other, "broadcast")
+
+
+def _copy(x):
+    return x.clone() if isinstance(x, torch.Tensor) else np.array(x, copy=True)
+
+
+def _same(one, other, what):
+    assert type(one) is type(other) and one.dtype == other.dtype and one.shape == other.shape, (what, one, other)
+    equal = torch.equal(one, other) if isinstance(one, torch.Tensor) else np.array_equal(one, other)
+    assert equal, (what, one, other)
 
 
 @check

@@ -1,5 +1,6 @@
-"""popmesh.compat.gfn on a real 2-rank world (torch or MPI engine); rank r contributes r + 1."""
+"""popmesh.compat.gfn on real worlds of 1, 2 and 3 ranks (torch or MPI engine); rank r contributes r + 1."""
 
+import math
 import os
 import sys
 
@@ -9,7 +10,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import popmesh.compat.gfn as gfn
 from popmesh import ConfigError
-from worldlib import check, main
+from worldlib import check, main, need_ranks
 
 torch.set_num_threads(1)
 
@@ -39,6 +40,9 @@ def a_backend_other_than_the_engine_is_a_config_error(w):
     own, other = names(w)
     t = torch.ones(2)
     for fn, args in ((gfn.all_reduce, (t,)), (gfn.broadcast, (t, 0)), (gfn.barrier, ()), (gfn.get_rank, ())):
+        if w.size == 1:  # a world of one runs nothing, so either name does (the default "mpi" in a plain script)
+            fn(*args, backend=other)
+            continue
         message = raises_config_error(fn, *args, backend=other)
         assert repr(own) in message, message
     assert raises_config_error(gfn.get_world_size, backend="nccl")
@@ -46,12 +50,14 @@ def a_backend_other_than_the_engine_is_a_config_error(w):
 
 @check
 def send_reinterprets_bytes_and_recv_returns_them(w):
+    need_ranks(w, 2)
     own, other = names(w)
     data = torch.tensor([1.5, -2.25, 3e38], dtype=torch.float32)
     want = data.view(torch.uint8)
     if w.rank == 0:
-        gfn.send(data, 1, backend=own, tag=3)
-        gfn.send(torch.tensor([7, 300], dtype=torch.int64), 1, backend=other, tag=4)
+        for dst in range(1, w.size):
+            gfn.send(data, dst, backend=own, tag=3)
+            gfn.send(torch.tensor([7, 300], dtype=torch.int64), dst, backend=other, tag=4)
     else:
         src, got = gfn.recv(0, backend=other, tag=3)  # the wire format does not depend on the name
         assert src == 0 and got.dtype == torch.uint8 and torch.equal(got, want), got
@@ -62,19 +68,22 @@ def send_reinterprets_bytes_and_recv_returns_them(w):
 
 @check
 def isend_handle_completes(w):
+    need_ranks(w, 2)
     own, _ = names(w)
-    peer = 1 - w.rank
-    handle = gfn.isend(torch.arange(5, dtype=torch.int16) * (w.rank + 1), peer, backend=own, tag=5)
-    src, got = gfn.recv(peer, backend=own, tag=5)
+    after, before = (w.rank + 1) % w.size, (w.rank - 1) % w.size  # a ring
+    handle = gfn.isend(torch.arange(5, dtype=torch.int16) * (w.rank + 1), after, backend=own, tag=5)
+    src, got = gfn.recv(before, backend=own, tag=5)
     handle.wait()
     assert handle.is_complete() is True
-    assert src == peer and got.view(torch.int16).tolist() == [i * (peer + 1) for i in range(5)]
+    assert src == before and got.view(torch.int16).tolist() == [i * (before + 1) for i in range(5)]
 
 
 @check
 def all_reduce_in_place(w):
     own, _ = names(w)
-    for op, want in (("SUM", 3.0), ("MAX", 2.0), ("MIN", 1.0), ("AVG", 1.5), ("PROD", 2.0)):
+    n = w.size
+    for op, want in (("SUM", n * (n + 1) / 2), ("MAX", n), ("MIN", 1.0), ("AVG", (n + 1) / 2),
+                     ("PROD", math.factorial(n))):
         t = torch.full((3,), float(w.rank + 1))
         assert gfn.all_reduce(t, op=op, backend=own) is None
         assert t.tolist() == [want] * 3, (op, t)
@@ -85,14 +94,15 @@ def all_gather_into_output_list(w):
     own, _ = names(w)
     out = [torch.zeros(2, dtype=torch.float64) for _ in range(w.size)]
     gfn.all_gather(out, torch.tensor([w.rank + 1.0, -(w.rank + 1.0)], dtype=torch.float64), backend=own)
-    assert [o.tolist() for o in out] == [[1.0, -1.0], [2.0, -2.0]]
-    assert raises_config_error(gfn.all_gather, out[:1], torch.zeros(2), backend=own)
+    assert [o.tolist() for o in out] == [[r + 1.0, -(r + 1.0)] for r in range(w.size)]
+    assert raises_config_error(gfn.all_gather, out + out[:1], torch.zeros(2), backend=own)
 
 
 @check
 def broadcast_src_is_global_on_a_sub_group(w):
+    need_ranks(w, 2)
     own, _ = names(w)
-    sub = w.new_group([1, 0])  # group rank 0 is global rank 1
+    sub = w.new_group([1, 0, *range(2, w.size)])  # group rank 0 is global rank 1
     t = torch.tensor([float(w.rank + 1)])
     gfn.broadcast(t, 1, backend=own, group=sub)
     assert t.item() == 2.0, "src=1 is global rank 1 (torchgfn's MPI path took group rank 1 = global 0)"
@@ -101,9 +111,10 @@ def broadcast_src_is_global_on_a_sub_group(w):
 @check
 def rank_and_size_of_groups(w):
     own, _ = names(w)
-    assert gfn.get_rank(backend=own) == w.rank and gfn.get_world_size(backend=own) == 2
-    only_one = w.new_group([1])
-    assert gfn.get_rank(backend=own, group=only_one) == (0 if w.rank == 1 else -1)
+    assert gfn.get_rank(backend=own) == w.rank and gfn.get_world_size(backend=own) == w.size
+    last = w.size - 1
+    only_one = w.new_group([last])
+    assert gfn.get_rank(backend=own, group=only_one) == (0 if w.rank == last else -1)
     assert gfn.get_world_size(backend=own, group=only_one) == 1
     gfn.barrier(backend=own)
 
@@ -114,13 +125,15 @@ def gather_distributed_data_ragged_uint8(w):
     data = torch.full((rows, 3), 200 + w.rank, dtype=torch.uint8)
     out = gfn.gather_distributed_data(data)
     if w.rank == 0:
-        assert out.shape == (302, 3) and out.dtype == torch.uint8
-        assert out[:300].eq(200).all() and out[300:].eq(201).all()
+        assert out.shape == (300 + 2 * (w.size - 1), 3) and out.dtype == torch.uint8
+        assert out[:300].eq(200).all()
+        for r in range(1, w.size):
+            assert out[300 + 2 * (r - 1):300 + 2 * r].eq(200 + r).all(), r
     else:
         assert out is None
-    listed = gfn.gather_distributed_data([float(w.rank + 1)] * (w.rank + 1), world_size=2, rank=w.rank)
+    listed = gfn.gather_distributed_data([float(w.rank + 1)] * (w.rank + 1), world_size=w.size, rank=w.rank)
     if w.rank == 0:
-        assert listed.tolist() == [1.0, 2.0, 2.0]
+        assert listed.tolist() == [float(r + 1) for r in range(w.size) for _ in range(r + 1)]
     assert raises_config_error(gfn.gather_distributed_data, data, world_size=5)
 
 
@@ -136,7 +149,7 @@ def model_of(value):
 def average_models_divides_by_the_group_size(w):
     model = model_of(w.rank + 1.0)
     gfn.average_models(model)
-    assert all(p.eq(1.5).all() for p in model.parameters())
+    assert all(p.eq((w.size + 1) / 2).all() for p in model.parameters())
     alone = w.new_group([0])
     model = model_of(w.rank + 1.0)
     if w.rank == 0:
@@ -149,40 +162,55 @@ def average_gradients_over_the_world(w):
     model = model_of(1.0)
     model(torch.full((1, 2), float(w.rank + 1))).sum().backward()
     gfn.average_gradients(model)
-    assert model.weight.grad.tolist() == [[1.5, 1.5]] and model.bias.grad.item() == 1.0
+    mean = (w.size + 1) / 2
+    assert model.weight.grad.tolist() == [[mean, mean]] and model.bias.grad.item() == 1.0
 
 
 @check
 def contexts_have_the_documented_attributes(w):
     own, other = names(w)
     dist_backend = "gloo" if own == "torch" else "mpi"
-    ctx = gfn.initialize_distributed_compute(dist_backend, 1, 1)
-    assert (ctx.my_rank, ctx.world_size, ctx.num_training_ranks, ctx.agent_group_size) == (w.rank, 2, 1, 1)
-    assert ctx.buffer_rank_set == {1} and ctx.coordinator_rank is None and ctx.agent_group_id == 0
-    assert ctx.is_training_rank() is (w.rank == 0) and ctx.is_buffer_rank() is (w.rank == 1)
-    assert ctx.is_coordinator_rank() is False
-    assert ctx.assigned_buffer == (1 if w.rank == 0 else None)
-    assert ctx.assigned_training_ranks == (None if w.rank == 0 else [0])
-    assert ctx.train_global_group.ranks == (0,) and ctx.buffer_group.ranks == (1,)
-    assert [g.ranks for g in ctx.agent_groups] == [(0,)]
+    n, r = w.size, w.rank
+    buffers = 1 if n > 1 else 0  # the last rank serves the others; a world of one only trains
+    trainers = list(range(n - buffers))
+    ctx = gfn.initialize_distributed_compute(dist_backend, buffers, 1)
+    assert (ctx.my_rank, ctx.world_size, ctx.num_training_ranks, ctx.agent_group_size) == (r, n, n - buffers,
+                                                                                           n - buffers)
+    assert ctx.buffer_rank_set == set(range(n - buffers, n)) and ctx.coordinator_rank is None
+    assert ctx.agent_group_id == 0 and ctx.is_coordinator_rank() is False
+    assert ctx.is_training_rank() is (r in trainers) and ctx.is_buffer_rank() is (r not in trainers)
+    assert ctx.assigned_buffer == (n - 1 if buffers and r in trainers else None)
+    assert ctx.assigned_training_ranks == (None if r in trainers else trainers)
+    assert ctx.train_global_group.ranks == tuple(trainers)
+    assert (ctx.buffer_group.ranks if buffers else ctx.buffer_group) == ((n - 1,) if buffers else None)
+    assert [g.ranks for g in ctx.agent_groups] == [tuple(trainers)]
     assert ctx.get_train_group(own) is ctx.train_global_group
-    assert raises_config_error(ctx.get_train_group, other)
+    if n > 1:
+        assert raises_config_error(ctx.get_train_group, other)
+    else:  # a world of one takes either name (see above)
+        assert ctx.get_train_group(other) is ctx.train_global_group
     assert (ctx.dc_mpi4py is not None) is (own == "mpi")
     ctx.cleanup()
     gfn.barrier(backend=own)  # cleanup left the world up
-    assert raises_config_error(gfn.initialize_distributed_compute, "mpi" if own == "torch" else "gloo", 0, 1)
+    if n > 1:
+        assert raises_config_error(gfn.initialize_distributed_compute, "mpi" if own == "torch" else "gloo", 0, 1)
 
 
 @check
 def mpi4py_context(w):
     own, _ = names(w)
+    n = w.size
+    if n == 1:  # a world of one, on either engine: a single-process context
+        ctx = gfn.initialize_distributed_compute_mpi4py(0, 1)
+        assert (ctx.my_rank, ctx.world_size, ctx.num_training_ranks, ctx.coordinator_rank) == (0, 1, 1, None)
+        return
     if own == "torch":
         assert "mpi" in raises_config_error(gfn.initialize_distributed_compute_mpi4py, 0, 1)
         return
     ctx = gfn.initialize_distributed_compute_mpi4py(0, 1, num_coordinators=1)
     assert isinstance(ctx, gfn.DistributedContextMPI4Py)
-    assert ctx.coordinator_rank == 1 and ctx.num_training_ranks == 1 and ctx.world_size == 2
-    assert ctx.is_training_rank() is (w.rank == 0) and ctx.is_buffer_rank() is False
+    assert ctx.coordinator_rank == n - 1 and ctx.num_training_ranks == n - 1 and ctx.world_size == n
+    assert ctx.is_training_rank() is (w.rank < n - 1) and ctx.is_buffer_rank() is False
     assert raises_config_error(gfn.initialize_distributed_compute_mpi4py, 0, 1, num_coordinators=2)
 
 

@@ -1,4 +1,5 @@
-"""popmesh.compat.omnisafe on a real world: the seed document's examples, on 2 ranks (rank r holds r + 1)."""
+"""popmesh.compat.omnisafe on real worlds: the seed document's examples (written for 2 ranks), on 1, 2 and
+3 ranks; rank r holds r + 1, so with n ranks the mean is (n + 1) / 2."""
 
 import os
 import sys
@@ -18,6 +19,14 @@ def value(w):
     return float(w.rank + 1)  # 1.0 on process 0, 2.0 on process 1: the document's numbers
 
 
+def mean(w):
+    return (w.size + 1) / 2  # 1.5 on the document's two processes
+
+
+def total(w):
+    return w.size * (w.size + 1) / 2
+
+
 @check
 def rank_and_size_inside_a_launched_world(w):
     assert RANK_BEFORE_INIT == w.rank == omnisafe.get_rank()
@@ -31,7 +40,7 @@ def rank_and_size_inside_a_launched_world(w):
 def avg_tensor_example(w):
     x = torch.tensor(value(w))
     assert omnisafe.avg_tensor(x) is None
-    assert torch.equal(x, torch.tensor(1.5)), x
+    assert torch.equal(x, torch.tensor(mean(w))), x
 
 
 @check
@@ -41,7 +50,7 @@ def avg_grads_example(w):
     y.backward()
     assert torch.equal(x.grad, torch.tensor(2.0 * value(w)))
     assert omnisafe.avg_grads(x) is None
-    assert torch.equal(x.grad, torch.tensor(3.0)), x.grad
+    assert torch.equal(x.grad, torch.tensor(2.0 * mean(w))), x.grad
 
 
 def linear(w):
@@ -65,15 +74,15 @@ def sync_params_example(w):
 def avg_params_example(w):
     model = linear(w)
     assert omnisafe.avg_params(model) is None
-    assert torch.equal(model.weight.data, torch.tensor([[1.5]])), model.weight
+    assert torch.equal(model.weight.data, torch.tensor([[mean(w)]])), model.weight
 
 
 @check
 def dist_examples(w):
     x = torch.tensor(value(w))
-    assert torch.equal(omnisafe.dist_avg(x), torch.tensor(1.5))
-    assert torch.equal(omnisafe.dist_sum(x), torch.tensor(3.0))
-    assert torch.equal(omnisafe.dist_max(x), torch.tensor(2.0))
+    assert torch.equal(omnisafe.dist_avg(x), torch.tensor(mean(w)))
+    assert torch.equal(omnisafe.dist_sum(x), torch.tensor(total(w)))
+    assert torch.equal(omnisafe.dist_max(x), torch.tensor(float(w.size)))
     assert torch.equal(omnisafe.dist_min(x), torch.tensor(1.0))
     assert x.item() == value(w), "the caller's tensor is not overwritten (OmniSafe's dist_op aliased it)"
 
@@ -82,24 +91,28 @@ def dist_examples(w):
 def dist_op_takes_torch_reduce_ops(w):
     x = torch.tensor([value(w), -value(w)], dtype=torch.float64)
     ops = torch.distributed.ReduceOp
-    assert omnisafe.dist_op(x, ops.SUM).tolist() == [3.0, -3.0]
-    assert omnisafe.dist_op(x, ops.MAX).tolist() == [2.0, -1.0]
-    assert omnisafe.dist_op(x, ops.MIN).tolist() == [1.0, -2.0]
+    n = float(w.size)
+    assert omnisafe.dist_op(x, ops.SUM).tolist() == [total(w), -total(w)]
+    assert omnisafe.dist_op(x, ops.MAX).tolist() == [n, -1.0]
+    assert omnisafe.dist_op(x, ops.MIN).tolist() == [1.0, -n]
     assert omnisafe.dist_op(x, "avg").dtype == torch.float64, "dtype kept (OmniSafe cast to float32)"
 
 
 @check
 def dist_statistics_scalar_example(w):
-    mean, std = omnisafe.dist_statistics_scalar(torch.tensor(value(w)).reshape(1))
-    assert (mean, std) == (torch.tensor(1.5), torch.tensor(0.5)), (mean, std)
+    avg, std = omnisafe.dist_statistics_scalar(torch.tensor(value(w)).reshape(1))
+    assert avg.item() == mean(w), avg  # the population std of 1..n: sqrt((n^2 - 1) / 12), 0.5 for two
+    assert abs(std.item() - ((w.size ** 2 - 1) / 12) ** 0.5) < 1e-6, std
 
 
 @check
 def dist_statistics_scalar_min_max_are_global_scalars(w):
-    data = torch.tensor([1.0, 5.0, 3.0]) if w.rank == 0 else torch.tensor([-2.0])  # different lengths
-    mean, std, low, high = omnisafe.dist_statistics_scalar(data, with_min_and_max=True)
-    assert (mean.item(), low.item(), high.item()) == (1.75, -2.0, 5.0), (mean, low, high)
-    assert abs(std.item() - torch.tensor([1.0, 5.0, 3.0, -2.0]).std(unbiased=False).item()) < 1e-6
+    data = torch.tensor([1.0, 5.0, 3.0]) if w.rank == 0 else torch.tensor([-(w.rank + 1.0)])  # different lengths
+    avg, std, low, high = omnisafe.dist_statistics_scalar(data, with_min_and_max=True)
+    everything = torch.tensor([1.0, 5.0, 3.0] + [-(r + 1.0) for r in range(1, w.size)])
+    assert abs(avg.item() - everything.mean().item()) < 1e-6, (avg, everything)  # 1.75 on two processes
+    assert (low.item(), high.item()) == (everything.min().item(), 5.0), (low, high)
+    assert abs(std.item() - everything.std(unbiased=False).item()) < 1e-6
 
 
 @check

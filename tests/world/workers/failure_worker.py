@@ -1,4 +1,5 @@
-"""Failure scenarios: a rank that never arrives (timeout names it) and a rank that dies."""
+"""Failure scenarios: a rank that never arrives (timeout names it), a rank that dies, and a failing
+or crashing rank that the harness must take its peers down with."""
 
 import os
 import sys
@@ -49,6 +50,28 @@ def dead_rank_surfaces(w):
         assert "all_reduce" in str(e)
     else:
         raise AssertionError("reducing with a dead rank must fail")
+
+
+@check
+def one_rank_fails_while_peers_wait(w):
+    """The harness must take the world down at once: the peers would wait here for 30 s."""
+    if SCENARIO not in ("fail", "crash"):
+        return
+    if pid_dir := os.environ.get("POPMESH_TEST_PIDDIR"):
+        with open(os.path.join(pid_dir, f"{os.getpid()}.pid"), "w") as f:
+            f.write(str(os.getpid()))
+    popmesh.barrier(timeout=30)
+    if w.rank == 1:
+        if SCENARIO == "crash":
+            os._exit(7)
+        raise AssertionError("deliberate failure on rank 1")
+    popmesh.barrier(timeout=30)
+
+
+@check
+def after_the_failure(w):
+    if SCENARIO in ("fail", "crash"):
+        popmesh.barrier(timeout=30)
 
 
 if __name__ == "__main__":

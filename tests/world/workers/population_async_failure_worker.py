@@ -71,5 +71,27 @@ def dead_donor_surfaces_on_the_replaced_rank(w):
         raise AssertionError("a dead donor must surface as an error")
 
 
+@check
+def peers_finalizing_first_is_no_error(w):
+    """Rank 1's policy thread reads FIN only after every peer has finalized its world (a loaded box):
+    their orderly goodbyes must not surface as an error (they did, from its data channel)."""
+    if WHO_DIES != "nobody":
+        return
+    if w.rank == 1:
+        from popmesh.population import async_runtime
+
+        step = async_runtime.Runtime._step
+
+        def late_step(self):
+            if self._bye_sent:
+                time.sleep(1.0)  # long enough for the others to get FIN, finish and finalize
+            return step(self)
+
+        async_runtime.Runtime._step = late_step
+    policy = AsyncSelectiveAveraging(every=10, rule=ReplacementRule(ratio=0.25))
+    policy(3, make_agent(1.0), None, None)
+    policy.shutdown(timeout=SHUTDOWN_S)  # the last check: every rank finalizes right after it
+
+
 if __name__ == "__main__":
     main()

@@ -21,7 +21,7 @@ from popmesh.population import (
     decide,
 )
 from workers.population_common import adam_for, assert_all, exp_avg_of, make_agent, mean, values
-from worldlib import check, main
+from worldlib import check, main, need_ranks
 
 QUARTER = ReplacementRule(ratio=0.25)
 WORST_FIRST = {1: [1.0], 2: [1.0, 2.0], 3: [1.0, 3.0, 2.0], 4: [1.0, 4.0, 2.0, 3.0]}
@@ -68,8 +68,7 @@ def averaged_weights_are_applied(w):
 @check
 def coordinator_donates_best_only(w):
     n = w.size
-    if n < 2:
-        return
+    need_ranks(w, 2)
     metrics = [float(n - r) for r in range(n)]  # rank 0 (the coordinator) is the best
     policy = AsyncSelectiveAveraging(every=10, rule=QUARTER, strategy="best_only")
     model, _, _info = one_round(w, policy, metrics, replaced=(n - 1,))
@@ -80,8 +79,7 @@ def coordinator_donates_best_only(w):
 def conforms_to_the_synchronous_policy(w):
     """Three rounds with training in between: async and sync end with the same weights on every rank."""
     n = w.size
-    if n < 3:
-        return
+    need_ranks(w, 3)
     opts = dict(rule=ReplacementRule(ratio=0.5), strategy="weighted_mean", momentum=0.3)
     asyn, sync = AsyncSelectiveAveraging(every=5, **opts), SelectiveAveraging(every=5, **opts)
     model_a, model_s = make_agent(w.rank + 1), make_agent(w.rank + 1)
@@ -111,8 +109,7 @@ def conforms_to_the_synchronous_policy(w):
 @check
 def optimizer_state_is_copied_from_the_best_donor(w):
     n = w.size
-    if n < 2:
-        return
+    need_ranks(w, 2)
     model = make_agent(w.rank + 1)
     opt = adam_for(model, grad=w.rank + 1)
     best = int(np.argmax(WORST_FIRST[n]))
@@ -126,8 +123,7 @@ def optimizer_state_is_copied_from_the_best_donor(w):
 @check
 def events_and_reset_weights(w):
     n = w.size
-    if n < 2:
-        return
+    need_ranks(w, 2)
     path = os.path.join(os.environ["POPMESH_TEST_OUT"], "async-events-{rank}.jsonl")
     policy = AsyncSelectiveAveraging(every=10, rule=QUARTER, strategy="reset_weights",
                                      model_builder=lambda: make_agent(-1.0), events_path=path)
@@ -145,8 +141,7 @@ def events_and_reset_weights(w):
 @check
 def dedicated_coordinator_rank(w):
     n = w.size
-    if n < 3:
-        return
+    need_ranks(w, 3)
     trainers = list(range(n - 1))
     group = w.new_group(trainers)
     policy = AsyncSelectiveAveraging(every=10, rule=QUARTER, coordinator=n - 1)
@@ -160,8 +155,7 @@ def dedicated_coordinator_rank(w):
 @check
 def sub_group_with_an_idle_rank(w):
     n = w.size
-    if n < 3:
-        return
+    need_ranks(w, 3)
     group = w.new_group(range(1, n))  # rank 0 idles; rank 1 coordinates and is replaced
     policy = AsyncSelectiveAveraging(every=10, rule=QUARTER)
     if w.rank == 0:

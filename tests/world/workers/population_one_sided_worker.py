@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import popmesh
 from popmesh.population import OneSidedAveraging, ReplacementRule
 from workers.population_common import adam_for, assert_all, exp_avg_of, make_agent, mean
-from worldlib import check, main
+from worldlib import check, main, need_ranks
 
 QUARTER = ReplacementRule(ratio=0.25)
 WORST_FIRST = {1: [1.0], 2: [1.0, 2.0], 3: [1.0, 3.0, 2.0], 4: [1.0, 4.0, 2.0, 3.0]}
@@ -31,8 +31,7 @@ def decide_once(w, policy, metrics, model=None, optimizer=None, group=None, iter
 
 @check
 def reads_are_never_torn(w):
-    if w.size < 2:
-        return
+    need_ranks(w, 2)
     words = 1 << 17  # 1 MiB of float64 per snapshot
     window = w.engine.snapshot_window(w.handle, words * 8)
     reads = torn = published = 0
@@ -72,8 +71,7 @@ def rank0_replaced_by_mean_of_others(w):
 @check
 def rank0_donates_best_only_with_momentum(w):
     n = w.size
-    if n < 2:
-        return
+    need_ranks(w, 2)
     metrics = [float(n - r) for r in range(n)]
     policy = OneSidedAveraging(every=5, rule=QUARTER, strategy="best_only", momentum=0.5)
     model, _, _info = decide_once(w, policy, metrics)
@@ -84,8 +82,7 @@ def rank0_donates_best_only_with_momentum(w):
 @check
 def nan_metric_never_donates(w):
     n = w.size
-    if n < 3:
-        return
+    need_ranks(w, 3)
     metrics = [float(r + 1) for r in range(n)]
     metrics[1] = math.nan
     model, _, _info = decide_once(w, OneSidedAveraging(every=5, rule=QUARTER), metrics)
@@ -96,8 +93,7 @@ def nan_metric_never_donates(w):
 @check
 def optimizer_copy_moves_adam_state(w):
     n = w.size
-    if n < 2:
-        return
+    need_ranks(w, 2)
     model = make_agent(w.rank + 1)
     opt = adam_for(model, grad=w.rank + 1)
     best = int(np.argmax(WORST_FIRST[n]))
@@ -112,8 +108,7 @@ def optimizer_copy_moves_adam_state(w):
 @check
 def reset_weights_and_default_optimizer_reset(w):
     n = w.size
-    if n < 2:
-        return
+    need_ranks(w, 2)
     model = make_agent(w.rank + 1)
     opt = adam_for(model)
     policy = OneSidedAveraging(every=5, rule=QUARTER, strategy="reset_weights", model_builder=lambda: make_agent(-2.0))
@@ -125,8 +120,7 @@ def reset_weights_and_default_optimizer_reset(w):
 @check
 def sub_group_with_an_idle_rank(w):
     n = w.size
-    if n < 3:
-        return
+    need_ranks(w, 3)
     group = w.new_group(range(n - 1))
     if w.rank == n - 1:
         return

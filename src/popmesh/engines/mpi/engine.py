@@ -19,7 +19,7 @@ import numpy as np
 from popmesh.core.arrays import is_torch
 from popmesh.core.errors import CommTimeout, EngineUnavailable, PeerFailure
 from popmesh.core.ops import ReduceOp
-from popmesh.engines.base import GroupSpec, Tuning, poll_until, timeout_message
+from popmesh.engines.base import GroupSpec, SnapshotWindow, Tuning, poll_until, timeout_message
 from popmesh.engines.interop import numpy_bytes, torch_bytes
 
 __all__ = ["MpiEngine"]
@@ -57,8 +57,8 @@ class MpiEngine:
         self._mpi = MPI = _import_mpi()
         self._world = MPI.COMM_WORLD
         self._diag = self._world.Dup()
-        self.rank = self._world.Get_rank()
-        self.size = self._world.Get_size()
+        self.rank: int = self._world.Get_rank()
+        self.size: int = self._world.Get_size()
         self._node = self._world.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         self._ops = {ReduceOp.SUM: MPI.SUM, ReduceOp.MAX: MPI.MAX, ReduceOp.MIN: MPI.MIN, ReduceOp.PROD: MPI.PROD}
         self._p2p_comm = self._world.Dup()  # point-to-point messages only (mpi_p2p); collective, so made here
@@ -136,7 +136,7 @@ class MpiEngine:
     def barrier(self, group: _Handle, timeout: float) -> None:
         self._wait(group.comm.Ibarrier(), group, timeout, "barrier")
 
-    def snapshot_window(self, group: _Handle, nbytes: int) -> Any:
+    def snapshot_window(self, group: _Handle, nbytes: int) -> SnapshotWindow:
         """An MPI-3 window of ``nbytes`` per member (collective over ``group``)."""
         from popmesh.engines.mpi.window import MpiSnapshotWindow
 

@@ -194,13 +194,13 @@ class MpiP2P(P2PBase):
                 return partial.src, partial.data
             blocked.add(partial.src)  # later frames from this sender wait for this one
         for source in _probe_order(sources, blocked, self.mpi.ANY_SOURCE):
-            partial = self._start(source, tag)
-            if partial is None:
+            started = self._start(source, tag)
+            if started is None:
                 continue
-            if partial.src not in blocked and self._complete(partial, tag):
-                return partial.src, partial.data
-            partials.append(partial)
-            blocked.add(partial.src)
+            if started.src not in blocked and self._complete(started, tag):
+                return started.src, started.data
+            partials.append(started)
+            blocked.add(started.src)
         return None
 
     def _start(self, source: int, tag: int) -> _Partial | None:

@@ -21,7 +21,7 @@ import numpy as np
 from popmesh.core.errors import CommTimeout, ConfigError, EngineUnavailable, PeerFailure, PopmeshError
 from popmesh.core.launch_env import TorchEnv
 from popmesh.core.ops import ReduceOp
-from popmesh.engines.base import GroupSpec, Tuning, timeout_message
+from popmesh.engines.base import GroupSpec, SnapshotWindow, Tuning, timeout_message
 from popmesh.engines.interop import numpy_to_torch, torch_to_numpy
 from popmesh.engines.torch.send import is_gone
 
@@ -80,15 +80,15 @@ class TorchEngine:
         self._finished_works: deque[Any] = deque(maxlen=_KEEP_FINISHED_WORKS)
         if self._owns:
             self._store = _make_store(dist, env, timeout)
-            self.backend = backend or _default_backend(torch)
+            self.backend: str = backend or _default_backend(torch)
             dist.init_process_group(
                 self.backend, store=self._store, rank=env.rank, world_size=env.world_size,
                 timeout=timedelta(seconds=timeout),
             )
         else:
             self.backend = str(dist.get_backend())
-        self.rank = dist.get_rank()
-        self.size = dist.get_world_size()
+        self.rank: int = dist.get_rank()
+        self.size: int = dist.get_world_size()
         self._stage_cuda = "nccl" not in self.backend
         ops = dist.ReduceOp
         self._ops = {ReduceOp.SUM: ops.SUM, ReduceOp.MAX: ops.MAX, ReduceOp.MIN: ops.MIN, ReduceOp.PROD: ops.PRODUCT}
@@ -176,7 +176,7 @@ class TorchEngine:
         work = self._dist.barrier(group=group.pg, async_op=True)
         self._wait(work, group, timeout, "barrier")
 
-    def snapshot_window(self, group: _Handle, nbytes: int) -> Any:
+    def snapshot_window(self, group: _Handle, nbytes: int) -> SnapshotWindow:
         """No one-sided windows on this engine (``one_sided`` is False)."""
         raise ConfigError(f"the {self.name} engine has no one-sided windows: launch under mpiexec or "
                           "popmesh.init(engine='mpi')")

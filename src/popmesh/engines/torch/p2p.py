@@ -25,7 +25,8 @@ up to :data:`EXIT_GRACE_S` for pending sends, then sends every peer a goodbye en
 to :data:`GOODBYE_GRACE_S` for the peers' goodbyes (or closed connections) to end its pumps, so no
 wait is left to return during finalization. A peer that receives a goodbye answers with its own, so
 a rank that finalizes early does not wait for the others; a receive from a rank that said goodbye
-raises PeerFailure once its earlier messages are consumed, and so does a send to it. A program
+raises PeerClosed (a PeerFailure) once its earlier messages are consumed, and a send to it
+PeerFailure. A program
 should still let a rank exit only once every message sent *to* it has been received.
 """
 
@@ -40,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from popmesh.core.errors import ConfigError, MessageError, PeerFailure, PopmeshError
+from popmesh.core.errors import ConfigError, MessageError, PeerClosed, PeerFailure, PopmeshError
 from popmesh.engines.envelope import (
     GOODBYE_TAG,
     HEADER_NBYTES,
@@ -130,8 +131,8 @@ class _Pump:
                 return self._end(MessageError(f"from rank {peer}: {e}; no more messages are taken from it"))
             if envelope.tag == GOODBYE_TAG:
                 owner._say_goodbye(peer)  # so that peer's pump for us ends too, even while we live on
-                return self._end(PeerFailure(f"rank {peer} closed its point-to-point transport (it finalized its "
-                                             "world or exited): it sends nothing more", (peer,)))
+                return self._end(PeerClosed(f"rank {peer} closed its point-to-point transport (it finalized its "
+                                            "world or exited): it sends nothing more", (peer,)))
             item = owner._receive_rest(envelope, peer)
             if _hands_over(envelope):  # the payload keeps ``buf``: post a buffer nobody holds in its place
                 buf = owner._envelopes.take(GLOO_ENVELOPE_NBYTES)
@@ -289,7 +290,8 @@ class TorchP2P(P2PBase):
                 return item
         gone = [self._gone[p] for p in peers if p in self._gone]
         if gone and len(gone) == sum(1 for p in peers if p != self.rank):
-            raise gone[0]  # nothing can arrive any more
+            # nothing can arrive any more; a broken connection outranks an orderly goodbye
+            raise next((e for e in gone if not isinstance(e, PeerClosed)), gone[0])
         return None
 
     def _start_pump(self, peer: int) -> None:

@@ -52,7 +52,7 @@ def tensor(buf: np.ndarray | bytearray) -> Any:
         import torch
 
         _torch = torch
-    if type(buf) is bytearray:
+    if isinstance(buf, bytearray):
         return _torch.frombuffer(buf, dtype=_torch.uint8) if buf else _torch.empty(0, dtype=_torch.uint8)
     if buf.flags.writeable:
         return _torch.from_numpy(buf)
@@ -69,9 +69,9 @@ _torch: Any = None
 class TorchSend:
     """One frame in flight; its buffers live until the channel thread has seen it complete."""
 
-    def __init__(self, works: list[Any], keep: list[np.ndarray], eager: bool, outbox: Outbox) -> None:
+    def __init__(self, works: list[Any], keep: list[np.ndarray | bytearray], eager: bool, outbox: Outbox) -> None:
         self._works: list[Any] | None = works
-        self._keep: list[np.ndarray] | None = keep
+        self._keep: list[np.ndarray | bytearray] | None = keep
         self.nbytes = sum(len(b) for b in keep)
         self.eager, self.outbox = eager, outbox
         self.error: PopmeshError | None = None
