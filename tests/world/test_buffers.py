@@ -1,5 +1,5 @@
-"""Roles and the replay-buffer service on real worlds of 2, 3 and 4 ranks (torch/gloo; MPI at 4), and crashes
-(torch)."""
+"""Roles and the replay-buffer service on real worlds of 2, 3 and 4 ranks (torch/gloo; MPI at 4), and
+crashes (torch). The training files (population, buffers, compat) share one world per engine and size."""
 
 from pathlib import Path
 
@@ -11,7 +11,7 @@ from workers import buffers_worker as worker
 from worldtests import world_tests
 
 world_run, test_check, test_world_exits_cleanly = world_tests(
-    worker, [("torch", 2), ("torch", 3), ("torch", 4), ("mpi", 4)], timeout=240
+    worker, [("torch", 2), ("torch", 3), ("torch", 4), ("mpi", 4)], timeout=240, suite="training"
 )
 
 

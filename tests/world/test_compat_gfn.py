@@ -1,5 +1,5 @@
 """popmesh.compat.gfn: the seed document's signatures, and its behaviours on real worlds of 1, 2 and 3 ranks
-(torch, MPI; the compat files share these worlds)."""
+(torch, MPI). The training files (population, buffers, compat) share one world per engine and size."""
 
 import logging
 import sys
@@ -43,5 +43,6 @@ def test_reports_tolerate_ragged_iterations(caplog):
 
 
 world_run, test_on_a_world, test_world_exits_cleanly = world_tests(
-    worker, [("torch", 1), ("torch", 2), ("torch", 3), ("mpi", 1), ("mpi", 2), ("mpi", 3)], timeout=120, suite="compat"
+    worker, [("torch", 1), ("torch", 2), ("torch", 3), ("mpi", 1), ("mpi", 2), ("mpi", 3)],
+    timeout=240, suite="training",
 )

@@ -1,5 +1,5 @@
-"""popmesh.compat.omnisafe: the seed document's signatures, and its examples on real torch worlds of 1, 2 and 3
-ranks (the compat files share these worlds)."""
+"""popmesh.compat.omnisafe: the seed document's signatures, and its examples on real torch worlds of 1, 2
+and 3 ranks. The training files (population, buffers, compat) share one world per engine and size."""
 
 import subprocess
 import sys
@@ -58,5 +58,5 @@ def test_a_world_of_one_without_init():
 
 
 world_run, test_on_a_world, test_world_exits_cleanly = world_tests(
-    worker, [("torch", 1), ("torch", 2), ("torch", 3)], timeout=120, suite="compat"
+    worker, [("torch", 1), ("torch", 2), ("torch", 3)], timeout=240, suite="training"
 )

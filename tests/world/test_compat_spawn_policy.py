@@ -1,6 +1,6 @@
 """popmesh.compat.spawn_policy: the seed document's signatures, the worst-ranks helper, and the policies
-on real worlds of 1, 2 and 3 ranks (torch; MPI for the one-sided policies; the compat files share these
-worlds)."""
+on real worlds of 1, 2 and 3 ranks (torch; MPI for the one-sided policies).
+The training files (population, buffers, compat) share one world per engine and size."""
 
 import inspect
 import sys
@@ -56,5 +56,6 @@ def test_constructor_arguments_are_checked_and_kept():
 
 
 world_run, test_on_a_world, test_world_exits_cleanly = world_tests(
-    worker, [("torch", 1), ("torch", 2), ("torch", 3), ("mpi", 1), ("mpi", 2), ("mpi", 3)], timeout=120, suite="compat"
+    worker, [("torch", 1), ("torch", 2), ("torch", 3), ("mpi", 1), ("mpi", 2), ("mpi", 3)],
+    timeout=240, suite="training",
 )

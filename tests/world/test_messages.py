@@ -1,4 +1,5 @@
-"""Point-to-point messages on real worlds: local (1 rank), torch/gloo and MPI at 2 and 3 ranks."""
+"""Point-to-point messages on real worlds: local (1 rank), torch/gloo and MPI at 2 and 3 ranks (worlds
+shared with the other communication files: suite "comm")."""
 
 import subprocess
 import sys
@@ -10,7 +11,7 @@ from workers import messages_worker as worker
 from worldtests import world_tests
 
 world_run, test_check, test_world_exits_cleanly = world_tests(
-    worker, [("local", 1), ("torch", 2), ("torch", 3), ("mpi", 2), ("mpi", 3)], timeout=240
+    worker, [("local", 1), ("torch", 2), ("torch", 3), ("mpi", 2), ("mpi", 3)], timeout=240, suite="comm"
 )
 SCRIPTS = Path(__file__).parent / "scripts"
 

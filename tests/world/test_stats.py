@@ -1,4 +1,5 @@
-"""popmesh.observe.stats on real worlds: local (1 rank), torch/gloo and MPI at 2 and 3 ranks."""
+"""popmesh.observe.stats on real worlds: local (1 rank), torch/gloo and MPI at 2 and 3 ranks (worlds shared
+with the other communication files: suite "comm")."""
 
 import pytest
 
@@ -8,5 +9,5 @@ from worldtests import world_tests
 pytest.importorskip("torch")
 
 world_run, test_check, test_world_exits_cleanly = world_tests(
-    worker, [("local", 1), ("torch", 2), ("torch", 3), ("mpi", 2), ("mpi", 3)], timeout=180
+    worker, [("local", 1), ("torch", 2), ("torch", 3), ("mpi", 2), ("mpi", 3)], timeout=240, suite="comm"
 )

@@ -22,7 +22,7 @@ from worldlib import checks_of, suite_key
 
 EnvFor = Callable[[str, int], dict]
 SUITE_SCRIPT = Path(__file__).parent / "workers" / "suite_worker.py"
-_MEMBERS: dict[tuple[str, str, int], list[ModuleType]] = {}  # (suite, engine, size) -> workers
+_MEMBERS: dict[tuple[str, str, int], list[tuple[ModuleType, float, EnvFor | None]]] = {}  # (suite, engine, size)
 _RUNS: dict[tuple[str, str, int], WorldRun] = {}
 
 
@@ -30,7 +30,7 @@ def world_tests(worker: ModuleType, worlds: list[tuple[str, int]], *, timeout: f
                 env_for: EnvFor | None = None, suite: str | None = None) -> tuple[Callable, Callable, Callable]:
     """The module-scoped world fixture and the two tests over ``worker``'s checks."""
     for engine, size in worlds if suite else ():
-        _MEMBERS.setdefault((suite, engine, size), []).append(worker)
+        _MEMBERS.setdefault((suite, engine, size), []).append((worker, timeout, env_for))
 
     def key(name: str) -> str:
         return suite_key(worker.__name__, name) if suite else name
@@ -40,9 +40,11 @@ def world_tests(worker: ModuleType, worlds: list[tuple[str, int]], *, timeout: f
         engine, size = request.param
         if engine == "mpi" and mpiexec() is None:
             pytest.skip("mpiexec not installed")
-        env = env_for(engine, size) if env_for else None
-        run = _suite_run(suite, engine, size, timeout, env) if suite else run_world(
-            Path(worker.__file__), engine, size, timeout=timeout, env=env)
+        if suite:
+            run = _suite_run(suite, engine, size)
+        else:
+            run = run_world(Path(worker.__file__), engine, size, timeout=timeout,
+                            env=env_for(engine, size) if env_for else None)
         assert not run.timed_out, f"world timed out:\n{run.output[-4000:]}"
         return run
 
@@ -63,10 +65,14 @@ def world_tests(worker: ModuleType, worlds: list[tuple[str, int]], *, timeout: f
     return world_run, test_check, test_world_exits_cleanly
 
 
-def _suite_run(suite: str, engine: str, size: int, timeout: float, env: dict | None) -> WorldRun:
-    """The shared world of ``suite`` on ``engine`` at ``size``, run the first time a file asks for it."""
-    if (suite, engine, size) not in _RUNS:
-        names = ",".join(m.__name__.rsplit(".", 1)[-1] for m in _MEMBERS[(suite, engine, size)])
-        _RUNS[(suite, engine, size)] = run_world(SUITE_SCRIPT, engine, size, timeout=timeout,
-                                                 env={**(env or {}), "POPMESH_TEST_SUITE": names})
-    return _RUNS[(suite, engine, size)]
+def _suite_run(suite: str, engine: str, size: int) -> WorldRun:
+    """The shared world of ``suite`` on ``engine`` at ``size``, run the first time a file asks for it:
+    every member's checks, under the longest of their timeouts and all of their environments."""
+    key = (suite, engine, size)
+    if key not in _RUNS:
+        members = _MEMBERS[key]
+        env = {"POPMESH_TEST_SUITE": ",".join(m.__name__.rsplit(".", 1)[-1] for m, _, _ in members)}
+        for _, _, env_for in members:
+            env.update(env_for(engine, size) if env_for else {})
+        _RUNS[key] = run_world(SUITE_SCRIPT, engine, size, timeout=max(t for _, t, _ in members), env=env)
+    return _RUNS[key]
