@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from popmesh.core.arrays import device_name, dtype_name, is_torch
-from popmesh.core.flat import flatten_into, group_indices, views_of
+from popmesh.core.flat import flatten_into, group_indices, views_of, write_back
 
 __all__ = ["fresh_copy", "is_contiguous", "fuse_groups", "write_back", "apply_fused"]
 
@@ -63,12 +63,3 @@ def apply_fused(leaves: Sequence[Any], run: Callable[[Any], None], *, in_place: 
             write_back(leaf, result)
     return results
 
-
-def write_back(target: Any, value: Any) -> None:
-    """Copy ``value`` into ``target`` unless they are the same buffer."""
-    if value is target:
-        return
-    if is_torch(target):
-        target.copy_(value)
-    else:
-        np.copyto(target, value, casting="unsafe")

@@ -19,7 +19,7 @@ import numpy as np
 
 from popmesh.core.arrays import is_torch
 
-__all__ = ["group_indices", "packed_offsets", "numel_of", "flatten_into", "views_of", "copy_back"]
+__all__ = ["group_indices", "packed_offsets", "numel_of", "flatten_into", "views_of", "copy_back", "write_back"]
 
 
 def group_indices(keys: Sequence[Hashable]) -> list[list[int]]:
@@ -66,9 +66,14 @@ def views_of(flat: Any, shapes: Sequence[Sequence[int]], offsets: Sequence[int] 
 def copy_back(flat: Any, targets: Sequence[Any], offsets: Sequence[int] | None = None) -> None:
     """Write each slice of ``flat`` into its target in place (cast to the target's dtype)."""
     for target, view in zip(targets, views_of(flat, [tuple(t.shape) for t in targets], offsets)):
-        if view is target:
-            continue
-        if is_torch(target):
-            target.copy_(view)
-        else:
-            np.copyto(target, view, casting="unsafe")
+        write_back(target, view)
+
+
+def write_back(target: Any, value: Any) -> None:
+    """Copy ``value`` into ``target`` in place (cast to its dtype) unless they are the same buffer."""
+    if value is target:
+        return
+    if is_torch(target):
+        target.copy_(value)
+    else:
+        np.copyto(target, value, casting="unsafe")
