@@ -17,7 +17,7 @@ from popmesh.core.arrays import dtype_name, leaf_shape
 from popmesh.core.dtypes import DTYPES
 from popmesh.core.errors import CollectiveMismatch
 
-__all__ = ["describe_leaves", "agree", "exchange_shapes", "exchange_all_shapes"]
+__all__ = ["exchange_texts", "describe_leaves", "agree", "exchange_shapes", "exchange_all_shapes"]
 
 
 def describe_leaves(leaves: Sequence[Any]) -> str:
@@ -37,7 +37,7 @@ def agree(comm: Any, description: str, what: str, timeout: float) -> None:
     table = engine.all_gather(mine, comm.handle, timeout)
     if (table[:, 0] == table[0, 0]).all():
         return
-    texts = _exchange_texts(comm, description, int(table[:, 1].max()), timeout)
+    texts = exchange_texts(comm, description, int(table[:, 1].max()), timeout)
     listing = "; ".join(f"rank {r}: {t}" for r, t in zip(comm.ranks, texts))
     raise CollectiveMismatch(
         f"{what}: ranks disagree on the call ({listing}). Every rank of the group must call the same "
@@ -46,8 +46,9 @@ def agree(comm: Any, description: str, what: str, timeout: float) -> None:
     )
 
 
-def _exchange_texts(comm: Any, text: str, width: int, timeout: float) -> list[str]:
-    raw = text.encode()
+def exchange_texts(comm: Any, text: str, width: int, timeout: float) -> list[str]:
+    """Every member's ``text`` (UTF-8, cut to ``width`` bytes), gathered straight through the engine."""
+    raw = text.encode()[:width]
     padded = np.zeros(width, dtype=np.uint8)
     padded[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
     rows = comm.world.engine.all_gather(padded, comm.handle, timeout)

@@ -20,7 +20,7 @@ from popmesh.comm.reduction import engine_view, finish_, lowering_of
 from popmesh.comm.world import Comm, resolve_group
 from popmesh.core.arrays import flatten, is_torch, restore_scalar, to_array, unflatten
 from popmesh.core.errors import ConfigError
-from popmesh.core.ops import ReduceOp
+from popmesh.core.ops import Lowering, ReduceOp
 from popmesh.wire.objects import decode_object, encode_object
 
 __all__ = [
@@ -98,20 +98,21 @@ def _all_reduce(x: Any, op: Any, group: Comm | None, timeout: float | None, *, i
 
 def _all_reduce_array(x: Any, op: ReduceOp, comm: Comm, seconds: float, in_place: bool) -> Any:
     """The common case, one array or tensor, without the tree machinery (latency matters here)."""
-    lowering_of(x, op)
+    lowering = lowering_of(x, op)
     if comm.size == 1:
         return x
     if comm.check:
         agree(comm, f"all_reduce({op.value}) * {describe_leaves([x])}", "all_reduce", seconds)
     buf = x if in_place and is_contiguous(x) else fresh_copy(x)
-    _reduce_(buf, op, comm, seconds)
+    _reduce_(buf, op, comm, seconds, lowering)
     if in_place and buf is not x:
         write_back(x, buf)
     return x if in_place else buf
 
 
-def _reduce_(buf: Any, op: ReduceOp, comm: Comm, timeout: float) -> None:
-    lowering = lowering_of(buf, op)
+def _reduce_(buf: Any, op: ReduceOp, comm: Comm, timeout: float, lowering: Lowering | None = None) -> None:
+    """Reduce ``buf`` in place; ``lowering`` when the caller already has it (the one-array fast path)."""
+    lowering = lowering_of(buf, op) if lowering is None else lowering
     comm.world.engine.all_reduce_(engine_view(buf, lowering), lowering.engine_op, comm.handle, timeout)
     finish_(buf, lowering, comm.size)
 

@@ -11,8 +11,7 @@ import atexit
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
+from popmesh.comm.agreement import exchange_texts
 from popmesh.core.errors import ConfigError, NotInGroup
 from popmesh.core.launch_env import detect_engine, read_check, read_timeout
 from popmesh.engines import Engine, GroupSpec, create_engine
@@ -152,11 +151,7 @@ class World(Comm):
         (host names are at most 255 bytes), so the world needs nothing from the collectives above it."""
         if self.size == 1:
             return [self.hostname]
-        raw = self.hostname.encode()[:_HOSTNAME_NBYTES]
-        mine = np.zeros(_HOSTNAME_NBYTES, dtype=np.uint8)
-        mine[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
-        rows = self.engine.all_gather(mine, self.handle, self.default_timeout)
-        return [bytes(row).rstrip(b"\0").decode(errors="replace") for row in np.asarray(rows)]
+        return exchange_texts(self, self.hostname, _HOSTNAME_NBYTES, self.default_timeout)
 
     def _local_from_hostnames(self) -> tuple[int, int]:
         same = [r for r, h in enumerate(self.hostnames) if h == self.hostname]

@@ -247,6 +247,11 @@ def time_report(all_timing: Sequence[TimingDict], world_size: int | None = None,
                       tuple(r for r, x in enumerate(scores) if x < threshold), float(threshold))
 
 
+def _waiting_share(useful: float, waiting: float) -> float:
+    wall = useful + waiting
+    return waiting / wall if wall > 0 else 0.0
+
+
 @dataclass(frozen=True)
 class StepImbalance:
     """Load imbalance of one step over the ``iterations`` every rank recorded.
@@ -267,8 +272,7 @@ class StepImbalance:
     @property
     def waiting_fraction(self) -> float:
         """Share of the step's synchronised wall time (useful + waiting) spent waiting."""
-        wall = self.useful_total + self.waiting_total
-        return self.waiting_total / wall if wall > 0 else 0.0
+        return _waiting_share(self.useful_total, self.waiting_total)
 
 
 @dataclass(frozen=True)
@@ -284,8 +288,7 @@ class ImbalanceReport:
     @property
     def waiting_fraction(self) -> float:
         """Share of the total synchronised wall time spent waiting."""
-        wall = self.useful_total + self.waiting_total
-        return self.waiting_total / wall if wall > 0 else 0.0
+        return _waiting_share(self.useful_total, self.waiting_total)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able fields, with the waiting fractions."""
