@@ -11,11 +11,12 @@ Three channels per policy instance, on popmesh-internal tags (:data:`popmesh.com
   be waiting for it).
 * **down** (coordinator → trainer), JSON: a decision (``Decision.to_dict()`` over group ranks plus
   the global ``ranks`` and the metrics), ``fin`` (everyone said BYE: stop) or ``abort`` (the
-  coordinator failed: the reason). Decisions go to the donors, and to replaced ranks that have no
-  donors (``reset_weights``); a replaced rank with donors learns its decision from their streams.
+  coordinator failed: the reason). The coordinator makes each decision once and sends it once to
+  every rank it involves (:func:`involved`: donors and replaced ranks), nobody else.
 * **data** (donor → replaced), a dict of arrays: ``meta`` ``[snapshot iteration, decision
-  iteration]``, ``decision`` the decision message as UTF-8 JSON, ``p/<dtype>`` flat weights,
-  ``o/<index>/<key>`` optimizer state.
+  iteration]``, ``p/<dtype>`` flat weights, ``o/<index>/<key>`` optimizer state. A stream names
+  its decision only by iteration: a replaced rank whose donors' streams arrive before the
+  coordinator's message keeps them, keyed by that iteration, until the decision comes.
 
 One channel carries each direction, so per-sender order holds: a rank's metrics always precede
 its BYE, and a decision always precedes FIN.
@@ -29,10 +30,9 @@ that training would otherwise use.
 
 from __future__ import annotations
 
-import json
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,7 +43,7 @@ from popmesh.core.errors import ConfigError
 
 __all__ = [
     "METRIC", "ACK", "BYE", "MAX_INSTANCES", "Channels", "channels", "up_row", "parse_up", "decision_message",
-    "told_directly", "decision_bytes", "decision_from_bytes", "metrics_by_rank", "CoordinatorBook",
+    "involved", "metrics_by_rank", "CoordinatorBook",
 ]
 
 METRIC, ACK, BYE = 0, 1, 2
@@ -169,26 +169,9 @@ class CoordinatorBook:
         return sorted(self.in_flight)
 
 
-def told_directly(decision: Any) -> list[int]:
-    """Group ranks the coordinator sends a decision to: the donors, and replaced ranks without donors
-    (``reset_weights``). Replaced ranks with donors learn it from the donors' streams."""
-    return sorted(set(decision.donor_ranks) | {r for r in decision.replaced if not decision.donors[r]})
-
-
-def decision_bytes(message: Mapping[str, Any]) -> np.ndarray:
-    """A decision message as UTF-8 JSON in a uint8 array, to ride in a donor's stream."""
-    return np.frombuffer(json.dumps(message, separators=(",", ":")).encode(), dtype=np.uint8)
-
-
-def decision_from_bytes(data: Any) -> dict[str, Any]:
-    """Inverse of :func:`decision_bytes`; ConfigError if the bytes are not a decision message."""
-    try:
-        message = json.loads(np.asarray(data, dtype=np.uint8).tobytes().decode())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ConfigError(f"a donor's stream carries no readable decision ({e}): mixed popmesh versions?") from e
-    if not isinstance(message, dict) or message.get("kind") != "decision":
-        raise ConfigError("a donor's stream carries no decision message: mixed popmesh versions?")
-    return message
+def involved(decision: Any) -> list[int]:
+    """Group ranks the coordinator sends a decision to: its donors and the ranks it replaces."""
+    return sorted(set(decision.donor_ranks) | set(decision.replaced))
 
 
 def metrics_by_rank(ranks: Sequence[int], metrics: Sequence[float | None]) -> dict[int, float]:

@@ -12,7 +12,6 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -20,119 +19,17 @@ import numpy as np
 from popmesh.comm.messages import irecv, isend
 from popmesh.comm.world import World
 from popmesh.core.errors import CommTimeout, PeerClosed, PeerFailure, PopmeshError
+from popmesh.population.async_inbox import Inbox, Job, Pending, Snapshot
 from popmesh.population.async_protocol import (
     ACK,
     BYE,
     Channels,
-    decision_bytes,
-    decision_from_bytes,
     metrics_by_rank,
     up_row,
 )
-from popmesh.population.combine import _check_weights, combine
 from popmesh.population.decision import Decision
 
 __all__ = ["Pending", "Snapshot", "TrainerLink", "reap"]
-
-
-@dataclass
-class Snapshot:
-    """A copy of this rank's weights (per-dtype flat tensors) and optimizer state at ``iteration``."""
-
-    iteration: int
-    weights: dict[str, Any]
-    optimizer: dict[str, Any] = field(default_factory=dict)
-
-    def payload(self, decision_iteration: int) -> dict[str, Any]:
-        out: dict[str, Any] = {"meta": np.array([self.iteration, decision_iteration], dtype=np.int64)}
-        out.update({f"p/{dt}": t.detach().cpu() for dt, t in self.weights.items()})
-        out.update({f"o/{name}": t for name, t in self.optimizer.items()})
-        return out
-
-
-@dataclass
-class Pending:
-    """A replacement combined in the background, waiting for the main thread to swap it in."""
-
-    decision_iteration: int
-    donors: tuple[int, ...]
-    weights: tuple[float, ...]
-    combined: dict[str, np.ndarray] | None
-    donor_state: dict[str, Any] | None
-    source: int | None
-    strategy: str
-    summary: str
-    reason: str
-    metrics: dict[int, float]
-    snapshot_iterations: tuple[int, ...] = ()
-
-
-_FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
-
-
-class _Combiner:
-    """:func:`combine` of flat float buffers, bit for bit, one donor at a time as its stream arrives.
-
-    ``combine`` computes ``acc = 0; acc += w_i * x_i.astype(float64)`` in donor order and casts
-    back; here each term is computed in float64 straight into a scratch buffer
-    (``np.multiply(..., dtype=float64)``: the same rounding) and added when donor ``i`` is next in
-    order, while its data is still in cache; accumulators and scratch are kept between decisions.
-    Anything else (other dtypes, shapes, keys) goes to ``combine`` itself at the end.
-    """
-
-    def __init__(self) -> None:
-        self._scratch: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]] = {}
-        self._begin(())
-
-    def begin(self, donors: int, weights: Any) -> None:
-        """Start a combination of ``donors`` donors with ``weights`` (checked like ``combine``)."""
-        self._begin(tuple(_check_weights(weights, donors)))
-
-    def _begin(self, weights: tuple[float, ...]) -> None:
-        self._weights: tuple[float, ...] = weights
-        self._given: list[dict[str, np.ndarray]] = []
-        self._sums: dict[str, np.ndarray] | None = None
-        self._flat = True
-
-    def add(self, arrays: dict[str, np.ndarray]) -> None:
-        """The next donor's arrays, in donor order."""
-        self._given.append(arrays)
-        if self._flat and not self._fits(arrays):
-            self._flat = False
-        if not self._flat:
-            return
-        w = self._weights[len(self._given) - 1]
-        if self._sums is None:
-            self._sums = {}
-            for key, a in arrays.items():
-                acc, _ = self._buffers(key, a.size)
-                acc.fill(0.0)
-                self._sums[key] = acc
-        for key, a in arrays.items():
-            acc, term = self._buffers(key, a.size)
-            np.multiply(a, w, out=term, dtype=np.float64)
-            acc += term
-
-    def _fits(self, arrays: dict[str, np.ndarray]) -> bool:
-        first = self._given[0]
-        return (set(arrays) == set(first)
-                and all(a.ndim == 1 and a.dtype in _FLOATS and arrays[k].dtype == a.dtype and arrays[k].shape == a.shape
-                        for k, a in first.items()))
-
-    def result(self) -> dict[str, np.ndarray]:
-        """The combination of the donors added since :meth:`begin`."""
-        given, weights = self._given, self._weights
-        if len(given) != len(weights):
-            raise PopmeshError(f"combined {len(given)} donors, expected {len(weights)}")
-        out = ({k: acc.astype(given[0][k].dtype) for k, acc in self._sums.items()}
-               if self._flat and self._sums is not None else combine(given, weights))
-        self._begin(())
-        return out
-
-    def _buffers(self, key: str, n: int) -> tuple[np.ndarray, np.ndarray]:
-        if (key, n) not in self._scratch:
-            self._scratch[(key, n)] = (np.empty(n, np.float64), np.empty(n, np.float64))
-        return self._scratch[(key, n)]
 
 
 def reap(handles: list[Any], timeout: float) -> list[Any]:
@@ -147,36 +44,6 @@ def reap(handles: list[Any], timeout: float) -> list[Any]:
     return still
 
 
-def _as_numpy(t: Any) -> np.ndarray:
-    import torch
-
-    return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
-
-
-@dataclass
-class _Job:
-    """A replacement in progress: donors' streams combined in donor order as they arrive."""
-
-    decision: Decision
-    ranks: list[int]
-    metrics: dict[int, float]
-    donors: list[int]  # global, in the decision's order
-    source: int | None  # global rank whose optimizer state is copied, if any
-    deadline: float
-    waiting: dict[int, dict[str, Any]] = field(default_factory=dict)  # arrived, not yet combined
-    combined: int = 0  # donors[:combined] are in the sum
-    seen: dict[int, int] = field(default_factory=dict)  # donor -> iteration of its snapshot
-    state: dict[str, Any] | None = None  # optimizer state of the source donor
-
-    @property
-    def iteration(self) -> int:
-        assert self.decision.iteration is not None  # the coordinator's decisions carry their iteration
-        return int(self.decision.iteration)
-
-    def missing(self) -> list[int]:
-        return [d for d in self.donors[self.combined:] if d not in self.waiting]
-
-
 class TrainerLink:
     """Serve decisions for global rank ``me`` of the training ranks ``ranks``: stream snapshots as a
     donor, combine as a replaced rank, acknowledge, and send the main thread's metric rows."""
@@ -189,8 +56,7 @@ class TrainerLink:
         self._down = irecv(coordinator, tags.down, group=world) if coordinator != self.me else None
         self._data = irecv(self._peers, tags.data, group=world) if self._peers else None
         self._sends: list[Any] = []
-        self._job: _Job | None = None
-        self._combiner = _Combiner()
+        self._inbox = Inbox(self.me)
         self._up_lock = threading.Lock()  # rows go up from the main thread (METRIC) and this one
         self._acked = -1  # newest decision iteration combined and handed over
         self._reported: float = -1  # newest iteration reported up (BYE: infinity)
@@ -235,10 +101,10 @@ class TrainerLink:
             assert self._data is not None  # _stream_waiting() is True only while a receive is posted
             src, payload = self._data.wait()
             self._data = irecv(self._peers, self.tags.data, group=self.world)
-            self._stream(src, payload)
+            self._finish(self._inbox.stream(src, payload))
             progress = True
-        if self._job is not None and time.monotonic() > self._job.deadline:
-            self._fail_job(self._job)
+        if self._inbox.job is not None and time.monotonic() > self._inbox.job.deadline:
+            self._fail_job(self._inbox.job)
         return progress
 
     def _stream_waiting(self) -> bool:
@@ -251,7 +117,7 @@ class TrainerLink:
         try:
             return self._data.done()
         except PeerClosed:
-            if self._job is not None:
+            if self._inbox.job is not None:
                 raise
             self._data = None
             return False
@@ -269,18 +135,19 @@ class TrainerLink:
         else:
             raise PopmeshError(f"unknown message {kind!r} from the population coordinator: mixed popmesh versions?")
 
-    def _job_of(self, message: dict[str, Any], deadline: float) -> tuple[_Job, int]:
+    def _job_of(self, message: dict[str, Any]) -> tuple[Job, int]:
         """The decision in ``message`` as a job for this rank (donors empty unless it is replaced by
         donors), and this rank's group rank in it."""
         decision, ranks = Decision.from_dict(message["decision"]), [int(r) for r in message["ranks"]]
         me = ranks.index(self.me)
         donors = [ranks[d] for d in decision.donors.get(me, ())]
         source = decision.copy_optimizer_from.get(me)
-        return _Job(decision, ranks, metrics_by_rank(ranks, message["metrics"]), donors,
-                    None if source is None else ranks[source], deadline), me
+        return Job(decision, ranks, metrics_by_rank(ranks, message["metrics"]), donors,
+                   None if source is None else ranks[source], time.monotonic() + self.timeout), me
 
     def _decision(self, message: dict[str, Any]) -> None:
-        job, me = self._job_of(message, math.inf)
+        """The coordinator's decision: stream to its recipients as a donor, open the job as a replaced rank."""
+        job, me = self._job_of(message)
         decision, ranks = job.decision, job.ranks
         recipients = [ranks[r] for r in decision.recipients(me)]
         if recipients:
@@ -288,51 +155,19 @@ class TrainerLink:
             if snap is None:
                 raise PopmeshError(f"rank {self.me} was asked to donate before taking any snapshot")
             payload = snap.payload(job.iteration)
-            payload["decision"] = decision_bytes(message)
             for dst in recipients:
                 self._sends.append(isend(payload, dst, self.tags.data, group=self.world, timeout=self.timeout,
                                          checksum=False))
-        if me in decision.replaced and not job.donors:  # reset_weights: nothing to wait for
-            self._finish(job)
+        if me in decision.replaced:
+            self._finish(self._inbox.open(job))
 
-    def _stream(self, src: int, payload: dict[str, Any]) -> None:
-        """A donor's stream: open the job on the first one, combine those whose turn has come."""
-        job = self._job
-        if job is None:
-            job, me = self._job_of(decision_from_bytes(payload["decision"]), time.monotonic() + self.timeout)
-            if not job.donors:
-                raise PopmeshError(f"rank {self.me} got weights from rank {src} for a decision that does not replace "
-                                   "it by donors: mixed popmesh versions?")
-            self._job = job
-            self._combiner.begin(len(job.donors), job.decision.weights[me])
-        iteration = int(payload["meta"][1])
-        if src not in job.missing() or iteration != job.iteration:
-            raise PopmeshError(f"rank {self.me} got weights from rank {src} for decision {iteration} while combining "
-                               f"decision {job.iteration} from donors {job.donors}: streams must not interleave")
-        job.waiting[src] = payload
-        while job.combined < len(job.donors) and job.donors[job.combined] in job.waiting:
-            self._add(job, job.donors[job.combined])
-        if job.combined == len(job.donors):
-            self._finish(job)
+    def _finish(self, done: Pending | None) -> None:
+        """Hand a finished replacement to the main thread and acknowledge it."""
+        if done is not None:
+            self._deliver(done)
+            self._acknowledge(done.decision_iteration)
 
-    def _add(self, job: _Job, donor: int) -> None:
-        payload = job.waiting.pop(donor)
-        self._combiner.add({k[2:]: _as_numpy(v) for k, v in payload.items() if k.startswith("p/")})
-        job.seen[donor] = int(payload["meta"][0])
-        if donor == job.source:
-            job.state = {k[2:]: v for k, v in payload.items() if k.startswith("o/")}
-        job.combined += 1
-
-    def _finish(self, job: _Job) -> None:
-        d, me = job.decision, job.ranks.index(self.me)
-        combined = self._combiner.result() if job.donors else None
-        self._deliver(Pending(job.iteration, tuple(job.donors), d.weights[me], combined, job.state, job.source,
-                              d.strategy, d.summary, d.reasons.get(me, ""), job.metrics,
-                              tuple(job.seen[g] for g in job.donors)))
-        self._job = None
-        self._acknowledge(job.iteration)
-
-    def _fail_job(self, job: _Job) -> None:
+    def _fail_job(self, job: Job) -> None:
         donor = job.missing()[0]
         probe = irecv(donor, self.tags.data, group=self.world)
         try:
@@ -340,12 +175,12 @@ class TrainerLink:
         except (PeerFailure, CommTimeout) as e:
             raise type(e)(f"rank {self.me} was replaced at iteration {job.iteration} but donor(s) {job.missing()} "
                           f"sent nothing within {self.timeout:g} s: {e}", (donor,)) from e
-        self._stream(src, payload)  # it arrived just now
+        self._finish(self._inbox.stream(src, payload))  # it arrived just now
 
     def waiting_for(self) -> str:
         """What this side still waits for, for timeout messages."""
-        if self._job is not None:
-            return f"weights from donor(s) {self._job.missing()}"
+        if self._inbox.job is not None:
+            return f"weights from donor(s) {self._inbox.job.missing()}"
         return f"FIN from the coordinator (rank {self.coordinator})" if not self.finished else "nothing"
 
     def drain(self, timeout: float) -> None:
@@ -358,4 +193,4 @@ class TrainerLink:
         """Withdraw the posted receives (dropping the handles withdraws them)."""
         self._down = None
         self._data = None
-        self._job = None
+        self._inbox.clear()
