@@ -1,13 +1,16 @@
 """Point-to-point messages on real worlds: local (1 rank), torch/gloo and MPI at 2 and 3 ranks (worlds
 shared with the other communication files: suite "comm")."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from harness import run_world
 from workers import messages_worker as worker
+from worldlib import checks_of
 from worldtests import world_tests
 
 world_run, test_check, test_world_exits_cleanly = world_tests(
@@ -27,3 +30,28 @@ def test_gloo_goodbyes_end_pumps_and_exits_are_clean(size):
     assert all(f"[rank {r}] rank {r} OK" in done.stdout for r in range(size - 1)), done.stdout[-3000:]
     early = next(line for line in done.stdout.splitlines() if "EARLY finalized" in line)
     assert float(early.split()[-2]) < 1.5, early  # the live peers answered its goodbye at once
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("engine", ["torch", "mpi"])
+@pytest.mark.parametrize("nbytes", [1 << 10, 1 << 20, 64 << 20])
+def test_fresh_ring_exchange_waiting_on_the_send_first(engine, nbytes):
+    """The first traffic of a fresh world: nothing has started a receive yet when the sends are waited on."""
+    cmd = [sys.executable, "-m", "popmesh", "launch", "-n", "3", "--engine", engine,
+           str(SCRIPTS / "p2p_fresh_ring.py"), str(nbytes)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=100, env={**os.environ, "POPMESH_TIMEOUT": "30"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert all(f"rank {r} ring OK" in done.stdout for r in range(3)), done.stdout[-3000:]
+    assert all(f"rank {r} threads OK" in done.stdout for r in range(3)), done.stdout[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_gloo_any_source_pump_keeps_every_message_promise():
+    """Every message check on a world whose ranks receive on one any-source pump (as worlds wider
+    than PEER_PUMPS_MAX peers do), forced here at 3 ranks."""
+    run = run_world(Path(worker.__file__), "torch", 3, timeout=240, env={"POPMESH_GLOO_PEER_PUMPS": "0"})
+    assert not run.timed_out, run.output[-4000:]
+    for name in checks_of(worker):
+        verdict, why = run.verdict(name)
+        assert verdict in ("pass", "skip"), f"{name}: {why}\n{run.output[-3000:]}"
+    assert run.returncodes == [0, 0, 0], run.output[-3000:]

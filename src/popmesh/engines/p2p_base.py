@@ -15,6 +15,10 @@ on every engine:
   itself.
 * Every blocking call takes ``timeout`` seconds and raises CommTimeout (or PeerFailure when the
   engine can tell the peer is gone) instead of hanging.
+* **Posted receives progress whatever the caller waits on** (MPI's progress rule): a ring exchange
+  ``isend(x, right); h = irecv(left); send.wait(); h.wait()`` completes at every size. Engines that
+  move bytes only when polled (MPI) advance every posted receive while any wait of theirs polls
+  (:meth:`P2PBase._progress`); the gloo engine's receive threads take every frame as it arrives.
 """
 
 from __future__ import annotations
@@ -233,6 +237,27 @@ class P2PBase:
             posted[:] = [ref for ref in posted if (h := ref()) is not None and h._item is None]
             return req._item is not None
 
+    def _progress(self) -> None:
+        """Advance every posted receive: one matching pass per tag that has a receive waiting."""
+        with self._lock:
+            for posted in list(self._posted.values()):
+                handle = next((h for ref in posted if (h := ref()) is not None and h._item is None), None)
+                if handle is not None:
+                    self._poll(handle)
+
+    def _progressing(self, done: Callable[[], bool], every: int = 8) -> Callable[[], bool]:
+        """``done``, advancing every posted receive on each ``every``-th call (for polling waits)."""
+        calls = 0
+
+        def check() -> bool:
+            nonlocal calls
+            calls += 1
+            if calls % every == 0 and self._posted:
+                self._progress()
+            return done()
+
+        return check
+
     def _withdraw(self, req: RecvRequest) -> None:
         with self._lock:
             posted = self._posted.get(req.tag, [])
@@ -287,7 +312,7 @@ class P2PBase:
         return None
 
     def _block(self, req: RecvRequest, timeout: float) -> bool:
-        return poll_until(lambda: self._poll(req), timeout)
+        return poll_until(self._progressing(lambda: self._poll(req)), timeout)
 
     def _notify(self) -> None:
         return None

@@ -349,6 +349,90 @@ def on_arrival_signals_deliveries(w):
     assert not event.is_set(), "signalled after stop()"
 
 
+# One size inline everywhere, the largest gloo inline frame, the first with a gloo segment, and
+# sizes above MPI's inline limit and its eager/rendezvous switch.
+PROGRESS_SIZES = [1024, 524_092, 524_093, 1 << 20, 8 << 20]
+
+
+def _filled(nbytes, value):
+    return np.full(max(1, nbytes // 8), value, dtype=np.int64)
+
+
+def _expect(got, nbytes, value, what):
+    assert isinstance(got, np.ndarray) and got.size == max(1, nbytes // 8), (what, getattr(got, "size", got))
+    assert int(got[0]) == value and int(got[-1]) == value, (what, int(got[0]), value)
+
+
+@check
+def ring_exchange_progresses_whatever_is_waited_first(w):
+    """``hs = isend(x, right); hr = irecv(left); hs.wait(); hr.wait()``: correct under MPI's progress
+    rule (a posted receive progresses whatever the caller waits on), at every size."""
+    nxt, prv = ring(w)
+    for nbytes in PROGRESS_SIZES:
+        for send_first in (True, False):
+            hs = m.isend(_filled(nbytes, w.rank + 1), nxt, tag=18)
+            hr = m.irecv(prv, tag=18)
+            if send_first:
+                hs.wait(20)
+                src, got = hr.wait(20)
+            else:
+                src, got = hr.wait(20)
+                hs.wait(20)
+            assert src == prv
+            _expect(got, nbytes, prv + 1, (nbytes, send_first))
+
+
+@check
+def halo_exchange_in_every_wait_order(w):
+    """Send to both neighbours, receive from both, and wait on the four handles in each of the 24 orders."""
+    import itertools
+
+    nxt, prv = ring(w)
+    for nbytes in (1024, 524_093, 1 << 20):
+        for order in itertools.permutations(range(4)):
+            handles = [m.isend(_filled(nbytes, 100 + w.rank), nxt, tag=19),
+                       m.isend(_filled(nbytes, 200 + w.rank), prv, tag=20),
+                       m.irecv(prv, tag=19), m.irecv(nxt, tag=20)]
+            got = {}
+            for i in order:
+                got[i] = handles[i].wait(20)
+            assert got[2][0] == prv and got[3][0] == nxt
+            _expect(got[2][1], nbytes, 100 + prv, (nbytes, order, "from the left"))
+            _expect(got[3][1], nbytes, 200 + nxt, (nbytes, order, "from the right"))
+    big = 8 << 20  # the largest size once, sends waited first
+    hs = [m.isend(_filled(big, 100 + w.rank), nxt, tag=19), m.isend(_filled(big, 200 + w.rank), prv, tag=20)]
+    hr = [m.irecv(prv, tag=19), m.irecv(nxt, tag=20)]
+    for h in hs:
+        h.wait(30)
+    _expect(hr[0].wait(30)[1], big, 100 + prv, "8 MB from the left")
+    _expect(hr[1].wait(30)[1], big, 200 + nxt, "8 MB from the right")
+
+
+@check
+def posted_receive_progresses_while_another_tag_is_waited_on(w):
+    """The receiver waits on tag 22 first while the sender's blocking send on tag 21 comes first."""
+    src, dst = 0, 1 % w.size
+    if w.rank == dst:
+        first, second = m.irecv(src, tag=21), m.irecv(src, tag=22)
+    popmesh.barrier()
+    if w.rank == src:
+        handles = []
+        for nbytes in (1 << 20, 8 << 20):
+            if src == dst:
+                handles += [m.isend(_filled(nbytes, 21), dst, 21), m.isend(_filled(nbytes, 22), dst, 22)]
+            else:
+                m.send(_filled(nbytes, 21), dst, 21, timeout=20)
+                m.send(_filled(nbytes, 22), dst, 22, timeout=20)
+    if w.rank == dst:
+        for nbytes in (1 << 20, 8 << 20):
+            _expect(second.wait(20)[1], nbytes, 22, ("tag 22", nbytes))
+            _expect(first.wait(20)[1], nbytes, 21, ("tag 21", nbytes))
+            first, second = m.irecv(src, tag=21), m.irecv(src, tag=22)
+    if w.rank == src and src == dst:
+        for h in handles:
+            h.wait(20)
+
+
 @check
 def zz_all_done(w):
     popmesh.barrier(timeout=60)

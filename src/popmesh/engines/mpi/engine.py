@@ -143,6 +143,8 @@ class MpiEngine:
         return MpiSnapshotWindow(self._mpi, group, nbytes)
 
     def finalize(self) -> None:
+        if self._p2p is not None:
+            self._p2p.close()  # sends in flight complete before their communicator goes
         for comm in reversed(self._comms):
             if comm != self._mpi.COMM_NULL:
                 comm.Free()

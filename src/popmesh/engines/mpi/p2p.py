@@ -13,15 +13,20 @@ from the same sender on the same tag.
 When a receive is the only one posted on its tag (for one source or any) and no frame is half
 received or queued locally, each poll is one matched probe with no matching pass (:meth:`MpiP2P._poll`).
 
-A receive that times out has taken nothing, so the message stays queued for the next one. A send
-that times out stays in flight (MPI delivers it when the receiver receives) and its buffers are kept
-alive until it completes.
+A receive that times out has taken nothing, so the message stays queued for the next one. Every
+send, whether its handle times out, is dropped unwaited or is waited on, stays in flight (MPI
+delivers it when the receiver receives) and the transport keeps its buffers alive until it
+completes: MPI reads them until then. While any wait polls, every posted receive progresses (see
+:mod:`~popmesh.engines.p2p_base`).
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
 import time
+from collections import deque
 from collections.abc import Collection
 from typing import Any
 
@@ -34,6 +39,8 @@ from popmesh.engines.p2p_base import TAG_LIMIT, BufferPool, Item, P2PBase, RecvR
 
 __all__ = ["MpiP2P"]
 
+EXIT_GRACE_S = 30.0  # how long closing waits for sends still in flight
+_KEPT_FOREVER: list[Any] = []  # buffers of sends that never completed: MPI may still read them
 _FAST_SPIN_S = 0.05  # base.poll_until's spin, before the general path backs off to sleeping
 
 
@@ -56,9 +63,8 @@ class _MpiSend:
         return self._done
 
     def wait(self, timeout: float) -> None:
-        if poll_until(self.done, timeout):
+        if poll_until(self._owner._progressing(self.done), timeout):
             return
-        self._owner.keep_until_done(self)
         raise CommTimeout(
             f"send to rank {self.dst} on tag {self.tag} did not complete within {timeout:g} s: that rank has not "
             "received it. The message stays in flight and is delivered when it does; leave the payload's arrays "
@@ -84,7 +90,9 @@ class MpiP2P(P2PBase):
             raise ConfigError(f"this MPI allows tags up to {tag_ub}; popmesh messages need {2 * TAG_LIMIT - 1}: "
                               "use another MPI build or the torch engine")
         self._status = self.mpi.Status()
-        self._orphans: list[_MpiSend] = []
+        self._in_flight: deque[_MpiSend] = deque()  # every send until it completes, whoever holds its handle
+        self._closed = False
+        atexit.register(self.close)
         self._partials: dict[int, list[_Partial]] = {}
         self._pool = BufferPool()
 
@@ -101,7 +109,9 @@ class MpiP2P(P2PBase):
                 return None
         except self.mpi.Exception as e:
             raise PeerFailure(f"send to rank {dst} on tag {tag} failed in MPI: {e}", (dst,)) from e
-        _MpiSend(self, [request], [env], dst, tag).wait(timeout)
+        op = _MpiSend(self, [request], [env], dst, tag)
+        self._hold(op)
+        op.wait(timeout)
         return None
 
     def recv(self, src: Any, tag: int, timeout: float) -> tuple[int, np.ndarray]:
@@ -143,20 +153,44 @@ class MpiP2P(P2PBase):
                 os.sched_yield()
 
     def _post_send(self, parts: list[np.ndarray], dst: int, tag: int) -> _MpiSend:
-        if self._orphans:
-            self._orphans = [o for o in self._orphans if not o.done()]
         env, segments = plan_frame(parts, tag)
         try:
             reqs = [self._comm.Isend(env, dest=dst, tag=2 * tag)]
             reqs += [self._comm.Isend(s, dest=dst, tag=2 * tag + 1) for s in segments]
         except self.mpi.Exception as e:
             raise PeerFailure(f"send to rank {dst} on tag {tag} failed in MPI: {e}", (dst,)) from e
-        return _MpiSend(self, reqs, [env, *segments], dst, tag)
+        op = _MpiSend(self, reqs, [env, *segments], dst, tag)
+        self._hold(op)
+        return op
 
-    def keep_until_done(self, op: _MpiSend) -> None:
-        """Hold a timed-out send (and its buffers) until it completes."""
-        if op not in self._orphans:
-            self._orphans.append(op)
+    def close(self, timeout: float = EXIT_GRACE_S) -> None:
+        """Wait up to ``timeout`` s for every send in flight (receives keep progressing meanwhile), so no
+        buffer MPI still reads is freed when the program ends. Sends that never complete are reported
+        and their buffers kept for the life of the process. Idempotent; the engine's ``finalize`` and
+        interpreter exit run it."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        still = [op for op in self._in_flight if not op.done()]
+        if still:
+            poll_until(self._progressing(lambda: all(op.done() for op in still)), timeout)
+            still = [op for op in still if not op.done()]
+        self._in_flight.clear()
+        if still:
+            _KEPT_FOREVER.extend(still)
+            pending = sorted({(op.dst, op.tag) for op in still})
+            sys.stderr.write(f"popmesh: rank {self.rank} closes with sends still pending to (rank, tag) {pending}: "
+                             "their receivers never received them\n")
+
+    def _hold(self, op: _MpiSend) -> None:
+        """Keep ``op`` and its buffers until MPI completes it, even when the caller drops its handle
+        (MPI would otherwise read freed memory); completed sends are released oldest first."""
+        with self._lock:
+            in_flight = self._in_flight
+            while in_flight and in_flight[0].done():
+                in_flight.popleft()
+            in_flight.append(op)
 
     def _poll(self, req: RecvRequest) -> bool:
         """Fast path of the matching in :meth:`P2PBase._poll` for the common case: ``req`` is the only

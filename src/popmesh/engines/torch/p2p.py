@@ -4,17 +4,21 @@ Every frame travels as an :mod:`~popmesh.engines.envelope` (which names the popm
 internal envelope tag per sender, then its payload segments on the sibling segment tag. Bytes are
 raw: nothing is ever value-cast.
 
-Why a thread per peer: a gloo receive whose ``wait(timeout)`` expires closes the connection
+Why receive threads: a gloo receive whose ``wait(timeout)`` expires closes the connection
 ("Application timeout caused pair closure"), and gloo offers no non-blocking completion test. So
-receiving from a rank starts one daemon *pump* thread for it that keeps a receive from that rank
-posted (a timeout then never touches gloo: the caller just stops waiting, and a late message is
-queued for the next receive). The receive names its source because gloo pre-announces such a
-receive to the sender, which then sends at once; an any-source receive costs two extra network
-hops per message (twice the round trip). One pump carries all tags from its peer, in order.
+*pump* threads keep receives posted from the moment the transport starts (a timeout then never
+touches gloo: the caller just stops waiting, and a late message is queued for the next receive),
+and every frame is taken as it arrives: a posted receive progresses whatever the caller waits on,
+as MPI's progress rule requires (a ring exchange that waits on its send first completes). In worlds
+of up to :data:`PEER_PUMPS_MAX` peers each peer has its own pump whose receive names its source,
+because gloo pre-announces such a receive to the sender, which then sends at once; an any-source
+receive costs two extra network hops per message (about twice the round trip). Wider worlds use one
+any-source pump for all peers, so threads per rank stay a small constant. Frames from one sender
+stay in order.
 
-Sends are completed by a daemon thread per (destination, tag) channel
-(:mod:`~popmesh.engines.torch.send`), so a send timeout leaves the message in flight instead of
-breaking the connection; frames carried whole in their envelope (up to 512 KiB) are sent eagerly.
+Sends are completed by at most :data:`~popmesh.engines.torch.send.SEND_THREADS` worker threads per
+rank (:mod:`~popmesh.engines.torch.send`), so a send timeout leaves the message in flight instead
+of breaking the connection; frames carried whole in their envelope (up to 512 KiB) are sent eagerly.
 A dead peer surfaces as PeerFailure when gloo reports the closed connection, and on a receive
 timeout a zero-byte probe tells a dead source (PeerFailure) from a silent one (CommTimeout).
 
@@ -26,13 +30,14 @@ to :data:`GOODBYE_GRACE_S` for the peers' goodbyes (or closed connections) to en
 wait is left to return during finalization. A peer that receives a goodbye answers with its own, so
 a rank that finalizes early does not wait for the others; a receive from a rank that said goodbye
 raises PeerClosed (a PeerFailure) once its earlier messages are consumed, and a send to it
-PeerFailure. A program
-should still let a rank exit only once every message sent *to* it has been received.
+PeerFailure. The send workers end with the transport: no popmesh thread outlives ``finalize``. A
+program should still let a rank exit only once every message sent *to* it has been received.
 """
 
 from __future__ import annotations
 
 import atexit
+import os
 import sys
 import threading
 import time
@@ -51,15 +56,16 @@ from popmesh.engines.envelope import (
     plan_frame,
 )
 from popmesh.engines.p2p_base import BufferPool, Item, P2PBase, RecvRequest
-from popmesh.engines.torch.send import LONG, Outbox, TorchSend, failure, is_gone, tensor
+from popmesh.engines.torch.send import LONG, Outbox, SendWorkers, TorchSend, failure, is_gone, tensor
 
-__all__ = ["TorchP2P", "EXIT_GRACE_S", "GOODBYE_GRACE_S"]
+__all__ = ["TorchP2P", "EXIT_GRACE_S", "GOODBYE_GRACE_S", "PEER_PUMPS_MAX"]
 
 _TAG_BASE = 1 << 20  # kept away from the small tags a program may use with dist.send itself
 _ENV_TAG, _SEG_TAG, _PING_TAG = _TAG_BASE, _TAG_BASE + 1, _TAG_BASE - 1
 EXIT_GRACE_S = 30.0
 GOODBYE_GRACE_S = 2.0
-_DEPTH = 2  # envelope receives posted ahead per peer
+_DEPTH = 2  # envelope receives posted ahead per pump
+PEER_PUMPS_MAX = 8  # worlds with more peers receive on one any-source pump (see _AnyPump)
 # Frames up to ~512 KiB travel inline: one gloo message, sent at once into a receive posted ahead,
 # instead of an envelope and a segment that waits until the receiver has read the envelope and
 # posted its receive (a round of socket hops and thread wake-ups more). Inline payloads of
@@ -81,13 +87,14 @@ class _Pump:
     :meth:`top_up` before it blocks, and the pump posts only when nothing is posted any more.
     """
 
-    def __init__(self, owner: TorchP2P, peer: int) -> None:
+    def __init__(self, owner: TorchP2P, peer: int | None) -> None:
         self.owner, self.peer = owner, peer
         self._lock = threading.Lock()
         self._posted: deque[tuple[Any, np.ndarray]] = deque()
         self._spare = [owner._envelopes.take(GLOO_ENVELOPE_NBYTES) for _ in range(_DEPTH)]
         self.ended = False
-        self.thread = threading.Thread(target=self._run, name=f"popmesh-p2p-recv-{peer}", daemon=True)
+        name = "popmesh-p2p-recv-any" if peer is None else f"popmesh-p2p-recv-{peer}"
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def top_up(self) -> None:
         """Post the spare envelope receives (a receiving caller runs this before it blocks).
@@ -114,41 +121,149 @@ class _Pump:
                 self._post()
             return self._posted.popleft()
 
+    def _source(self, work: Any) -> int:
+        assert self.peer is not None
+        return self.peer
+
+    def _failed(self, e: Exception) -> bool:
+        """The posted receive failed: record why; True if this pump ends."""
+        assert self.peer is not None
+        self._end(failure(e, f"receiving from rank {self.peer}", self.peer))
+        return True
+
+    def _accepts(self, peer: int) -> bool:
+        return True
+
+    def _stop_following(self, peer: int) -> bool:
+        """``peer``'s stream broke: take nothing more from it; True if this pump ends."""
+        return True
+
+    def _said_goodbye(self, peer: int) -> bool:
+        """``peer`` closed its transport: record it; True if this pump ends."""
+        self._end(PeerClosed(f"rank {peer} closed its point-to-point transport (it finalized its world or exited): "
+                             "it sends nothing more", (peer,)))
+        return True
+
     def _run(self) -> None:
-        owner, peer = self.owner, self.peer
+        owner = self.owner
         try:
             work, buf = self._next()
         except (RuntimeError, ConfigError) as e:
-            return self._end(failure(e, f"receiving from rank {peer}", peer))
+            self._failed(e)
+            return
         while True:
             try:
                 work.wait(LONG)
+                peer = self._source(work)
             except (RuntimeError, ConfigError) as e:
-                return self._end(failure(e, f"receiving from rank {peer}", peer))
+                if self._failed(e):
+                    return
+                with self._lock:
+                    self._spare.append(buf)
+                work, buf = self._next()
+                continue
             try:
                 envelope = parse_envelope(buf, exact=False, inline_nbytes=GLOO_INLINE_NBYTES)
             except MessageError as e:  # the stream from ``peer`` cannot be followed any more
-                return self._end(MessageError(f"from rank {peer}: {e}; no more messages are taken from it"))
-            if envelope.tag == GOODBYE_TAG:
+                owner._end_peer(peer, MessageError(f"from rank {peer}: {e}; no more messages are taken from it"))
+                if self._stop_following(peer):
+                    return self._end(None)
+                envelope = None
+            if envelope is not None and not self._accepts(peer):
+                envelope = None  # a peer whose stream could not be followed: its frames are dropped
+            if envelope is not None and envelope.tag == GOODBYE_TAG:
                 owner._say_goodbye(peer)  # so that peer's pump for us ends too, even while we live on
-                return self._end(PeerClosed(f"rank {peer} closed its point-to-point transport (it finalized its "
-                                            "world or exited): it sends nothing more", (peer,)))
-            item = owner._receive_rest(envelope, peer)
-            if _hands_over(envelope):  # the payload keeps ``buf``: post a buffer nobody holds in its place
+                if self._said_goodbye(peer):
+                    return
+                envelope = None
+            item = owner._receive_rest(envelope, peer) if envelope is not None else None
+            if envelope is not None and _hands_over(envelope):  # the payload keeps ``buf``: post another
                 buf = owner._envelopes.take(GLOO_ENVELOPE_NBYTES)
             with self._lock:
                 self._spare.append(buf)
             try:
                 work, buf = self._next()
             except (RuntimeError, ConfigError) as e:
-                owner._deliver(envelope.tag, item)
-                return self._end(failure(e, f"receiving from rank {peer}", peer))
-            owner._deliver(envelope.tag, item)  # last before waiting again: the woken caller finds the GIL free
+                if item is not None:
+                    owner._deliver(envelope.tag, item)  # type: ignore[union-attr]
+                self._failed(e)
+                return
+            if item is not None:  # last before waiting again: the woken caller finds the GIL free
+                owner._deliver(envelope.tag, item)  # type: ignore[union-attr]
 
-    def _end(self, why: PopmeshError) -> None:
-        """No thread waits on this peer's receives any more (those still posted are left to gloo)."""
+    def _end(self, why: PopmeshError | None) -> None:
+        """No thread waits on this pump's receives any more (those still posted are left to gloo)."""
         self.ended = True
-        self.owner._end_pump(self.peer, why)
+        if why is not None and self.peer is not None:
+            self.owner._end_peer(self.peer, why)
+
+
+class _AnyPump(_Pump):
+    """The receive side of a wide world: one thread for every peer, on any-source envelope receives.
+
+    A thread per peer would make threads per rank grow with the world. An any-source receive costs
+    gloo two more socket hops per message (the sender announces, the receiver answers), so worlds
+    of up to :data:`PEER_PUMPS_MAX` peers keep one pump per peer. Frames from one sender stay in
+    order: gloo matches posted any-source receives in posting order. The pump ends once every peer
+    said goodbye or is gone.
+    """
+
+    def __init__(self, owner: TorchP2P) -> None:
+        super().__init__(owner, None)
+        self._open = set(range(owner.size)) - {owner.rank}
+
+    def _post(self) -> None:
+        buf = self._spare[-1]
+        work = self.owner._pg.recv_anysource([tensor(buf)], _ENV_TAG)
+        self._posted.append((work, self._spare.pop()))
+
+    def _source(self, work: Any) -> int:
+        return int(work.source_rank())
+
+    def _accepts(self, peer: int) -> bool:
+        return peer in self._open
+
+    def _stop_following(self, peer: int) -> bool:
+        self._open.discard(peer)
+        return not self._open
+
+    def _failed(self, e: Exception) -> bool:
+        """An any-source receive failed without naming its peer: find the peers whose connection is closed."""
+        dead = [p for p in sorted(self._open) if not self.owner._alive(p)]
+        for peer in dead:
+            self._open.discard(peer)
+            self.owner._end_peer(peer, failure(e, f"receiving from rank {peer}", peer))
+        if dead and self._open:
+            return False
+        for peer in sorted(self._open):
+            self.owner._end_peer(peer, PeerFailure(f"receiving from any rank failed in torch.distributed: {e}",
+                                                   (peer,), exact=False))
+        self._end(None)
+        return True
+
+    def _said_goodbye(self, peer: int) -> bool:
+        self._open.discard(peer)
+        self.owner._end_peer(peer, PeerClosed(f"rank {peer} closed its point-to-point transport (it finalized "
+                                              "its world or exited): it sends nothing more", (peer,)))
+        if self._open:
+            return False
+        self._end(None)
+        return True
+
+
+def peer_pumps_max() -> int:
+    """Most peers that get a pump each: :data:`PEER_PUMPS_MAX`, or ``POPMESH_GLOO_PEER_PUMPS`` (0: always
+    one any-source pump, the fewest threads)."""
+    raw = os.environ.get("POPMESH_GLOO_PEER_PUMPS", "")
+    if not raw:
+        return PEER_PUMPS_MAX
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ConfigError(f"POPMESH_GLOO_PEER_PUMPS={raw!r}: give a whole number of peers (0 or more)")
+    return value
 
 
 def _hands_over(envelope: Any) -> bool:
@@ -168,9 +283,10 @@ class TorchP2P(P2PBase):
         self._group = dist.group
         self._waiters: list[threading.Lock] = []  # receivers blocked in _block, released on delivery
         self._inbox: dict[int, deque[Item]] = {}
-        self._pumps: dict[int, _Pump] = {}
-        self._gone: dict[int, PopmeshError] = {}  # peers whose pump ended: why
+        self._pumps: dict[int, _Pump] = {}  # peer -> the pump that receives from it
+        self._gone: dict[int, PopmeshError] = {}  # peers nothing more comes from: why
         self._outboxes: dict[tuple[int, int], Outbox] = {}
+        self._workers = SendWorkers()
         # One lock per destination keeps a frame's envelope and segments together in that peer's
         # stream; a gloo send of a large segment can block for milliseconds (a full socket), and a
         # single lock made every other destination's sends wait for it.
@@ -182,6 +298,29 @@ class TorchP2P(P2PBase):
         self._goodbyes: dict[int, Any] = {}  # peer -> our goodbye send to it
         self._closed = False
         atexit.register(self.close)
+        self._start_pumps()
+
+    def _start_pumps(self) -> None:
+        """Receive from every peer from the start, so a posted receive progresses whatever the caller
+        waits on (a peer's send completes once our pump takes it): one pump per peer in worlds of up
+        to :data:`PEER_PUMPS_MAX` peers, one any-source pump beyond."""
+        peers = [p for p in range(self.size) if p != self.rank]
+        if not peers:
+            return
+        if len(peers) <= peer_pumps_max():
+            pumps = [_Pump(self, p) for p in peers]
+            self._pumps = dict(zip(peers, pumps))
+        else:
+            pumps = [_AnyPump(self)]
+            self._pumps = dict.fromkeys(peers, pumps[0])
+        for pump in pumps:
+            pump.top_up()
+            pump.thread.start()
+
+    def threads(self) -> int:
+        """Threads this transport runs now (receive pumps and send workers)."""
+        pumps = {id(p): p for p in self._pumps.values()}.values()
+        return sum(p.thread.is_alive() for p in pumps) + self._workers.threads()
 
     @property
     def _pg(self) -> Any:
@@ -225,10 +364,11 @@ class TorchP2P(P2PBase):
             self._say_goodbye(peer)
         deadline = time.monotonic() + GOODBYE_GRACE_S
         with self._lock:
-            pumps = list(self._pumps.values())
+            pumps = list({id(p): p for p in self._pumps.values()}.values())
         for pump in pumps:
             if pump.thread.ident is not None:
                 pump.thread.join(max(0.0, deadline - time.monotonic()))
+        self._workers.close(max(0.0, deadline - time.monotonic()))
 
     def _say_goodbye(self, peer: int) -> None:
         """Tell ``peer`` that nothing more comes from us (once); its pump for us then ends."""
@@ -274,15 +414,12 @@ class TorchP2P(P2PBase):
         with self._lock:
             box = self._outboxes.get((dst, tag))
             if box is None:
-                box = self._outboxes[(dst, tag)] = Outbox(dst, tag)
+                box = self._outboxes[(dst, tag)] = Outbox(dst, tag, self._workers)
             return box
 
     # ---- receiving ---------------------------------------------------------------------------
     def _fetch(self, sources: frozenset[int] | None, tag: int) -> Item | None:
         peers = range(self.size) if sources is None else sources
-        for peer in peers:
-            if peer != self.rank and peer not in self._pumps:
-                self._start_pump(peer)
         queue = self._inbox.get(tag)
         for i, item in enumerate(queue or ()):
             if sources is None or item[0] in sources:
@@ -292,15 +429,10 @@ class TorchP2P(P2PBase):
         if gone and len(gone) == sum(1 for p in peers if p != self.rank):
             # nothing can arrive any more; a broken connection outranks an orderly goodbye
             raise next((e for e in gone if not isinstance(e, PeerClosed)), gone[0])
-        return None
-
-    def _start_pump(self, peer: int) -> None:
         if self._closed:
             raise ConfigError(f"rank {self.rank} closed its point-to-point transport (World.finalize): it receives "
                               "nothing more")
-        pump = self._pumps[peer] = _Pump(self, peer)
-        pump.top_up()
-        pump.thread.start()
+        return None
 
     def _block(self, req: RecvRequest, timeout: float) -> bool:
         """Wait for ``req`` on a lock of our own that a delivering pump releases (one wake-up, no Condition)."""
@@ -308,10 +440,8 @@ class TorchP2P(P2PBase):
             return True
         deadline = time.monotonic() + timeout
         peers = self._pumps if req.sources is None else req.sources
-        for peer in list(peers):
-            pump = self._pumps.get(peer)
-            if pump is not None:
-                pump.top_up()
+        for pump in {id(p): p for peer in list(peers) if (p := self._pumps.get(peer)) is not None}.values():
+            pump.top_up()
         waiter = threading.Lock()
         waiter.acquire()
         while True:
@@ -338,7 +468,7 @@ class TorchP2P(P2PBase):
             self._inbox.setdefault(tag, deque()).append(item)
         self._notify()
 
-    def _end_pump(self, peer: int, why: PopmeshError) -> None:
+    def _end_peer(self, peer: int, why: PopmeshError) -> None:
         with self._lock:
             self._gone[peer] = why
         self._notify()

@@ -2,17 +2,19 @@
 the per-channel threads that complete them (see :mod:`popmesh.engines.torch.p2p`).
 
 A gloo send whose timed ``wait`` expires closes the connection, so no caller ever waits on a gloo
-send with a deadline: each (destination, tag) channel has a daemon thread that completes its sends
-in order, and callers wait on an event with their own timeout. Frames carried whole in their
+send with a deadline: a few worker threads per rank (:class:`SendWorkers`, at most
+:data:`SEND_THREADS` whatever the number of peers and tags) complete each (destination, tag)
+channel's sends in order, and callers wait on an event with their own timeout. Frames carried whole in their
 envelope (up to 512 KiB) are sent eagerly: the caller returns once the envelope (popmesh's own
-copy) is handed to gloo, as long as the channel holds at most 256 such sends and 16 MiB; the
-channel thread reaps them in batches every :data:`REAP_S` seconds, and a failure surfaces at the
-next send on the channel.
+copy) is handed to gloo, as long as the channel holds at most 256 such sends and 16 MiB; a worker
+reaps them in batches every :data:`REAP_S` seconds, and a failure surfaces at the next send on the
+channel.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 import warnings
 from collections import deque
 from datetime import timedelta
@@ -22,10 +24,11 @@ import numpy as np
 
 from popmesh.core.errors import CommTimeout, PeerFailure, PopmeshError
 
-__all__ = ["LONG", "REAP_S", "TorchSend", "Outbox", "failure", "is_gone", "tensor"]
+__all__ = ["LONG", "REAP_S", "SEND_THREADS", "TorchSend", "Outbox", "SendWorkers", "failure", "is_gone", "tensor"]
 
 LONG = timedelta(days=30)  # gloo closes the connection when a wait expires: never let one expire
 REAP_S = 0.05
+SEND_THREADS = 4  # completion workers per rank, whatever the number of peers and tags
 _IDLE_S = 5.0
 _EAGER_BACKLOG = 256
 _EAGER_NBYTES = 16 << 20  # what 256 envelopes of 64 KiB held before gloo inlined larger frames
@@ -105,20 +108,22 @@ class TorchSend:
 
 
 class Outbox:
-    """The sends of one (destination, tag) channel, completed in order by one daemon thread.
+    """The sends of one (destination, tag) channel, completed in order by the transport's :class:`SendWorkers`.
 
-    The thread wakes at once for a send someone waits on; eager sends are reaped every ``REAP_S``
-    seconds, by when their waits return at once (so a small send costs no thread wake-up).
+    A worker takes the channel at once when someone waits on one of its sends; eager sends are
+    reaped after ``REAP_S`` seconds, by when their waits return at once (so a small send costs no
+    thread wake-up). A channel is served by one worker at a time, which keeps its order.
     """
 
-    def __init__(self, dst: int, tag: int) -> None:
+    def __init__(self, dst: int, tag: int, workers: SendWorkers | None = None) -> None:
         self.dst, self.tag = dst, tag
         self.error: PopmeshError | None = None
+        self.workers = SendWorkers() if workers is None else workers
         self._ops: deque[TorchSend] = deque()
         self._queued_nbytes = 0
         self._awaited = 0
-        self._cond = threading.Condition()
-        self._thread: threading.Thread | None = None
+        self._due = 0.0  # when the oldest eager send is to be reaped
+        self._serving = False  # a worker is completing this channel's sends
 
     def backlog(self) -> int:
         return len(self._ops)
@@ -129,46 +134,117 @@ class Outbox:
         return len(self._ops) <= _EAGER_BACKLOG and self._queued_nbytes <= _EAGER_NBYTES
 
     def push(self, op: TorchSend) -> None:
-        with self._cond:
-            self._ops.append(op)
-            self._queued_nbytes += op.nbytes
-            self._awaited += not op.eager
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=f"popmesh-p2p-send-{self.dst}-{self.tag}",
-                                                daemon=True)
-                self._thread.start()
-            elif self._urgent():
-                self._cond.notify()
+        self.workers.push(self, op)
 
     def hurry(self) -> None:
         """Someone waits for this channel's sends: complete them now."""
-        with self._cond:
-            self._awaited += 1
-            self._cond.notify()
+        self.workers.hurry(self)
 
     def _urgent(self) -> bool:
         return self._awaited > 0 or len(self._ops) > _EAGER_BACKLOG // 2 or self._queued_nbytes > _EAGER_NBYTES // 2
 
-    def _batch(self) -> int:
-        """How many queued sends to complete now (0: the channel went idle and the thread ends)."""
+    def _ready(self, now: float) -> bool:
+        return bool(self._ops) and not self._serving and (self._urgent() or now >= self._due)
+
+
+class SendWorkers:
+    """At most :data:`SEND_THREADS` daemon threads that complete every channel's sends, whatever the
+    number of peers and tags: a worker takes one channel with work, completes the sends queued
+    there in order, and looks for the next. Workers start on demand, end after ``_IDLE_S`` idle
+    seconds, and :meth:`close` ends them for good. More than one worker, so a send held up by one
+    slow receiver does not hold up the completion of sends to the others.
+    """
+
+    def __init__(self, threads: int = 0) -> None:
+        self._max = threads or SEND_THREADS
+        self._cond = threading.Condition()
+        self._boxes: list[Outbox] = []  # channels with sends queued
+        self._threads: list[threading.Thread] = []
+        self._idle = 0
+        self._wakeup = 0.0  # when the idle workers wake up next by themselves
+        self._closed = False
+
+    def threads(self) -> int:
+        """Workers alive now."""
         with self._cond:
-            if not self._ops:
-                self._cond.wait(_IDLE_S)
-                if not self._ops:
-                    self._thread, self._awaited = None, 0
-                    return 0
-            if not self._urgent():
-                self._cond.wait(REAP_S)
-            return len(self._ops)
+            return len(self._threads)
+
+    def push(self, box: Outbox, op: TorchSend) -> None:
+        with self._cond:
+            if not box._ops:
+                box._due = time.monotonic() + REAP_S
+                self._boxes.append(box)
+            box._ops.append(op)
+            box._queued_nbytes += op.nbytes
+            box._awaited += not op.eager
+            self._wake(box)
+
+    def hurry(self, box: Outbox) -> None:
+        with self._cond:
+            box._awaited += 1
+            self._wake(box)
+
+    def _wake(self, box: Outbox) -> None:
+        """Let a worker see ``box`` (start one if none is idle and the cap allows)."""
+        if self._idle == 0 and len(self._threads) < self._max and not self._closed:
+            thread = threading.Thread(target=self._run, name="popmesh-p2p-send", daemon=True)
+            self._threads.append(thread)
+            thread.start()
+        elif box._urgent() or box._due < self._wakeup:
+            self._cond.notify()
+
+    def close(self, timeout: float) -> None:
+        """End every worker once the queued sends are done (or ``timeout`` passed)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+            threads = list(self._threads)
+        deadline = time.monotonic() + timeout
+        for thread in threads:
+            if thread is not threading.current_thread():
+                thread.join(max(0.0, deadline - time.monotonic()))
+
+    def _next(self) -> Outbox | None:
+        """The next channel to serve, marked as served; None when this worker is to end."""
+        with self._cond:
+            while True:
+                now = time.monotonic()
+                box = next((b for b in self._boxes if b._ready(now)), None)
+                if box is not None:
+                    box._serving = True
+                    return box
+                if self._closed and not any(b._ops for b in self._boxes):
+                    break
+                waiting = [b._due for b in self._boxes if not b._serving]
+                pause = min(waiting) - now if waiting else _IDLE_S
+                self._idle += 1
+                self._wakeup = now + pause
+                woken = self._cond.wait(max(pause, 0.001))
+                self._idle -= 1
+                if not woken and not self._boxes and not self._closed:
+                    break  # idle for _IDLE_S
+            self._threads.remove(threading.current_thread())
+            return None
 
     def _run(self) -> None:
-        while batch := self._batch():
-            for _ in range(batch):  # only this thread removes sends, so the first ``batch`` stay put
-                op = self._ops[0]
-                op.complete()
-                with self._cond:
-                    self._ops.popleft()
-                    self._queued_nbytes -= op.nbytes
-                    self._awaited = max(0, self._awaited - (not op.eager)) if self._ops else 0
-                    if op.error is not None and op.eager:
-                        self.error = op.error
+        while (box := self._next()) is not None:
+            self._serve(box)
+
+    def _serve(self, box: Outbox) -> None:
+        batch = len(box._ops)  # only the serving worker removes sends, so the first ``batch`` stay put
+        for _ in range(batch):
+            op = box._ops[0]
+            op.complete()
+            with self._cond:
+                box._ops.popleft()
+                box._queued_nbytes -= op.nbytes
+                box._awaited = max(0, box._awaited - (not op.eager)) if box._ops else 0
+                if op.error is not None and op.eager:
+                    box.error = op.error
+        with self._cond:
+            box._serving = False
+            if box._ops:
+                box._due = time.monotonic() + REAP_S
+                self._cond.notify()
+            else:
+                self._boxes.remove(box)
