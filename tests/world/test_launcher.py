@@ -118,7 +118,9 @@ def test_quiet_others_shows_rank_zero_only() -> None:
     proc = popmesh("launch", "-n", "3", "--quiet-others", WORKER, "ok")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "[rank 0] hello from 0 args=[]\n"
-    assert proc.stderr == "[rank 0] err line 0\n"
+    launcher_warnings = "popmesh launch: warning:"  # 3 ranks on fewer cores are announced as oversubscribed
+    ranks_stderr = [line for line in proc.stderr.splitlines(keepends=True) if not line.startswith(launcher_warnings)]
+    assert ranks_stderr == ["[rank 0] err line 0\n"]
 
 
 @pytest.mark.timeout(30)

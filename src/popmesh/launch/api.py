@@ -18,9 +18,20 @@ from typing import TextIO
 from popmesh.core.errors import ConfigError
 from popmesh.launch import mpirun
 from popmesh.launch.output import OutputPump
-from popmesh.launch.plan import LaunchSpec, base_env, cpu_count, plan_mpi_env, plan_ranks, validate
+from popmesh.launch.plan import (
+    LaunchSpec,
+    base_env,
+    cpu_count,
+    loopback_env,
+    loopback_interface,
+    oversubscription_warning,
+    plan_mpi_env,
+    plan_ranks,
+    validate,
+)
 from popmesh.launch.result import LaunchResult, format_summary
 from popmesh.launch.runner import Supervisor
+from popmesh.launch.shm import SegmentSweep
 from popmesh.launch.verdict import judge_local, judge_mpi
 
 __all__ = ["launch", "DEFAULT_GRACE_S", "BOOTSTRAP"]
@@ -58,7 +69,8 @@ def launch(
     ``grace`` seconds, SIGKILL; a root-cause summary is written to ``stderr`` and the result's
     ``returncode`` is the first failed rank's exit code (128+N for signal N). Call
     ``result.check()`` to turn a failure into :class:`LaunchFailed`. SIGINT/SIGTERM to this
-    process are forwarded to the ranks when ``launch`` runs in the main thread.
+    process are forwarded to the ranks when ``launch`` runs in the main thread. More ranks than the
+    launcher's CPU cores start with a warning on ``stderr``.
 
     ``env`` adds variables to the ranks' environment; ``python`` is the interpreter command line
     (default ``[sys.executable]``); ``store_fd=False`` stops handing rank 0 a pre-bound socket
@@ -77,6 +89,10 @@ def launch(
     worker = [*python, "-P", BOOTSTRAP, *(["-m", target] if module else ["--", target]), *args]
     parent_env = {**os.environ, **(env or {})}
     err = stderr or sys.stderr
+    warning = oversubscription_warning(spec.nproc, cpu_count())
+    if warning:
+        err.write(warning + "\n")
+        err.flush()
     pump = OutputPump(stdout or sys.stdout, err, quiet_others=quiet_others)
     result = _supervise(spec, worker, parent_env, pump, grace=grace, store_fd=store_fd, python=python[0],
                         rank0_terminal=rank0_terminal)
@@ -90,9 +106,14 @@ def _supervise(
     spec: LaunchSpec, worker: list[str], parent_env: dict[str, str], pump: OutputPump, *, grace: float,
     store_fd: bool, python: str, rank0_terminal: bool = False,
 ) -> LaunchResult:
-    """Start the children, watch them to the end (killing them if we are interrupted), judge."""
+    """Start the children, watch them to the end (killing them if we are interrupted), judge.
+
+    Under MPI, the shared-memory segments the job left (a rank died before finalizing) are removed
+    once mpiexec has exited.
+    """
     with tempfile.TemporaryDirectory(prefix="popmesh-launch-") as error_dir:
         supervisor = Supervisor(pump, grace)
+        segments = SegmentSweep() if spec.engine == "mpi" else None
         try:
             if spec.engine == "mpi":
                 _start_mpi(supervisor, spec, worker, parent_env, error_dir, python)
@@ -104,6 +125,8 @@ def _supervise(
             raise
         finally:
             supervisor.close()
+            if segments is not None and supervisor.children:
+                segments.sweep(supervisor.children[0].proc.pid)
         return _judge(supervisor, spec, error_dir, pump, store_fd)
 
 
@@ -131,7 +154,7 @@ def _start_local(
         port = _free_port(spec.master_addr)
     try:
         fd = None if sock is None else sock.fileno()
-        common = base_env(parent_env, spec, cpu_count())
+        common = {**base_env(parent_env, spec, cpu_count()), **loopback_env(parent_env, spec, loopback_interface())}
         common["POPMESH_PARENT_PID"] = str(os.getpid())
         for plan in plan_ranks(spec, port, error_dir, store_fd=fd):
             gets_fd = "POPMESH_STORE_FD" in plan.env
@@ -148,11 +171,19 @@ def _start_local(
 def _start_mpi(
     sup: Supervisor, spec: LaunchSpec, worker: list[str], parent_env: dict[str, str], error_dir: str, python: str
 ) -> None:
-    """One mpiexec for all ranks, on a parent-death leash so it cannot outlive the launcher."""
+    """One mpiexec for all ranks, on a parent-death leash (the same process, exec'd) so it cannot outlive us.
+
+    Hydra hands its proxy the loopback address (``-iface``, unless ``HYDRA_IFACE`` is set) and the
+    netmod listens on loopback only (:func:`loopback_env`).
+    """
     mpiexec = mpirun.find_mpiexec(python)
-    env = {**base_env(parent_env, spec, cpu_count()), **plan_mpi_env(spec, error_dir)}
+    iface = loopback_interface()
+    env = {**base_env(parent_env, spec, cpu_count()), **plan_mpi_env(spec, error_dir),
+           **loopback_env(parent_env, spec, iface)}
+    hydra_iface = None if "HYDRA_IFACE" in parent_env else iface
+    cmd = mpirun.mpi_command(mpiexec, spec.nproc, worker, hydra=mpirun.is_hydra(mpiexec), iface=hydra_iface)
     leash = [python, "-P", BOOTSTRAP, "--leash", str(int(signal.SIGTERM)), str(os.getpid())]
-    sup.spawn([*leash, *mpirun.mpi_command(mpiexec, spec.nproc, worker, hydra=mpirun.is_hydra(mpiexec))], env, None)
+    sup.spawn([*leash, *cmd], env, None)
 
 
 def _family(addr: str) -> socket.AddressFamily:

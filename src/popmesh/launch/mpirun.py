@@ -42,10 +42,15 @@ def is_hydra(mpiexec: str) -> bool:
     return "HYDRA" in probe.stdout.upper()
 
 
-def mpi_command(mpiexec: str, nproc: int, worker: Sequence[str], *, hydra: bool) -> list[str]:
-    """``mpiexec -n N [-prepend-pattern "[rank %r] "] worker...``.
+def mpi_command(
+    mpiexec: str, nproc: int, worker: Sequence[str], *, hydra: bool, iface: str | None = None
+) -> list[str]:
+    """``mpiexec -n N [-prepend-pattern "[rank %r] "] [-iface IFACE] worker...``.
 
-    Without Hydra the lines come through unprefixed (they are still shown and kept).
+    Without Hydra the lines come through unprefixed (they are still shown and kept). ``iface`` is the
+    interface whose address Hydra gives its proxy to connect back to (loopback on one node); Hydra still
+    binds that control socket to the wildcard address, which no option of its changes.
     """
     prefix = ["-prepend-pattern", HYDRA_PREFIX] if hydra else []
-    return [mpiexec, "-n", str(nproc), *prefix, *worker]
+    interface = ["-iface", iface] if hydra and iface else []
+    return [mpiexec, "-n", str(nproc), *prefix, *interface, *worker]

@@ -13,11 +13,15 @@ Environment contract (torch and jax engines, one entry per local rank)::
 
 Under the mpi engine ranks come from mpiexec; the plan only sets ``POPMESH_ENGINE=mpi``,
 ``POPMESH_ERROR_FILE`` (with a ``{rank}`` placeholder) and the thread share.
+
+On one node the torch and mpi engines' transports are pinned to the loopback interface
+(:func:`loopback_env`) unless the user chose an interface, so that they listen on no external address.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -32,6 +36,10 @@ __all__ = [
     "validate",
     "thread_share",
     "cpu_count",
+    "oversubscription_warning",
+    "LOOPBACK_VARS",
+    "loopback_interface",
+    "loopback_env",
     "error_file_name",
     "base_env",
     "plan_ranks",
@@ -61,6 +69,13 @@ STALE_NAMES = (
     "MASTER_PORT",
 )
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+# Per engine, the variables that choose the network interface its transport listens on: gloo's device;
+# MPICH's netmods (UCX, which the mpich wheel uses, and libfabric's tcp, sockets and udp providers).
+LOOPBACK_VARS: dict[str, tuple[str, ...]] = {
+    "torch": ("GLOO_SOCKET_IFNAME",),
+    "mpi": ("UCX_NET_DEVICES", "FI_TCP_IFACE", "FI_SOCKETS_IFACE", "FI_UDP_IFACE"),
+}
 
 
 @dataclass(frozen=True)
@@ -132,6 +147,43 @@ def cpu_count() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
+
+
+def oversubscription_warning(nproc: int, cpus: int) -> str | None:
+    """The warning for ``nproc`` ranks on a node whose launcher may use ``cpus`` cores; None if they fit."""
+    if nproc <= cpus:
+        return None
+    cores = f"{cpus} CPU core" + ("s" if cpus != 1 else "")
+    return (
+        f"popmesh launch: warning: {nproc} ranks on this node but only {cores} available to the launcher "
+        f"(its CPU affinity), so the run will oversubscribe: ranks take turns on the cores, every collective "
+        f"waits for the rank that is descheduled, and timeouts may fire. Start at most {cpus} ranks per node "
+        f"(-n {cpus}), spread them over more nodes (--nnodes), or give the launcher more cores "
+        f"(taskset, the job's CPU allocation)."
+    )
+
+
+def loopback_interface() -> str | None:
+    """This machine's loopback interface ("lo" on Linux, "lo0" on macOS); None if it has none."""
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return None
+    for name in ("lo", "lo0"):
+        if name in names:
+            return name
+    return None
+
+
+def loopback_env(parent: Mapping[str, str], spec: LaunchSpec, iface: str | None) -> dict[str, str]:
+    """Variables that keep a one-node world's transport on ``iface`` (the loopback interface).
+
+    A variable the user set (in ``parent``) is left alone; on several nodes, or without a loopback
+    interface, nothing is pinned.
+    """
+    if spec.nnodes > 1 or not iface:
+        return {}
+    return {name: iface for name in LOOPBACK_VARS.get(spec.engine, ()) if name not in parent}
 
 
 def error_file_name(rank: int | str) -> str:
