@@ -12,7 +12,14 @@ import torch
 
 import popmesh
 from popmesh import ConfigError
-from popmesh.buffers import Coordinator, LocalStore, ReplayBufferClient, ReplayBufferManager, novelty_score
+from popmesh.buffers import (
+    Coordinator,
+    LocalStore,
+    ReplayBufferClient,
+    ReplayBufferManager,
+    ServiceError,
+    novelty_score,
+)
 from popmesh.buffers import baselines as bl
 from popmesh.buffers.protocol import (
     COORDINATOR_TAG,
@@ -171,11 +178,61 @@ def test_manager_errors_exit_and_metadata():
     assert not mgr.done
     mgr.handle(1, Message(MessageType.EXIT))
     assert mgr.done and mgr.stats.to_dict()["messages"]["EXIT"] == 3 and mgr.stats.errors == 3
-    with pytest.raises(ConfigError):
-        ReplayBufferManager([0], scoring_function=lambda b, s: {"value": 1}).handle(0, Message(MessageType.DATA, {},
-                                                                                                 batch([1])))
+    no_score = ReplayBufferManager([0], scoring_function=lambda b, s: {"value": 1})
+    refused = no_score.handle(0, Message(MessageType.DATA, {}, batch([1])))[0].message
+    assert refused.type is MessageType.ERROR and "must include 'score'" in refused.data["error"]
     with pytest.raises(ConfigError):
         ReplayBufferManager([0], baseline_strategy="max")
+
+
+def _picky(b, store):
+    """Scores like novelty_score, but raises on negative states (a scoring function with a bug)."""
+    if (np.asarray(b["states"]) < 0).any():
+        raise ValueError("negative states")
+    return novelty_score("states")(b, store)
+
+
+def _state(mgr):
+    return len(mgr.store), dict(mgr.stats.rows_from), mgr.local_baseline, mgr._data_seen
+
+
+@pytest.mark.parametrize(("bad", "cause"), [
+    ({"states": np.ones((2, 3), np.float32), "log_rewards": np.zeros(2)}, "rows of shape (3,)"),  # the issue
+    ({"states": np.array([["a"], ["b"]]), "log_rewards": np.zeros(2)}, "dtype <U1"),
+    ({"other": np.ones((2, 1))}, "batch keys ['other'] differ"),
+    (batch([-1.0]), "DATA from rank 0 refused: ValueError: negative states"),
+])
+def test_a_bad_batch_is_refused_whole_and_the_manager_goes_on(bad, cause):
+    mgr = ReplayBufferManager([0, 1], capacity=8, scoring_function=_picky, coordinator_rank=9)
+    assert mgr.handle(1, Message(MessageType.DATA, {}, batch([1, 2], [-1.0, -2.0])))[0].message.type is \
+        MessageType.SCORE
+    before = _state(mgr)
+    out = mgr.handle(0, Message(MessageType.DATA, {}, bad))
+    assert [(o.dst, o.tag, o.message.type) for o in out] == [(0, SCORE_TAG, MessageType.ERROR)]
+    assert cause in out[0].message.data["error"] and out[0].message.data["request"] == "DATA", out
+    assert _state(mgr) == before and mgr.stats.errors == 1  # neither stored, scored into the baseline, nor counted
+    good = mgr.handle(0, Message(MessageType.DATA, {}, batch([4], [-1.0])))
+    assert good[0].message.type is MessageType.SCORE and good[0].message.data["score"] == 2.0
+    assert dict(mgr.stats.rows_from) == {1: 2, 0: 1} and len(mgr.store) == 3
+
+
+def test_unserved_ranks_and_failing_user_functions_get_errors_on_the_channel_they_wait_on():
+    def broken_metadata(store):
+        raise RuntimeError("metadata bug")
+
+    mgr = ReplayBufferManager([0], metadata_function=broken_metadata,
+                              scoring_function=lambda b, s: {"score": 1.0, "extra": np.float32(1)})
+    for kind, tag in ((MessageType.DATA, SCORE_TAG), (MessageType.GET_METADATA, METADATA_TAG),
+                      (MessageType.EXIT, SCORE_TAG)):
+        out = mgr.handle(3, Message(kind, {}, batch([1]) if kind is MessageType.DATA else None))
+        assert [(o.dst, o.tag, o.message.type) for o in out] == [(3, tag, MessageType.ERROR)], out
+        assert "does not serve it (it serves ranks [0])" in out[0].message.data["error"]
+    meta = mgr.handle(0, Message(MessageType.GET_METADATA))[0]
+    assert meta.tag == METADATA_TAG and meta.message.type is MessageType.ERROR
+    assert "RuntimeError: metadata bug" in meta.message.data["error"]
+    score = mgr.handle(0, Message(MessageType.DATA, {}, batch([1])))[0].message  # a float32 extra: not JSON-able
+    assert score.type is MessageType.ERROR and "JSON-able" in score.data["error"] and len(mgr.store) == 0
+    assert mgr.stats.errors == 5 and not mgr.exited and sum(mgr.stats.rows_from.values()) == 0
 
 
 def test_coordinator_aggregates_and_syncs():
@@ -204,11 +261,11 @@ def test_coordinator_aggregates_and_syncs():
 class Service:
     """A manager (serving rank 0) and a coordinator running in threads of this world of one."""
 
-    def __init__(self) -> None:
+    def __init__(self, scoring_function=None) -> None:
         popmesh.init("local")
         self.results = {}
         self.manager = ReplayBufferManager([0], capacity=6, coordinator_rank=0, timeout=10,
-                                           scoring_function=novelty_score("states"))
+                                           scoring_function=scoring_function or novelty_score("states"))
         self.coordinator = Coordinator([0], timeout=10)
         self.threads = [
             threading.Thread(target=lambda: self.results.setdefault("manager", self.manager.run(idle_timeout=20))),
@@ -248,6 +305,27 @@ def test_async_modes_return_the_previous_score(mode):
     assert previous["rows"] == 2 and previous["score"] == math.inf
     assert c.drain()["score"] == 0.0  # the second copy scored against the first
     assert service.join()["manager"].messages["DATA"] == 2
+
+
+def test_refused_batches_raise_service_error_and_lose_nothing_after_them():
+    service = Service(_picky)
+    c = ReplayBufferClient(0, mode="async-comm", timeout=10)
+    assert c.add(batch([1])) is None
+    assert c.add(batch([-1]))["score"] == math.inf  # the previous score; the refused batch is in flight
+    with pytest.raises(ServiceError, match="negative states") as refused:
+        c.add(batch([2]))  # collects the ERROR, but sends its own batch first
+    assert (refused.value.rank, refused.value.request) == (0, "DATA")
+    assert c.add(batch([4]))["score"] == 1.0  # [2] arrived: scored against [1]
+    sync = ReplayBufferClient(0, timeout=10)  # a second client of the same rank, to refuse in sync mode
+    with pytest.raises(ServiceError, match="rows of shape"):
+        sync.add({"states": np.ones((1, 2), np.float32), "log_rewards": np.zeros(1)})
+    assert c.get_metadata()["stored"] == 3
+    with pytest.raises(ServiceError, match="negative states"):
+        c.add(batch([-5]))  # [4]'s score is fine; [-5] is refused, which drain() reports
+        c.drain()
+    results = service.join()  # EXIT went out all the same: the service ended
+    assert results["manager"].errors == 3 and dict(results["manager"].rows_from) == {0: 3}
+    assert results["manager"].messages["DATA"] == 6 and results["manager"].messages["EXIT"] == 1
 
 
 def test_local_only_client_and_misuse():

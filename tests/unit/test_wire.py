@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import re
 import struct
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from hypothesis.extra import numpy as hnp
 
 from popmesh import wire
 from popmesh.core.errors import MessageError
-from popmesh.wire import CHECKSUM_AUTO_LIMIT, DTYPE_CODES, Kind, decode, encode, join_frame, read_header
+from popmesh.wire import CHECKSUM_AUTO_LIMIT, DTYPE_CODES, Kind, decode, encode, encode_message, join_frame, read_header
 from popmesh.wire import encoding as wire_encode
 
 try:
@@ -225,6 +226,21 @@ NEEDS_PICKLE += [torch.Size([2, 3]), torch.float32] if torch is not None else []
 def test_sender_refuses_what_needs_pickle(value):
     with pytest.raises(MessageError, match="allow_pickle=True"):
         encode(value)
+
+
+@pytest.mark.parametrize(("value", "where"), [
+    ({"a": {"b": object()}}, 'payload["a"]["b"] is an object'),
+    ({"cfg": {"lr": 0.1, "betas": (0.9, 0.99)}}, 'payload["cfg"]["betas"] is a tuple'),
+    ([1, [2, {"k": np.float32(1)}]], 'payload[1][1]["k"] is a float32'),
+    ({"a": {2: "x"}}, 'payload["a"] has the key 2, an int (keys must be str)'),
+    ({1: "x"}, "payload has the key 1, an int"),
+    ({"states": np.zeros(2), "step": 3}, 'payload["step"] is an int in a dict of arrays'),
+    ({"states": np.zeros(2), "o": np.array([object()])}, 'payload["o"] is a ndarray of dtype object'),
+])
+def test_refusal_names_the_path_of_the_nested_value(value, where):
+    for encoder in (encode, encode_message):
+        with pytest.raises(MessageError, match=re.escape(where) + ".*allow_pickle=True"):
+            encoder(value)
 
 
 def test_pickle_needs_opt_in_on_receiver_too():

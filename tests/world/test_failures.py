@@ -32,6 +32,16 @@ def test_dead_rank_is_an_error_not_a_hang():
 
 
 @pytest.mark.timeout(90)
+def test_a_collective_names_the_dead_rank():
+    """gloo says only "Connection closed by peer [address]"; the survivors' PeerFailure names rank 1."""
+    run = run_world(SCRIPT, "torch", 3, timeout=60, env={"SCENARIO": "dead-middle"}, expect_deaths=True)
+    assert not run.timed_out, run.output[-3000:]
+    outcome = run.outcome("dead_rank_is_named_by_collectives")
+    assert outcome[0] == outcome[2] == "ok", (outcome, run.output[-3000:])
+    assert run.returncodes == [0, 3, 0], (run.returncodes, run.output[-3000:])
+
+
+@pytest.mark.timeout(90)
 @pytest.mark.parametrize(("engine", "scenario"), [("torch", "fail"), ("mpi", "fail"), ("torch", "crash")])
 def test_a_failing_rank_takes_the_world_down_at_once(engine, scenario, tmp_path):
     """The harness itself: a check failing (or a rank dying) on rank 1 while ranks 0 and 2 wait in a

@@ -10,7 +10,7 @@ from popmesh.buffers.baselines import BASELINE_STRATEGIES
 from popmesh.buffers.client import MODES, ReplayBufferClient
 from popmesh.buffers.coordinator import Coordinator
 from popmesh.buffers.manager import ManagerStats, ReplayBufferManager, novelty_score
-from popmesh.buffers.protocol import Message, MessageType, ProtocolError
+from popmesh.buffers.protocol import Message, MessageType, ProtocolError, ServiceError
 from popmesh.buffers.store import LocalStore
 
 __all__ = [
@@ -24,5 +24,6 @@ __all__ = [
     "ProtocolError",
     "ReplayBufferClient",
     "ReplayBufferManager",
+    "ServiceError",
     "novelty_score",
 ]

@@ -14,6 +14,12 @@ are sent; a batch with none is skipped, unless ``baseline_refresh_after`` batche
 which case it is sent whole to refresh the baseline. ``drain()`` collects what is outstanding and
 sends EXIT; call it once at shutdown on every served agent. A crashed manager surfaces as
 PeerFailure or CommTimeout from the call that needed it, never as a hang.
+
+A request the service refused (ERROR: a batch that does not fit the manager's stored rows, a
+failing scoring function, a rank the manager does not serve) raises :class:`ServiceError` from the
+call that collects its answer: in ``sync`` mode the ``add`` that sent it; in the async modes the
+next ``add`` (which still sends its own batch first) or ``drain`` (which still sends EXIT first).
+The client stays usable, and the refused rows stay in the local buffer.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from popmesh.buffers.protocol import (
     STATS_TAG,
     Message,
     MessageType,
+    ServiceError,
     batch_size,
     from_payload,
 )
@@ -37,6 +44,7 @@ from popmesh.buffers.store import LocalStore, concat_batches, select_rows, to_nu
 from popmesh.comm import messages
 from popmesh.comm.world import Comm, resolve_group
 from popmesh.core.errors import ConfigError, PopmeshError
+from popmesh.core.timeouts import check_timeout
 
 __all__ = ["ReplayBufferClient", "MODES"]
 
@@ -60,7 +68,8 @@ class ReplayBufferClient:
         self.mode, self.remote_every = mode, remote_every
         self.baseline_filtering, self.refresh_after, self.reward_key = baseline_filtering, baseline_refresh_after, \
             reward_key
-        self.group, self.timeout = group, timeout
+        self.group = group
+        self.timeout = None if timeout is None else check_timeout(timeout, what="ReplayBufferClient")
         self.baseline: float | None = None
         self.last_score: dict[str, Any] | None = None
         self.sent = self.skipped = 0
@@ -98,8 +107,14 @@ class ReplayBufferClient:
         if self._sending is not None:
             self._sending.wait(self.timeout)
             self._sending = None
-        previous = self._collect() if self._reply is not None else None
+        refused: ServiceError | None = None
+        try:
+            previous = self._collect() if self._reply is not None else None
+        except ServiceError as e:  # the previous batch was refused: this one still goes, then the caller hears
+            previous, refused = None, e
         self._send(outgoing, blocking=self.mode == "async-score")
+        if refused is not None:
+            raise refused
         return previous
 
     def _filter(self, batch: dict[str, Any]) -> dict[str, Any] | None:
@@ -157,7 +172,9 @@ class ReplayBufferClient:
         return _expect(reply.wait(), MessageType.POPULATION_STATS, "GET_POPULATION_STATS").data
 
     def drain(self, timeout: float | None = None) -> dict[str, Any] | None:
-        """Finish the outstanding send and score, then send EXIT; returns the last score. Idempotent."""
+        """Finish the outstanding send and score, then send EXIT; returns the last score. Idempotent.
+
+        ServiceError (after EXIT is sent) if the manager refused the outstanding batch."""
         if self._drained or self.manager_rank is None:
             self._drained = True
             return self.last_score
@@ -165,11 +182,17 @@ class ReplayBufferClient:
         if self._sending is not None:
             self._sending.wait(seconds)
             self._sending = None
+        refused: ServiceError | None = None
         if self._reply is not None:
-            self._collect(seconds)
+            try:
+                self._collect(seconds)
+            except ServiceError as e:  # the last batch was refused: still leave, so the manager can finish
+                refused = e
         send_outgoing(Outgoing(self.manager_rank, REQUEST_TAG, Message(MessageType.EXIT)), self.group,
                       seconds).wait(seconds)
         self._drained = True
+        if refused is not None:
+            raise refused
         return self.last_score
 
     def _require(self, rank: int | None, what: str) -> int:
@@ -183,7 +206,7 @@ def _expect(received: tuple[int, Any], kind: MessageType, request: str) -> Messa
     src, payload = received
     message = from_payload(payload)
     if message.type is MessageType.ERROR:
-        raise PopmeshError(f"rank {src} answered {request} with an error: {message.data.get('error')}")
+        raise ServiceError(f"rank {src} refused {request}: {message.data.get('error')}", src, request)
     if message.type is not kind:
         raise PopmeshError(f"rank {src} answered {request} with {message.type.value}, expected {kind.value}")
     return message

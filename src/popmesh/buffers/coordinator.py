@@ -33,6 +33,7 @@ from popmesh.buffers.protocol import (
 from popmesh.comm import messages
 from popmesh.comm.world import Comm, resolve_group
 from popmesh.core.errors import CommTimeout, ConfigError
+from popmesh.core.timeouts import check_timeout, resolve_timeout
 
 __all__ = ["Coordinator"]
 
@@ -48,7 +49,8 @@ class Coordinator:
             raise ConfigError("a coordinator needs at least one buffer manager to coordinate")
         reduce_baselines([], baseline_reduce)  # validates the name
         self.managers = tuple(int(r) for r in managers)
-        self.baseline_reduce, self.group, self.timeout = baseline_reduce, group, timeout
+        self.baseline_reduce, self.group = baseline_reduce, group
+        self.timeout = None if timeout is None else check_timeout(timeout, what="Coordinator")
         self.modes: set[str] = set()
         self.modes_by_rank: Counter[int] = Counter()
         self.baselines: dict[int, float | None] = {}
@@ -124,7 +126,7 @@ class Coordinator:
         CommTimeout if nothing arrives for ``idle_timeout`` seconds (default: the world's timeout).
         """
         comm = resolve_group(self.group)
-        limit = comm.timeout if idle_timeout is None else float(idle_timeout)
+        limit = resolve_timeout(idle_timeout, comm.timeout, "idle_timeout", "Coordinator.run")
         pending: list[messages.SendHandle] = []
         while not self.done:
             try:

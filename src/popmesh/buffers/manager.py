@@ -6,8 +6,14 @@ measured against what the buffer held before (torchgfn inserted first, so a batc
 itself), then inserts it into a bounded FIFO store, and replies SCORE with the score and the current
 baseline. GET_METADATA is answered on its own tag. BASELINE_SYNC from the coordinator sets a global
 baseline. Each served agent ends with EXIT; once all have, the manager sends EXIT to the coordinator
-(if any) and returns after its EXIT_ACK. Malformed or unexpected messages are answered with an
-ERROR reply and logged, never fatal.
+(if any) and returns after its EXIT_ACK.
+
+A request never ends the loop: whatever it causes (an undecodable or malformed message, a type the
+manager does not handle, a rank it does not serve, a batch whose keys, row shapes or dtypes do not
+fit the stored rows, a scoring or metadata function that raises or returns what JSON cannot carry)
+is answered with an ERROR reply naming the cause, logged and counted, and leaves the manager as it
+was: a refused batch is neither scored, stored nor counted. ERROR goes where the sender waits for
+the answer: METADATA_TAG for GET_METADATA, SCORE_TAG for everything else.
 
 Cross-rank contract: run :meth:`ReplayBufferManager.run` on the manager rank while its agents use
 :class:`~popmesh.buffers.client.ReplayBufferClient`; every served agent must eventually call
@@ -35,17 +41,20 @@ from popmesh.buffers.protocol import (
     MessageType,
     ProtocolError,
     batch_size,
+    check_message,
     from_payload,
     to_payload,
 )
 from popmesh.buffers.store import LocalStore, to_numpy
 from popmesh.comm import messages
 from popmesh.comm.world import Comm, resolve_group
-from popmesh.core.errors import CommTimeout, ConfigError
+from popmesh.core.errors import CommTimeout, ConfigError, PopmeshError
+from popmesh.core.timeouts import check_timeout, resolve_timeout
 
 __all__ = ["ReplayBufferManager", "ManagerStats", "Outgoing", "ScoringFunction", "novelty_score", "send_outgoing"]
 
 logger = logging.getLogger(__name__)
+_AGENT_REQUESTS = (MessageType.DATA, MessageType.GET_METADATA, MessageType.EXIT)
 ScoringFunction = Callable[[dict[str, Any], LocalStore], "float | Mapping[str, Any]"]
 
 
@@ -127,7 +136,8 @@ class ReplayBufferManager:
         self.strategy, self.percentile, self.alpha = baseline_strategy, baseline_percentile, baseline_ema_alpha
         self.store_locally, self.reward_key = store_locally, reward_key
         self.coordinator_rank, self.report_every = coordinator_rank, report_every
-        self.group, self.timeout = group, timeout
+        self.group = group
+        self.timeout = None if timeout is None else check_timeout(timeout, what="ReplayBufferManager")
         self.stats = ManagerStats()
         self.exited: set[int] = set()
         self._ema: float | None = None
@@ -162,9 +172,29 @@ class ReplayBufferManager:
 
     # ---- dispatch (no communication) ---------------------------------------------------------
     def handle(self, src: int, message: Message) -> list[Outgoing]:
-        """Apply one request from global rank ``src``; returns the messages to send."""
+        """Apply one request from global rank ``src``; returns the messages to send, each one encodable.
+
+        Never raises for a bad request: the exception it causes becomes an ERROR reply to ``src``
+        (see the module docstring), and the manager's state is left as it was.
+        """
         self.stats.messages[message.type.value] += 1
+        try:
+            out = self._dispatch(src, message)
+            for reply in out:
+                check_message(reply.message)
+            return out
+        except Exception as e:  # whatever a request causes is answered, never fatal
+            if not isinstance(e, PopmeshError):  # a bug in a user function: keep its traceback in the log
+                logger.warning("replay-buffer manager: %s from rank %s raised", message.type.value, src, exc_info=True)
+            return [self.error_reply(src, f"{message.type.value} from rank {src} refused: {type(e).__name__}: {e}",
+                                     message.type)]
+
+    def _dispatch(self, src: int, message: Message) -> list[Outgoing]:
         kind = message.type
+        if kind in _AGENT_REQUESTS and src not in self.served:
+            return [self.error_reply(src, f"rank {src} sent {kind.value} to a manager that does not serve it (it "
+                                          f"serves ranks {sorted(self.served)}): send to the manager assigned to "
+                                          "it (Roles.assigned_buffer)", kind)]
         if kind is MessageType.DATA and message.batch is not None:
             return self._on_data(src, message.batch)
         if kind is MessageType.GET_METADATA:
@@ -174,17 +204,20 @@ class ReplayBufferManager:
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 self._synced = float(value)
             return []
-        if kind is MessageType.EXIT and src in self.served:
+        if kind is MessageType.EXIT:
             self.exited.add(src)
             return []
         what = "DATA without a batch" if kind is MessageType.DATA else kind.value
-        return [self.error_reply(src, f"a manager does not handle {what} from rank {src}")]
+        return [self.error_reply(src, f"a manager does not handle {what} from rank {src}", kind)]
 
-    def error_reply(self, src: int, text: str) -> Outgoing:
-        """An ERROR reply to ``src`` (on its score channel), counted and logged."""
+    def error_reply(self, src: int, text: str, request: MessageType | None = None) -> Outgoing:
+        """An ERROR reply to ``src``, counted and logged: on METADATA_TAG for a GET_METADATA ``request``,
+        else on SCORE_TAG (where an agent waits for the answer to anything else)."""
         self.stats.errors += 1
         logger.warning("replay-buffer manager: %s", text)
-        return Outgoing(src, SCORE_TAG, Message(MessageType.ERROR, {"error": text}))
+        tag = METADATA_TAG if request is MessageType.GET_METADATA else SCORE_TAG
+        data = {"error": text} if request is None else {"error": text, "request": request.value}
+        return Outgoing(src, tag, Message(MessageType.ERROR, data))
 
     def metadata(self) -> dict[str, Any]:
         """Fields of a METADATA reply."""
@@ -195,25 +228,34 @@ class ReplayBufferManager:
         return data
 
     def _on_data(self, src: int, batch: dict[str, Any]) -> list[Outgoing]:
+        """Score ``batch`` and check everything about it first; only then store and count it."""
         rows = batch_size(batch)
-        score, extra = _split_score(self.scoring_function(batch, self.store))  # before inserting: novelty vs old
         if self.store_locally:
+            self.store.check(batch)
+        score, extra = _split_score(self.scoring_function(batch, self.store))  # before inserting: novelty vs old
+        reports = self._reports(src, extra)
+        check_message(Message(MessageType.SCORE, {**extra, "score": score}))
+        ema = update_ema(self._ema, to_numpy(batch[self.reward_key]), self.alpha) if self.reward_key in batch \
+            else self._ema
+        if self.store_locally:  # nothing below can fail on account of the batch
             self.store.add(batch)
-        if self.reward_key in batch:
-            self._ema = update_ema(self._ema, to_numpy(batch[self.reward_key]), self.alpha)
+        self._ema = ema
         self.stats.rows_from[src] += rows
-        reply = {**extra, "score": score, "baseline": self.baseline, "stored": len(self.store), "rows": rows}
-        out = [Outgoing(src, SCORE_TAG, Message(MessageType.SCORE, reply))]
         self._data_seen += 1
-        if self.coordinator_rank is not None:
-            modes = extra.get("modes")
-            if modes:
-                out.append(Outgoing(self.coordinator_rank, COORDINATOR_TAG,
-                                    Message(MessageType.MODE_REPORT, {"modes": list(modes), "training_rank": src})))
-            if self._data_seen % self.report_every == 0:
-                out.append(Outgoing(self.coordinator_rank, COORDINATOR_TAG,
-                                    Message(MessageType.BASELINE_REPORT, {"baseline": self.local_baseline})))
+        reply = {**extra, "score": score, "baseline": self.baseline, "stored": len(self.store), "rows": rows}
+        out = [Outgoing(src, SCORE_TAG, Message(MessageType.SCORE, reply)), *reports]
+        if self.coordinator_rank is not None and self._data_seen % self.report_every == 0:
+            out.append(Outgoing(self.coordinator_rank, COORDINATOR_TAG,
+                                Message(MessageType.BASELINE_REPORT, {"baseline": self.local_baseline})))
         return out
+
+    def _reports(self, src: int, extra: Mapping[str, Any]) -> list[Outgoing]:
+        """The MODE_REPORT for the coordinator, if the score found modes (checked before anything is stored)."""
+        modes = extra.get("modes")
+        if self.coordinator_rank is None or not modes:
+            return []
+        report = Message(MessageType.MODE_REPORT, {"modes": list(modes), "training_rank": src})
+        return [Outgoing(self.coordinator_rank, COORDINATOR_TAG, report)]
 
     # ---- the loop ----------------------------------------------------------------------------
     def run(self, idle_timeout: float | None = None) -> ManagerStats:
@@ -223,7 +265,7 @@ class ReplayBufferManager:
         timeout), naming the agents that have not exited.
         """
         comm = resolve_group(self.group)
-        limit = comm.timeout if idle_timeout is None else float(idle_timeout)
+        limit = resolve_timeout(idle_timeout, comm.timeout, "idle_timeout", "ReplayBufferManager.run")
         pending: list[messages.SendHandle] = []
         while not self.done:
             for out in self._serve_one(comm, limit):
@@ -257,9 +299,10 @@ class ReplayBufferManager:
             raise CommTimeout(f"replay-buffer manager {comm.rank} got no request for {limit:g} s; agents {waiting} "
                               "have not sent EXIT (did they crash, or forget client.drain()?)", tuple(waiting)) from e
         try:
-            return self.handle(src, from_payload(payload))
+            message = from_payload(payload)
         except ProtocolError as e:
             return [self.error_reply(src, f"malformed request from rank {src}: {e}")]
+        return self.handle(src, message)
 
 
 def _split_score(result: Any) -> tuple[float, dict[str, Any]]:

@@ -10,8 +10,10 @@ Channels (all in popmesh's reserved tag range, :data:`popmesh.comm.messages.BUFF
 ==================  ===============================================================================
 ``REQUEST_TAG``      manager inbox: DATA, GET_METADATA, EXIT (agents), BASELINE_SYNC and EXIT_ACK
                      (coordinator)
-``SCORE_TAG``        trainer inbox: SCORE replies to DATA, ERROR replies from a manager
-``METADATA_TAG``     trainer inbox: METADATA replies (apart, so a pending score never gets in the way)
+``SCORE_TAG``        trainer inbox: SCORE replies to DATA, a manager's ERROR replies to anything but
+                     GET_METADATA
+``METADATA_TAG``     trainer inbox: METADATA replies and ERROR replies to GET_METADATA (apart, so a
+                     pending score never gets in the way)
 ``COORDINATOR_TAG``  coordinator inbox: MODE_REPORT, BASELINE_REPORT, EXIT (managers),
                      GET_POPULATION_STATS (trainers)
 ``STATS_TAG``        trainer inbox: POPULATION_STATS and ERROR replies from the coordinator
@@ -33,11 +35,12 @@ from typing import Any
 import numpy as np
 
 from popmesh.comm.messages import internal_tag
-from popmesh.core.errors import MessageError
+from popmesh.core.errors import MessageError, PopmeshError
 
 __all__ = [
-    "MessageType", "Message", "ProtocolError", "HEADER_KEY", "PROTOCOL_VERSION", "REQUEST_TAG", "SCORE_TAG",
-    "METADATA_TAG", "COORDINATOR_TAG", "STATS_TAG", "to_payload", "from_payload", "batch_size",
+    "MessageType", "Message", "ProtocolError", "ServiceError", "HEADER_KEY", "PROTOCOL_VERSION", "REQUEST_TAG",
+    "SCORE_TAG", "METADATA_TAG", "COORDINATOR_TAG", "STATS_TAG", "to_payload", "from_payload", "check_message",
+    "batch_size",
 ]
 
 PROTOCOL_VERSION = 1
@@ -70,6 +73,18 @@ class ProtocolError(MessageError):
     """A frame that decoded fine but is not a well-formed service message."""
 
 
+class ServiceError(PopmeshError):
+    """A manager or the coordinator answered a request with ERROR: ``rank`` refused ``request`` (a
+    MessageType value); the message says why. The service goes on; so may the caller."""
+
+    def __init__(self, message: str, rank: int, request: str) -> None:
+        super().__init__(message)
+        self.rank, self.request = rank, request
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (str(self), self.rank, self.request)
+
+
 @dataclass(frozen=True)
 class Message:
     """A service message: its type, JSON-able ``data``, and for DATA the ``batch`` of arrays."""
@@ -95,15 +110,25 @@ def batch_size(batch: Any) -> int:
     return next(iter(sizes.values()))
 
 
-def to_payload(message: Message) -> dict[str, Any]:
-    """The dict of arrays that carries ``message`` (send it with :func:`popmesh.comm.messages.send`)."""
+def _header(message: Message) -> bytes:
     header = {"v": PROTOCOL_VERSION, "type": message.type.value, "data": message.data}
     try:
-        text = json.dumps(header, separators=(",", ":"), allow_nan=True).encode("utf-8")
-    except (TypeError, ValueError) as e:
+        return json.dumps(header, separators=(",", ":"), allow_nan=True).encode("utf-8")
+    except (TypeError, ValueError, RecursionError) as e:
         raise ProtocolError(f"{message.type.value} data must be JSON-able (dicts with str keys, lists, numbers, "
-                            f"strings): {e}") from e
-    payload: dict[str, Any] = {HEADER_KEY: np.frombuffer(text, dtype=np.uint8)}
+                            f"strings; numpy scalars: call .item()): {e}") from e
+
+
+def check_message(message: Message) -> None:
+    """ProtocolError unless :func:`to_payload` can carry ``message`` (checked without building it)."""
+    _header(message)
+    if message.batch is not None:
+        batch_size(message.batch)
+
+
+def to_payload(message: Message) -> dict[str, Any]:
+    """The dict of arrays that carries ``message`` (send it with :func:`popmesh.comm.messages.send`)."""
+    payload: dict[str, Any] = {HEADER_KEY: np.frombuffer(_header(message), dtype=np.uint8)}
     if message.batch is not None:
         batch_size(message.batch)
         payload.update(message.batch)

@@ -2,7 +2,9 @@
 
 A batch is a dict of str to numpy arrays or torch tensors sharing their leading (row) dimension.
 The store keeps whole batches as received and evicts the oldest rows first once more than
-``capacity`` rows are held.
+``capacity`` rows are held. Every batch it holds has the same keys, the same row shape per key and
+dtypes of one kind (real numbers of any width mix): a batch that does not fit is refused whole, so
+one bad batch never makes the stored columns unreadable.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from popmesh.core.errors import ConfigError
 
 __all__ = ["LocalStore", "concat_batches", "select_rows", "to_numpy"]
 
+_REAL_KINDS = "biuf"  # bool, int, uint, float: rows of these kinds join (numpy promotes them)
+
 
 def to_numpy(x: Any) -> np.ndarray:
     """A numpy view or copy of an array or CPU/GPU tensor (bfloat16 tensors become float32)."""
@@ -28,6 +32,11 @@ def to_numpy(x: Any) -> np.ndarray:
         t = x.detach().cpu()
         return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
     return np.asarray(x)
+
+
+def _row_spec(value: Any) -> tuple[tuple[int, ...], np.dtype]:
+    """(shape of one row, numpy dtype) of a batch entry; tensors are not copied whole to find out."""
+    return tuple(int(d) for d in value.shape[1:]), to_numpy(value[:0]).dtype
 
 
 def concat_batches(batches: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -76,11 +85,27 @@ class LocalStore:
     def is_full(self) -> bool:
         return self._rows >= self.capacity
 
+    def check(self, batch: dict[str, Any]) -> None:
+        """ConfigError, naming the entry, unless ``batch`` can join the stored rows (see the module docstring)."""
+        batch_size(batch)
+        if not self._chunks:
+            return
+        stored = self._chunks[0]
+        if list(batch) != list(stored):
+            raise ConfigError(f"batch keys {list(batch)} differ from the stored {list(stored)}: send the same keys "
+                              "in every batch")
+        for key, value in batch.items():
+            (shape, dtype), (old_shape, old_dtype) = _row_spec(value), _row_spec(stored[key])
+            if shape != old_shape or not _joins(dtype, old_dtype):
+                raise ConfigError(f"batch entry {key!r} has rows of shape {shape} and dtype {dtype}, the stored rows "
+                                  f"have shape {old_shape} and dtype {old_dtype}: send rows of the stored shape and "
+                                  "kind of dtype")
+
     def add(self, batch: dict[str, Any]) -> int:
-        """Append ``batch``'s rows; returns how many old rows were evicted."""
+        """Append ``batch``'s rows (ConfigError if they cannot join the stored ones, see :meth:`check`);
+        returns how many old rows were evicted."""
+        self.check(batch)
         n = batch_size(batch)
-        if self._chunks and list(batch) != list(self._chunks[0]):
-            raise ConfigError(f"batch keys {list(batch)} differ from the stored {list(self._chunks[0])}")
         if n > self.capacity:
             batch, n = {k: v[n - self.capacity:] for k, v in batch.items()}, self.capacity
         self._chunks.append(batch)
@@ -105,3 +130,9 @@ class LocalStore:
 
     def keys(self) -> list[str]:
         return list(self._chunks[0]) if self._chunks else []
+
+
+def _joins(dtype: np.dtype, stored: np.dtype) -> bool:
+    """True if rows of ``dtype`` may join rows of ``stored``: the same kind, or both real numbers. (Strings
+    and numbers would concatenate into strings, and every later score would fail.)"""
+    return dtype.kind == stored.kind or (dtype.kind in _REAL_KINDS and stored.kind in _REAL_KINDS)

@@ -21,6 +21,7 @@ from popmesh.comm.world import Comm, resolve_group
 from popmesh.core.arrays import flatten, is_torch, restore_scalar, to_array, unflatten
 from popmesh.core.errors import ConfigError
 from popmesh.core.ops import Lowering, ReduceOp
+from popmesh.core.timeouts import resolve_timeout
 from popmesh.wire.objects import decode_object, encode_object
 
 __all__ = [
@@ -43,10 +44,7 @@ __all__ = [
 def _setup(group: Comm | None, timeout: float | None, what: str) -> tuple[Comm, float]:
     comm = resolve_group(group)
     comm.require_member(what)
-    seconds = comm.timeout if timeout is None else float(timeout)
-    if seconds <= 0:
-        raise ConfigError(f"{what}: timeout={timeout} must be positive")
-    return comm, seconds
+    return comm, resolve_timeout(timeout, comm.timeout, "timeout", what)
 
 
 def _leaves(x: Any, what: str, *, mutable: bool = False) -> tuple[list[Any], list[Any], Any]:

@@ -30,6 +30,7 @@ from typing import Any
 from popmesh.comm.world import Comm, resolve_group
 from popmesh.core.errors import ConfigError, MessageError
 from popmesh.core.handles import Handle
+from popmesh.core.timeouts import resolve_timeout
 from popmesh.engines.p2p_base import TAG_LIMIT
 from popmesh.wire import decode, encode_message
 
@@ -87,9 +88,7 @@ def _setup(group: Comm | None, timeout: float | None, what: str) -> tuple[Comm, 
     comm = resolve_group(group)
     comm.require_member(what)
     world = comm.world
-    seconds = world.default_timeout if timeout is None else float(timeout)
-    if not seconds > 0:
-        raise ConfigError(f"{what}: timeout={timeout} must be positive")
+    seconds = resolve_timeout(timeout, world.default_timeout, "timeout", what)
     p2p = getattr(world.engine, "p2p", None)
     if p2p is None:
         raise ConfigError(f"the {world.engine.name} engine has no point-to-point messages: use the torch or mpi "

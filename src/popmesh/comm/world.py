@@ -14,6 +14,7 @@ from typing import Any
 from popmesh.comm.agreement import exchange_texts
 from popmesh.core.errors import ConfigError, NotInGroup
 from popmesh.core.launch_env import detect_engine, read_check, read_timeout
+from popmesh.core.timeouts import check_timeout
 from popmesh.engines import Engine, GroupSpec, create_engine
 
 __all__ = ["Comm", "World", "Group", "init", "current_world", "resolve_group", "finalize"]
@@ -178,13 +179,11 @@ def init(engine: str = "auto", timeout: float | None = None, check: bool | None 
     """
     global _CURRENT
     name = detect_engine() if engine == "auto" else engine
+    seconds = read_timeout() if timeout is None else check_timeout(timeout, "timeout", "popmesh.init")
     if _CURRENT is not None and not _CURRENT.finalized:
         if _CURRENT.engine.name != name:
             raise ConfigError(f"a {_CURRENT.engine.name} world already exists: finalize it before init({name!r})")
         return _CURRENT
-    seconds = read_timeout() if timeout is None else float(timeout)
-    if seconds <= 0:
-        raise ConfigError(f"timeout={timeout} must be positive")
     world = World(create_engine(name, seconds, **options), seconds, read_check() if check is None else check)
     _CURRENT = world
     return world

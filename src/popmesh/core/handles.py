@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Generic, Protocol, TypeVar, overload
 
+from popmesh.core.timeouts import resolve_timeout
+
 __all__ = ["Pending", "Completed", "Handle"]
 
 T = TypeVar("T")
@@ -64,7 +66,7 @@ class Handle(Generic[T]):
     def wait(self, timeout: float | None = None) -> T:
         """Block until finished (CommTimeout after ``timeout`` seconds) and return the result."""
         if not self._waited:
-            raw = self._pending.wait(self._timeout if timeout is None else float(timeout))
+            raw = self._pending.wait(resolve_timeout(timeout, self._timeout, "timeout", "wait"))
             self._result = self._finish(raw)
             self._waited = True
         return self._result

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from popmesh.core.errors import ConfigError
+from popmesh.core.timeouts import check_timeout
 
 __all__ = [
     "ENGINES",
@@ -34,7 +35,9 @@ def first_env(environ: Mapping[str, str], *names: str, default: str | None = Non
 
 
 def detect_engine(environ: Mapping[str, str] | None = None) -> str:
-    """``POPMESH_ENGINE`` if set; under mpiexec → mpi; under torchrun/`popmesh launch` → torch; else local."""
+    """``POPMESH_ENGINE`` if set; under mpiexec → mpi; under torchrun/`popmesh launch` → torch; else local.
+
+    ConfigError when only one of RANK and WORLD_SIZE is set (and no engine is named)."""
     environ = os.environ if environ is None else environ
     explicit = environ.get("POPMESH_ENGINE")
     if explicit:
@@ -43,8 +46,13 @@ def detect_engine(environ: Mapping[str, str] | None = None) -> str:
         return "local" if explicit == "jax" else explicit
     if any(environ.get(name) for name in _MPI_MARKERS):
         return "mpi"
-    if environ.get("RANK") is not None and environ.get("WORLD_SIZE") is not None:
+    rank, size = environ.get("RANK"), environ.get("WORLD_SIZE")
+    if rank and size:
         return "torch"
+    if rank or size:  # half a launch: running a world of one here would hide it
+        have, lack = ("RANK", "WORLD_SIZE") if rank else ("WORLD_SIZE", "RANK")
+        raise ConfigError(f"{have} is set but {lack} is not: set {lack} as well (popmesh launch and torchrun set "
+                          f"both), or unset {have} to run a world of one")
     return "local"
 
 
@@ -73,6 +81,18 @@ def _int_var(environ: Mapping[str, str], name: str, *, required: bool) -> int | 
         raise ConfigError(f"{name}={raw!r} is not an integer") from None
 
 
+def _port(environ: Mapping[str, str], *, required: bool) -> int:
+    """MASTER_PORT, validated whenever it is set (0 when unset in a world of one: any free port)."""
+    raw = environ.get("MASTER_PORT")
+    if not raw:
+        _int_var(environ, "MASTER_PORT", required=required)  # the "is not set" error
+        return 0
+    if not raw.strip().isdecimal() or not 0 < int(raw) < 65536:
+        raise ConfigError(f"MASTER_PORT={raw!r} is not a TCP port: set it to an integer from 1 to 65535 (a port "
+                          "free on MASTER_ADDR's host)")
+    return int(raw)
+
+
 def read_torch_env(environ: Mapping[str, str] | None = None) -> TorchEnv:
     """Validate RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT (and popmesh's POPMESH_STORE_FD)."""
     environ = os.environ if environ is None else environ
@@ -83,9 +103,7 @@ def read_torch_env(environ: Mapping[str, str] | None = None) -> TorchEnv:
         raise ConfigError(f"WORLD_SIZE={size} must be at least 1")
     if not 0 <= rank < size:
         raise ConfigError(f"RANK={rank} must be in [0, WORLD_SIZE={size})")
-    port = _int_var(environ, "MASTER_PORT", required=size > 1) or 0
-    if size > 1 and not 0 < port < 65536:
-        raise ConfigError(f"MASTER_PORT={port} is not a valid TCP port")
+    port = _port(environ, required=size > 1)
     local_rank = _int_var(environ, "LOCAL_RANK", required=False)
     local_size = _int_var(environ, "LOCAL_WORLD_SIZE", required=False)
     if local_rank is not None and local_size is not None and not 0 <= local_rank < local_size:
@@ -111,9 +129,7 @@ def read_timeout(environ: Mapping[str, str] | None = None) -> float:
         value = float(raw)
     except ValueError:
         raise ConfigError(f"POPMESH_TIMEOUT={raw!r} is not a number of seconds") from None
-    if value <= 0:
-        raise ConfigError(f"POPMESH_TIMEOUT={raw!r} must be positive")
-    return value
+    return check_timeout(value, "POPMESH_TIMEOUT")
 
 
 def read_check(environ: Mapping[str, str] | None = None) -> bool:

@@ -8,12 +8,14 @@ world it is a no-op, so the same script runs on one process.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import jax
 from popmesh.core.errors import ConfigError
+from popmesh.core.timeouts import check_timeout
 
 __all__ = ["JaxProcess", "read_jax_env", "init", "is_initialized", "shutdown"]
 
@@ -71,7 +73,7 @@ def init(coordinator_address: str | None = None, num_processes: int | None = Non
     jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)  # type: ignore[no-untyped-call]  # jax: config.update is unannotated
     jax.distributed.initialize(
         process.coordinator_address, process.num_processes, process.process_id,
-        initialization_timeout=int(timeout),
+        initialization_timeout=math.ceil(check_timeout(timeout, what="popmesh.jax.init")),
     )
     return process
 

@@ -30,6 +30,7 @@ from popmesh.comm.world import Comm, resolve_group
 from popmesh.core.arrays import flatten, is_torch, unflatten
 from popmesh.core.errors import ConfigError
 from popmesh.core.ops import ReduceOp
+from popmesh.core.timeouts import resolve_timeout
 
 __all__ = ["reduce_value", "is_integral", "mean_std", "gather_rows"]
 
@@ -85,13 +86,15 @@ def mean_std(value: Any, with_min_max: bool = False, *, group: Comm | None = Non
     Ranks may hold different numbers of elements, zero included (a rank with none contributes
     nothing; to min/max it contributes +inf/-inf). Sums run in float64 in two passes (sum and count,
     then squared deviations from the global mean), so large offsets do not cancel. With no element
-    anywhere every statistic is nan. Torch input gives 0-d tensors (the input's floating dtype, else
-    torch's default float) on its device; numpy input numpy scalars; anything else Python floats.
+    anywhere every statistic is nan; so is every statistic when any rank holds a NaN (as numpy's),
+    and the std when any holds an infinity (the mean is then that infinity, or NaN). Torch input
+    gives 0-d tensors (the input's floating dtype, else torch's default float) on its device; numpy
+    input numpy scalars; anything else Python floats.
     Costs two collectives latency-wise (min/max travel alongside the first one).
     """
     comm = resolve_group(group)
     local = _Local(value)
-    totals = np.array([local.sum, float(local.count)], dtype=np.float64)
+    totals = np.array([local.sum, float(local.count), float(local.has_nan)], dtype=np.float64)
     first = all_reduce_async_(totals, "sum", group=comm, timeout=timeout)
     extremes = np.array([local.max, -local.min], dtype=np.float64)
     second = all_reduce_async_(extremes, "max", group=comm, timeout=timeout) if with_min_max else None
@@ -103,8 +106,8 @@ def mean_std(value: Any, with_min_max: bool = False, *, group: Comm | None = Non
     squares = all_reduce(np.array([local.squared_deviation(mean)]), "sum", group=comm, timeout=timeout)
     std = math.sqrt(squares[0] / count) if count else math.nan
     stats = [mean, std]
-    if with_min_max:
-        stats += [-extremes[1], extremes[0]] if count else [math.nan, math.nan]
+    if with_min_max:  # engines disagree on the MAX of a NaN (gloo skips it, MPI ranks differed): decide here
+        stats += [-extremes[1], extremes[0]] if count and not totals[2] else [math.nan, math.nan]
     return tuple(local.wrap(s) for s in stats)
 
 
@@ -123,10 +126,17 @@ class _Local:
         self.sum = float(self.data.sum()) if self.count else 0.0
         self.max = float(self.data.max()) if self.count else -math.inf
         self.min = float(self.data.min()) if self.count else math.inf
+        # A NaN sum means a NaN or both infinities; only then look for a NaN (costs a pass over the data).
+        self.has_nan = math.isnan(self.sum) and bool(self.data.isnan().any() if is_torch(self.data)
+                                                     else np.isnan(self.data).any())
 
     def squared_deviation(self, mean: float) -> float:
-        if not self.count or math.isnan(mean):
+        """Sum of squared deviations from the global ``mean``: NaN when the mean is (NaN or infinite data
+        anywhere), so the std is NaN like the mean on every rank, not 0."""
+        if not self.count:
             return 0.0
+        if not math.isfinite(mean):
+            return math.nan
         return float(((self.data - mean) ** 2).sum())
 
     def wrap(self, x: float) -> Any:
@@ -157,7 +167,7 @@ def gather_rows(local: Any, group: Comm | None = None, dst: int | None = None, *
     root = comm.ranks[0] if dst is None else int(dst)
     comm.to_group_rank(root)  # ConfigError if dst is not a member
     data = _rows(local)
-    seconds = comm.timeout if timeout is None else float(timeout)
+    seconds = resolve_timeout(timeout, comm.timeout, "timeout", "gather_rows")
     if comm.size == 1:
         return _copy(data)
     shapes = exchange_shapes(comm, data, "gather_rows", seconds, same_leading=False)

@@ -28,6 +28,7 @@ from popmesh.comm.asynchronous import AsyncHandle, all_reduce_async_
 from popmesh.comm.world import Comm, resolve_group
 from popmesh.core.errors import ConfigError
 from popmesh.core.ops import ReduceOp
+from popmesh.core.timeouts import check_timeout
 from popmesh.torch.bucketing import DEFAULT_CAP_BYTES, BucketPlan, plan_buckets, plan_differs
 from popmesh.torch.layout import FlatGrads, Named, ParamSource, signature_of, specs_of
 
@@ -75,7 +76,7 @@ class GradientSync:
         self._cap = cap_bytes if cap_bytes is not None else self._default_cap()
         self._in_flight = self._comm.world.engine.tuning.max_in_flight
         self._overlap = bool(overlap)
-        self._timeout = timeout
+        self._timeout = None if timeout is None else check_timeout(timeout, what="GradientSync")
         self._grads: FlatGrads | None = None
         self._signature: tuple[Any, ...] = ()
         self._hooks: list[Any] = []
@@ -117,7 +118,7 @@ class GradientSync:
         Re-plans first if the parameters changed (added, removed, reshaped, new dtype or device).
         Every rank of the group must call this once per step.
         """
-        seconds = self._timeout if timeout is None else timeout
+        seconds = self._timeout if timeout is None else check_timeout(timeout, what="GradientSync.wait")
         try:
             params = self._source.current()
             changed = signature_of(params) != self._signature

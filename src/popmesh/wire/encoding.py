@@ -113,6 +113,54 @@ def _is_json(x: Any, depth: int = 0) -> bool:
     return False
 
 
+def _culprit(payload: Any) -> str:
+    """``: payload["a"][0] is a tuple`` for the first part of a dict or list payload that neither JSON
+    nor a batch carries (so the sender of a big message learns where to look); ``""`` otherwise."""
+    found = _unsendable(payload, "") if type(payload) in (dict, list) else None
+    return "" if found is None else f": payload{found[0]} {found[1]}"
+
+
+def _unsendable(x: Any, path: str, depth: int = 0) -> tuple[str, str] | None:
+    """(path, what is wrong there) of the first part of ``x`` that needs pickle, or None if there is none.
+    A dict holding an array is read as a batch (every value an array), any other dict as JSON."""
+    if depth > 200:
+        return path, "nests deeper than 200 levels"
+    t = type(x)
+    if t is dict:
+        batch = any(_array_like(v) for v in x.values())
+        for key, value in x.items():
+            if type(key) is not str:
+                return path, f"has the key {key!r}, {_a(type(key))} (keys must be str)"
+            here = f"{path}[{json.dumps(key)}]"
+            if batch and _array_like(value) and _array_body(value) is None:
+                return here, (f"is {_a(type(value))} of dtype {value.dtype} on {getattr(value, 'device', 'cpu')}, "
+                              "which no frame carries")
+            if batch and _array_body(value) is None:
+                return here, (f"is {_a(type(value))} in a dict of arrays (a batch holds only arrays and tensors; "
+                              "send other values apart)")
+            found = None if batch else _unsendable(value, here, depth + 1)
+            if found is not None:
+                return found
+        return None
+    if t is list:
+        for i, value in enumerate(x):
+            found = _unsendable(value, f"{path}[{i}]", depth + 1)
+            if found is not None:
+                return found
+        return None
+    return None if x is None or t in (str, int, float, bool) else (path, f"is {_a(t)}")
+
+
+def _array_like(x: Any) -> bool:
+    return is_torch(x) or type(x) is np.ndarray or is_jax(x)
+
+
+def _a(t: type) -> str:
+    """``a tuple``, ``an object``: a type's name with its article."""
+    name = t.__qualname__
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
+
+
 def _frame(kind: Kind, dtype: int, device: int, shape: Sequence[int], body: list[Any],
            checksum: bool | None) -> list[bytes | memoryview]:
     """Prepend the header to ``body`` (flat byte buffers)."""
@@ -177,10 +225,10 @@ def encode(payload: Any, *, allow_pickle: bool = False, checksum: bool | None = 
         return _frame(Kind.JSON, 0, 0, (), [text], checksum)
     if not allow_pickle:
         raise MessageError(
-            f"cannot send a {type(payload).__qualname__} without pickle: popmesh sends bytes, numpy arrays, torch "
-            "tensors, JSON values (dict with str keys, list, str, int, float, bool, None; no tuples) and dicts of "
-            "str to arrays. Convert it (numpy scalars: np.asarray(x)), or pass allow_pickle=True to both encode "
-            "and decode (trusted peers only).")
+            f"cannot send a {type(payload).__qualname__} without pickle{_culprit(payload)}: popmesh sends bytes, "
+            "numpy arrays, torch tensors, JSON values (dict with str keys, list, str, int, float, bool, None; no "
+            "tuples) and dicts of str to arrays. Convert it (numpy scalars: np.asarray(x) or x.item()), or pass "
+            "allow_pickle=True to both encode and decode (trusted peers only).")
     try:
         pickled = pickle.dumps(payload, protocol=5)
     except Exception as e:

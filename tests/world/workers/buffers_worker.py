@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import popmesh
 from popmesh import ConfigError
-from popmesh.buffers import Coordinator, ReplayBufferClient, ReplayBufferManager, novelty_score
+from popmesh.buffers import Coordinator, ReplayBufferClient, ReplayBufferManager, ServiceError, novelty_score
 from popmesh.buffers.protocol import REQUEST_TAG, SCORE_TAG, Message, MessageType, from_payload, to_payload
 from popmesh.comm import messages as m
 from popmesh.topology.layout import RankLayout
@@ -174,6 +174,50 @@ def service_round_trip(w):
         assert everyone[manager]["synced"] is None and everyone[manager]["stored"] == 6 + 5 * (len(trainers) > 1)
     else:  # the manager adopted a global baseline (the last sync may still be in flight when it exits)
         assert -3 <= everyone[manager]["synced"] <= -2 and -3 <= everyone[coordinator]["global"] <= -2, everyone
+
+
+def refused(add, *causes):
+    try:
+        add()
+    except ServiceError as e:
+        assert all(cause in str(e) for cause in causes), str(e)
+    else:
+        raise AssertionError(f"the manager must refuse this request ({causes})")
+
+
+@check
+def a_bad_batch_is_refused_and_the_service_goes_on(w):
+    """Trainer 0 sends a good batch, then (from a second client, whose local buffer is still empty) rows
+    of another shape, which killed the manager before: it must refuse them with an ERROR naming the
+    shapes and go on serving trainer 0's next batch and all of trainer 1's (sent meanwhile). From 4
+    ranks the coordinator rank, which the manager does not serve, sends DATA and is refused too. Every
+    refusal is answered before an agent leaves (a barrier of the non-manager ranks)."""
+    trainers, manager, coordinator = layout(w.size)
+    others = w.new_group([r for r in range(w.size) if r != manager])
+    if w.rank == manager:
+        mgr = ReplayBufferManager(trainers, capacity=64, scoring_function=novelty_score("states"), group=w)
+        stats = mgr.run(idle_timeout=60)
+        assert stats.errors == 1 + (coordinator is not None), stats.to_dict()
+        assert dict(stats.rows_from) == ({0: 4, 1: 6} if len(trainers) == 2 else {0: 4}), stats.rows_from
+        assert len(mgr.store) == sum(stats.rows_from.values()) and mgr.done
+        assert stats.messages["DATA"] == 3 * len(trainers) + (coordinator is not None), stats.messages
+        return
+    client = ReplayBufferClient(manager, group=w, timeout=30, mode="async-comm" if w.rank == 1 else "sync")
+    good = batch([[0, 0], [1, 1]], [-1.0, -2.0])
+    if w.rank == 0:
+        assert client.add(good)["rows"] == 2
+        bad = batch([[0, 0, 0], [1, 1, 1]], [-1.0, -2.0])
+        refused(lambda: ReplayBufferClient(manager, group=w, timeout=30).add(bad), f"rank {manager} refused DATA",
+                "'states' has rows of shape (3,)", "stored rows have shape (2,)")
+        assert client.add(good)["score"] == 0.0  # served after the refusal, scored against its first copy
+    elif w.rank in trainers:
+        for i in range(3):
+            client.add(batch([[100 + 2 * i, 100], [101 + 2 * i, 100]], [-3.0, -3.0]))
+    else:  # the coordinator rank: not an agent of this manager
+        refused(lambda: client.add(batch([[5, 5]], [0.0])), "does not serve it")
+    popmesh.barrier(group=others, timeout=60)
+    if w.rank in trainers:
+        assert client.drain()["rows"] == 2
 
 
 @check

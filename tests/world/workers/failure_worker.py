@@ -53,6 +53,29 @@ def dead_rank_surfaces(w):
 
 
 @check
+def dead_rank_is_named_by_collectives(w):
+    """Rank 1 of 3 dies: the survivors' all_reduce (in gloo's ring each survivor talks to rank 1), on
+    the world and on subgroups (one in reversed order, so group ranks differ from global ones), raises
+    PeerFailure naming rank 1 exactly; gloo's own error names only an address. (A broadcast from rank 0
+    would not do: rank 0 fails at once and abandons it, and rank 2, which hears only from rank 0 there,
+    can but time out.)"""
+    if SCENARIO != "dead-middle":
+        return
+    groups = {"the world": None, "a subgroup": w.new_group([0, 1, 2]), "a reversed subgroup": w.new_group([2, 1, 0])}
+    popmesh.barrier(timeout=30)
+    if w.rank == 1:
+        os._exit(3)
+    for name, group in groups.items():
+        try:
+            popmesh.all_reduce(np.ones(4), group=group, timeout=10)
+        except PeerFailure as e:
+            assert (e.ranks, e.exact) == ((1,), True), (name, e.ranks, e.exact, str(e))
+            assert "all_reduce: rank(s) [1] closed their connection" in str(e), (name, str(e))
+        else:
+            raise AssertionError(f"an all_reduce on {name} with a dead rank must fail")
+
+
+@check
 def one_rank_fails_while_peers_wait(w):
     """The harness must take the world down at once: the peers would wait here for 30 s."""
     if SCENARIO not in ("fail", "crash"):

@@ -3,6 +3,7 @@ contributes r + 1 so results have closed forms."""
 
 import contextlib
 import io
+import math
 import os
 import sys
 
@@ -111,6 +112,21 @@ def statistics_min_max_are_global_scalars(w):
     assert abs(mean.item() - everything.mean()) < 1e-5 and abs(std.item() - everything.std()) < 1e-5
     ints = mean_std(torch.full((2,), r + 1), True)
     assert ints[0].dtype == torch.get_default_dtype() and ints[2].item() == 1 and ints[3].item() == n
+
+
+@check
+def statistics_with_a_nan_are_nan(w):
+    """The last rank holds a NaN: every statistic is NaN on every rank, as numpy's (the std was 0.0, and
+    min/max were finite under gloo and differed between MPI ranks). Infinities without a NaN keep their
+    min/max; their std is NaN."""
+    n, r = w.size, w.rank
+    values = [float(r + 1), math.nan if r == n - 1 else -float(r + 1)]
+    for got in (mean_std(torch.tensor(values), True), mean_std(np.array(values), True), mean_std(values, True),
+                omnisafe.dist_statistics_scalar(torch.tensor(values), with_min_and_max=True)):
+        assert all(math.isnan(float(g)) for g in got), (r, got)
+    infinite = [math.inf if r == 0 else 1.0, -math.inf if r == n - 1 else 1.0]
+    mean, std, lo, hi = mean_std(np.array(infinite), True)
+    assert math.isnan(mean) and math.isnan(std) and (lo, hi) == (-math.inf, math.inf), (mean, std, lo, hi)
 
 
 @check

@@ -3,7 +3,12 @@
 Rendezvous uses a TCPStore on MASTER_ADDR:MASTER_PORT (127.0.0.1 by default). Under
 ``popmesh launch`` rank 0 receives an already-listening socket (``POPMESH_STORE_FD``), so ranks that
 start first wait in the kernel's backlog instead of torch's client back-off (which made a 4-rank
-world take 400+ ms to form instead of ~20 ms).
+world take 400+ ms to form instead of ~20 ms). A world that cannot form fails within the timeout
+(:mod:`popmesh.engines.torch.rendezvous`).
+
+A collective that gloo fails with a closed connection raises PeerFailure naming the peers whose
+connection is closed, found with a zero-byte send to each peer of the group (gloo refuses one to a
+closed connection at once); ``exact=False`` with every peer as a suspect when none can be told apart.
 """
 
 from __future__ import annotations
@@ -23,12 +28,15 @@ from popmesh.core.launch_env import TorchEnv
 from popmesh.core.ops import ReduceOp
 from popmesh.engines.base import GroupSpec, SnapshotWindow, Tuning, timeout_message
 from popmesh.engines.interop import numpy_to_torch, torch_to_numpy
+from popmesh.engines.torch.rendezvous import join_world, make_store
 from popmesh.engines.torch.send import is_gone
 
 __all__ = ["TorchEngine"]
 
 _NARROW_INTS: tuple[Any, ...] = ()
 _KEEP_FINISHED_WORKS = 4
+_PROBE_TAG = (1 << 20) - 2  # a gloo tag no one receives on (below the point-to-point transport's tags)
+_PROBE_WAITS_S = (0.0, 0.05, 0.2)  # a peer's closed connection may take a moment to be noticed
 
 
 def _import_dist() -> Any:
@@ -78,13 +86,11 @@ class TorchEngine:
         # active exception"; about 1 exit in 10 before this). A few suffice (the worker is long done
         # with older ones); more would keep large collectives' tensors alive. See finalize().
         self._finished_works: deque[Any] = deque(maxlen=_KEEP_FINISHED_WORKS)
+        self._probes: list[Any] = []  # zero-byte sends to live peers stay posted: never freed mid-flight
         if self._owns:
-            self._store = _make_store(dist, env, timeout)
+            self._store = make_store(dist, env, timeout)
             self.backend: str = backend or _default_backend(torch)
-            dist.init_process_group(
-                self.backend, store=self._store, rank=env.rank, world_size=env.world_size,
-                timeout=timedelta(seconds=timeout),
-            )
+            join_world(dist, self._store, env, self.backend, timeout)
         else:
             self.backend = str(dist.get_backend())
         self.rank: int = dist.get_rank()
@@ -233,13 +239,41 @@ class TorchEngine:
             missing = self._missing_ranks(group, timeout)
             raise CommTimeout(timeout_message(what, timeout, group.spec, missing), missing) from e
         if is_gone(e):
-            peers = [r for r in group.spec.ranks if r != self.rank] or [self.rank]
-            raise PeerFailure(f"{what}: a peer closed its connection (did a rank die?): {text}", peers,
-                              exact=False) from e
+            raise self._peer_failure(what, group, text) from e
         raise PopmeshError(
             f"{what} failed in torch.distributed: {text}. If ranks passed different shapes or dtypes, "
             "POPMESH_CHECK=1 reports each rank's values."
         ) from e
+
+    def _peer_failure(self, what: str, group: _Handle, text: str) -> PeerFailure:
+        """The PeerFailure of a collective gloo failed with a closed connection, naming the peers whose
+        connection is closed. gloo's text names only an address; when no peer can be told apart, every
+        peer of the group is a suspect (``exact=False``)."""
+        peers = [r for r in group.spec.ranks if r != self.rank]
+        for wait in _PROBE_WAITS_S:
+            time.sleep(wait)
+            dead = self._closed_peers(group, peers)
+            if dead:
+                return PeerFailure(f"{what}: rank(s) {dead} closed their connection (did they die?): {text}", dead)
+        suspects = peers or [self.rank]
+        return PeerFailure(f"{what}: a peer closed its connection, but no peer of {suspects} could be told apart "
+                           f"(all are suspects; did a rank die?): {text}", suspects, exact=False)
+
+    def _closed_peers(self, group: _Handle, peers: list[int]) -> list[int]:
+        """The ``peers`` whose connection in ``group`` is closed: gloo refuses a zero-byte send to one at
+        once, and leaves one to a live peer posted (kept, and never received: harmless)."""
+        pg = group.pg if group.pg is not None else self._dist.group.WORLD
+        if pg is None:  # the world was finalized meanwhile
+            return []
+        empty = self._torch.empty(0, dtype=self._torch.uint8)
+        dead = []
+        for rank in peers:
+            try:
+                self._probes.append(pg.send([empty], group.spec.group_rank(rank), _PROBE_TAG))
+            except RuntimeError as e:
+                if is_gone(e):
+                    dead.append(rank)
+        return dead
 
     def _missing_ranks(self, group: _Handle, timeout: float) -> tuple[int, ...] | None:
         """Ask the store which ranks reached this collective: each timed-out rank leaves a mark."""
@@ -301,22 +335,3 @@ def _default_backend(torch: Any) -> str:
     if torch.cuda.is_available() and torch.distributed.is_nccl_available():
         return "cpu:gloo,cuda:nccl"
     return "gloo"
-
-
-def _make_store(dist: Any, env: TorchEnv, timeout: float) -> Any:
-    """The rendezvous store. ``multi_tenant`` lets a later env:// init in the same process (a user
-    script calling init_process_group itself) reuse rank 0's server instead of failing to bind."""
-    is_master = env.rank == 0
-    kwargs: dict[str, Any] = {}
-    if is_master and env.store_fd is not None:
-        kwargs["master_listen_fd"] = env.store_fd
-    try:
-        return dist.TCPStore(
-            env.master_addr, env.master_port, env.world_size, is_master,
-            timedelta(seconds=timeout), wait_for_workers=False, multi_tenant=True, **kwargs,
-        )
-    except (RuntimeError, OSError) as e:
-        raise CommTimeout(
-            f"rank {env.rank} could not reach the rendezvous store at {env.master_addr}:{env.master_port} "
-            f"within {timeout:g} s ({e}). Is rank 0 running, and are MASTER_ADDR/MASTER_PORT right?"
-        ) from e
