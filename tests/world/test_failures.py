@@ -76,3 +76,25 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return False
+
+
+FROZEN = Path(__file__).parent / "scripts" / "frozen_rank.py"
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("engine,how,where", [
+    ("torch", "freeze", "collective"), ("torch", "freeze", "group"), ("torch", "freeze", "recv"),
+    ("torch", "die", "collective"), ("mpi", "freeze", "collective"), ("mpi", "freeze", "recv"),
+])
+def test_heartbeat_finds_a_frozen_or_dead_rank_whatever_the_operation_timeout(engine, how, where):
+    """The last rank is SIGSTOPped (or SIGKILLed, with no launcher to tear the world down) while the
+    others wait on it with a 300 s timeout; the heartbeat (3 s here, 20 s by default) ends their
+    waits with a PeerFailure naming it."""
+    run = run_world(FROZEN, engine, 3, timeout=20, expect_deaths=True,
+                    env={"POPMESH_HEARTBEAT_TIMEOUT": "3", "POPMESH_TEST_FROZEN": f"{how} {where}"})
+    for rank in (0, 1):
+        line = next((x for x in run.output.splitlines() if f"rank {rank} DETECTED" in x), None)
+        assert line is not None, run.output[-3000:]
+        assert "ranks=[2]" in line and ("rank 2" in line or "rank(s) [2]" in line), line
+        seconds = float(line.split(" after ")[1].split(" s")[0])
+        assert seconds < 10, line

@@ -47,3 +47,15 @@ def test_peers_finalizing_before_a_late_rank_reads_fin():
     assert not run.timed_out, run.output[-3000:]
     assert run.outcome("peers_finalizing_first_is_no_error") == {0: "ok", 1: "ok", 2: "ok"}, run.output[-3000:]
     assert run.returncodes == [0, 0, 0], run.output[-3000:]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["killed", "frozen"])
+def test_lost_member_surfaces_while_training(how):
+    """No launcher tears the world down here (ranks started directly): the heartbeat finds the loss."""
+    from workers import population_async_failure_worker as failure
+
+    run = run_world(Path(failure.__file__), "torch", 3, timeout=60, expect_deaths=True,
+                    env={"POPMESH_TEST_DEAD": how, "POPMESH_HEARTBEAT_TIMEOUT": "3"})
+    for rank in (0, 1):
+        assert run.outcome("lost_member_surfaces_while_training")[rank] == "ok", run.output[-3000:]

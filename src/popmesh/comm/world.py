@@ -8,11 +8,11 @@ Ranks are global unless a name says otherwise (``group_rank``).
 from __future__ import annotations
 
 import atexit
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from popmesh.comm.agreement import exchange_texts
-from popmesh.core.errors import ConfigError, NotInGroup
+from popmesh.core.errors import ConfigError, NotInGroup, PeerFailure
 from popmesh.core.launch_env import detect_engine, read_check, read_timeout
 from popmesh.core.timeouts import check_timeout
 from popmesh.engines import Engine, GroupSpec, create_engine
@@ -113,6 +113,11 @@ class World(Comm):
     @property
     def num_nodes(self) -> int:
         return len(set(self.hostnames))
+
+    def failure(self, ranks: Collection[int] | None = None) -> PeerFailure | None:
+        """A rank of ``ranks`` (None: any) that the heartbeat found frozen or dead, as the PeerFailure
+        that names it, or None. Background services poll this to stop within seconds of a loss."""
+        return self.engine.peer_failure(ranks)
 
     def new_group(self, ranks: Sequence[int]) -> Group:
         """A sub-communicator over ``ranks`` (global). Every rank of the world must call this, in the

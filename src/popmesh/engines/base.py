@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from popmesh.core.errors import PeerFailure
 from popmesh.core.handles import Pending
 from popmesh.core.ops import ReduceOp
 
@@ -88,15 +89,18 @@ class Engine(Protocol):
     def reduce_scatter(self, buf: Any, op: ReduceOp, group: Any, timeout: float) -> Any: ...
     def barrier(self, group: Any, timeout: float) -> None: ...
     def snapshot_window(self, group: Any, nbytes: int) -> SnapshotWindow: ...
+    def peer_failure(self, ranks: Collection[int] | None = None) -> PeerFailure | None: ...  # the heartbeat's finding
     def finalize(self) -> None: ...
 
 
-def poll_until(done: Callable[[], bool], timeout: float, spin_s: float = 0.05) -> bool:
+def poll_until(done: Callable[[], bool], timeout: float, spin_s: float = 0.05,
+               idle: Callable[[], None] | None = None) -> bool:
     """Poll ``done`` until it is true or ``timeout`` passes: spin first, then back off to 1 ms sleeps.
 
     Spinning keeps latency at the engine's floor (MPI's own blocking calls spin too); after
     ``spin_s`` the wait is long anyway, and sleeping stops a waiting rank from stealing a core from
-    ranks that still compute. A 1 ms wake-up granularity costs < 2 % of such a wait.
+    ranks that still compute. A 1 ms wake-up granularity costs < 2 % of such a wait. ``idle`` runs
+    once per sleep (it may raise to end the wait, e.g. when the heartbeat found a peer failed).
     """
     start = time.perf_counter()
     spin_until = start + min(spin_s, timeout)
@@ -117,6 +121,8 @@ def poll_until(done: Callable[[], bool], timeout: float, spin_s: float = 0.05) -
         now = time.perf_counter()
         if now >= deadline:
             return False
+        if idle is not None:
+            idle()
         time.sleep(min(pause, deadline - now))
         pause = min(pause * 2, 1e-3)
 

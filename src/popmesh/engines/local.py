@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import socket
+from collections.abc import Collection
 from typing import Any
 
-from popmesh.core.errors import ConfigError
+from popmesh.core.errors import ConfigError, PeerFailure
 from popmesh.core.handles import Completed
 from popmesh.core.ops import ReduceOp
 from popmesh.engines.base import GroupSpec, SnapshotWindow, Tuning
@@ -65,6 +66,9 @@ class LocalEngine:
         """No one-sided windows on this engine (``one_sided`` is False)."""
         raise ConfigError(f"the {self.name} engine has no one-sided windows: launch under mpiexec or "
                           "popmesh.init(engine='mpi')")
+
+    def peer_failure(self, ranks: Collection[int] | None = None) -> PeerFailure | None:
+        return None  # a world of one has no peer to lose
 
     def finalize(self) -> None:
         return None

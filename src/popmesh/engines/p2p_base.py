@@ -32,17 +32,18 @@ from typing import Any
 
 import numpy as np
 
-from popmesh.core.errors import CommTimeout, ConfigError
+from popmesh.core.errors import CommTimeout, ConfigError, PeerClosed, PopmeshError
 from popmesh.core.handles import Completed, Pending
 from popmesh.engines.base import poll_until
 from popmesh.wire.format import join_frame
 
 __all__ = [
-    "TAG_LIMIT", "Frame", "Item", "RecvRequest", "P2PBase", "LoopbackP2P",
+    "TAG_LIMIT", "HEARTBEAT_TAG", "Frame", "Item", "RecvRequest", "P2PBase", "LoopbackP2P",
     "BufferPool", "PAGE_NBYTES", "frame_parts",
 ]
 
 TAG_LIMIT = 1 << 15  # the MPI standard guarantees tags up to 32767 on every implementation
+HEARTBEAT_TAG = TAG_LIMIT - 1  # the heartbeats' tag (see liveness), in popmesh's reserved range
 PAGE_NBYTES = 4096  # the page whose offsets envelopes carry (see envelope)
 Frame = Any  # a uint8 numpy array, a bytes-like object, or a sequence of them (sent as one frame)
 Item = tuple[int, Any]  # (source rank, uint8 array or the Exception that replaced the message)
@@ -151,6 +152,7 @@ class P2PBase:
         self._posted: dict[int, list[weakref.ref[RecvRequest]]] = {}
         self._local: dict[int, deque[Item]] = {}
         self._listeners: list[Callable[[], None]] = []
+        self._gone: dict[int, PopmeshError] = {}  # peers nothing more comes from: why
 
     # ---- public API --------------------------------------------------------------------------
     def send(self, frame: Frame, dst: int, tag: int, timeout: float) -> None:
@@ -188,6 +190,28 @@ class P2PBase:
     def close(self) -> None:
         """Release what the transport holds; override where there is something to release."""
         return None
+
+    def gone(self, rank: int) -> PopmeshError | None:
+        """Why nothing more comes from ``rank`` (it closed in order: PeerClosed; it failed), or None."""
+        return self._gone.get(rank)
+
+    def fail_peer(self, rank: int, error: PopmeshError) -> None:
+        """Declare ``rank`` failed (the heartbeat found it silent): receives that can only hear from
+        failed ranks and sends to it raise ``error`` instead of waiting for their timeout."""
+        with self._lock:
+            self._gone.setdefault(rank, error)
+        self._notify()
+
+    def _gone_error(self, sources: Collection[int] | None) -> PopmeshError | None:
+        """The error to raise when every rank of ``sources`` (None: every peer) is gone, else None;
+        a broken connection outranks an orderly goodbye."""
+        peers = [p for p in (range(self.size) if sources is None else sources) if p != self.rank]
+        if not peers or not self._gone:
+            return None
+        errors = [self._gone[p] for p in peers if p in self._gone]
+        if len(errors) < len(peers):
+            return None
+        return next((e for e in errors if not isinstance(e, PeerClosed)), errors[0])
 
     def watch(self, callback: Callable[[], None]) -> Callable[[], None] | None:
         """Call ``callback`` (on any thread; it must be quick) whenever a message may have arrived.

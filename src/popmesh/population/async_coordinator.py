@@ -41,6 +41,9 @@ class CoordinatorLink:
 
     def poll(self) -> bool:
         """Take every up message that arrived, decide if a complete iteration is ready, FIN at the end."""
+        failure = self.world.failure(self.ranks)
+        if failure is not None:  # a member the heartbeat found frozen or dead: no decision can complete
+            raise failure
         self._sends = reap(self._sends, self.timeout)  # a completed send is no progress: nothing follows
         progress = False
         while self._up is not None and self._up.done():
@@ -118,13 +121,14 @@ class CoordinatorLink:
             raise CommTimeout(f"population coordinator: replaced ranks {late} did not finish their replacement "
                               f"within {timeout:g} s of shutdown", tuple(late))
 
-    def abort(self, reason: str) -> None:
-        """Tell every trainer that coordination stopped (best effort, no waiting)."""
+    def abort(self, reason: str, lost: tuple[int, ...] = ()) -> None:
+        """Tell every trainer that coordination stopped (best effort, no waiting); ``lost``: the ranks
+        whose failure stopped it, if known, so the trainers' errors name them."""
         for dst in self.ranks:
             if dst == self.world.rank and self._local is not None:
                 continue  # this rank's trainer side fails with the coordinator, in the same thread
             try:
-                isend({"kind": "abort", "reason": reason}, dst, self.tags.down, group=self.world)
+                isend({"kind": "abort", "reason": reason, "lost": list(lost)}, dst, self.tags.down, group=self.world)
             except Exception:
                 pass
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from popmesh.comm.messages import on_arrival
 from popmesh.comm.world import World
-from popmesh.core.errors import CommTimeout, PopmeshError
+from popmesh.core.errors import CommTimeout, PeerFailure, PopmeshError
 from popmesh.population.async_coordinator import CoordinatorLink
 from popmesh.population.async_protocol import BYE, METRIC, Channels
 from popmesh.population.async_trainer import Pending, Snapshot, TrainerLink, reap
@@ -138,7 +138,7 @@ class Runtime:
         except BaseException as e:
             self.error = e
             if self.coordinator is not None:
-                self.coordinator.abort(f"{type(e).__name__}: {e}")
+                self.coordinator.abort(f"{type(e).__name__}: {e}", e.ranks if isinstance(e, PeerFailure) else ())
         finally:
             if self._stop_watching is not None:
                 self._stop_watching()

@@ -23,7 +23,7 @@ import weakref
 from typing import Any
 
 from popmesh.comm.world import Comm, resolve_group
-from popmesh.core.errors import ConfigError, PopmeshError
+from popmesh.core.errors import ConfigError, PeerFailure, PopmeshError
 from popmesh.population.async_coordinator import CoordinatorLink
 from popmesh.population.async_protocol import Channels, channels
 from popmesh.population.async_runtime import Runtime, surface
@@ -168,7 +168,7 @@ class AsyncSelectiveAveraging(PopulationPolicy):
         try:
             _serve(link, self.poll_interval)
         except BaseException as e:
-            link.abort(f"{type(e).__name__}: {e}")
+            link.abort(f"{type(e).__name__}: {e}", e.ranks if isinstance(e, PeerFailure) else ())
             raise
         finally:
             link.close()

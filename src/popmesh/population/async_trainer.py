@@ -53,6 +53,7 @@ class TrainerLink:
         self.world, self.me, self.coordinator, self.tags = world, world.rank, coordinator, tags
         self.timeout, self._latest, self._deliver = timeout, latest, deliver
         self._peers = [r for r in ranks if r != self.me]
+        self._members = frozenset(ranks) | {coordinator}
         self._down = irecv(coordinator, tags.down, group=world) if coordinator != self.me else None
         self._data = irecv(self._peers, tags.data, group=world) if self._peers else None
         self._sends: list[Any] = []
@@ -87,7 +88,11 @@ class TrainerLink:
     # ---- background thread ----------------------------------------------------------------------
     def poll(self) -> bool:
         """Advance everything that can advance; True if a message arrived or a job finished
-        (reaping a completed send is not progress: nothing follows from it)."""
+        (reaping a completed send is not progress: nothing follows from it). A member the heartbeat
+        found frozen or dead ends the policy here, within seconds."""
+        failure = self.world.failure(self._members)
+        if failure is not None:
+            raise failure
         self._sends = reap(self._sends, self.timeout)
         progress = False
         if self._down is not None and self._down.done():
@@ -128,8 +133,9 @@ class TrainerLink:
         if kind == "fin":
             self.finished = True
         elif kind == "abort":
+            lost = tuple(int(r) for r in message.get("lost") or ()) or (self.coordinator,)
             raise PeerFailure(f"the population coordinator (rank {self.coordinator}) stopped: {message.get('reason')}",
-                              (self.coordinator,))
+                              lost)
         elif kind == "decision":
             self._decision(message)
         else:

@@ -37,8 +37,9 @@ def dead_peer_surfaces_at_shutdown(w):
         elapsed = time.monotonic() - start
         assert elapsed < SHUTDOWN_S + 8, f"took {elapsed:.1f} s"
         assert str(DEAD) in str(e), str(e)
-        if w.rank == 0:
-            assert "did not shut the policy down" in str(e) or "did not finish" in str(e), str(e)
+        if w.rank == 0:  # the heartbeat (or the shutdown's own wait) names the lost rank
+            assert ("did not shut the policy down" in str(e) or "did not finish" in str(e)
+                    or f"rank {DEAD} closed its connection" in str(e)), str(e)
     else:
         raise AssertionError("shutting down with a dead peer must raise")
 
@@ -65,10 +66,49 @@ def dead_donor_surfaces_on_the_replaced_rank(w):
     except (PeerFailure, CommTimeout) as e:
         assert time.monotonic() - start < SHUTDOWN_S + 10, "took too long"
         assert "1" in str(e), str(e)
-        if w.rank == 2:
-            assert "donor" in str(e), str(e)
+        if w.rank == 2:  # its deadline names the silent donor, or the heartbeat the dead rank
+            assert "donor" in str(e) or "rank 1 closed its connection" in str(e), str(e)
     else:
         raise AssertionError("a dead donor must surface as an error")
+
+
+@check
+def lost_member_surfaces_while_training(w):
+    """Rank 2 is SIGKILLed or SIGSTOPped mid-training, with no launcher to tear the world down: the
+    survivors, still training (calls that never block), get a PeerFailure naming it within seconds
+    of the heartbeat timeout, not never."""
+    if WHO_DIES not in ("killed", "frozen"):
+        return
+    import signal
+
+    import numpy as np
+
+    import popmesh
+
+    pids = [int(p) for p in popmesh.all_gather(np.array(os.getpid()))]
+    policy = AsyncSelectiveAveraging(every=10, rule=ReplacementRule(ratio=0.25), timeout=300)
+    model = make_agent(w.rank + 1)
+    policy(0, model, None, [3.0, 2.0, 1.0][w.rank])
+    if w.rank == DEAD:
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGKILL if WHO_DIES == "killed" else signal.SIGSTOP)
+    start = time.monotonic()
+    try:
+        step = 1
+        while time.monotonic() - start < 30:
+            policy(step, model, None, 1.0 if step % 10 == 0 else None)
+            step += 1
+            time.sleep(0.01)
+    except PeerFailure as e:
+        elapsed = time.monotonic() - start
+        assert DEAD in e.ranks and f"rank {DEAD}" in str(e), str(e)
+        assert elapsed < 12, f"noticed after {elapsed:.1f} s"
+        print(f"rank {w.rank} noticed the loss of rank {DEAD} after {elapsed:.1f} s", flush=True)
+        if w.rank == 0 and WHO_DIES == "frozen":
+            time.sleep(0.5)
+            os.kill(pids[DEAD], signal.SIGKILL)  # it would never end by itself
+    else:
+        raise AssertionError("training went on for 30 s beside a lost member")
 
 
 @check

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +21,7 @@ from popmesh.core.errors import CommTimeout, EngineUnavailable, PeerFailure
 from popmesh.core.ops import ReduceOp
 from popmesh.engines.base import GroupSpec, SnapshotWindow, Tuning, poll_until, timeout_message
 from popmesh.engines.interop import numpy_bytes, torch_bytes
+from popmesh.engines.liveness import start_heartbeat
 
 __all__ = ["MpiEngine"]
 
@@ -40,6 +41,7 @@ class _Handle:
     spec: GroupSpec
     comm: Any
     seq: int = 0
+    alive: Callable[[], None] | None = None  # raises PeerFailure once the heartbeat found a member failed
 
 
 class MpiEngine:
@@ -64,6 +66,28 @@ class MpiEngine:
         self._p2p_comm = self._world.Dup()  # point-to-point messages only (mpi_p2p); collective, so made here
         self._comms: list[Any] = [self._diag, self._node, self._p2p_comm]
         self._p2p: Any = None
+        self._heartbeat = start_heartbeat(self.p2p(), self._peer_failed) if self.size > 1 else None
+
+    def _peer_failed(self, rank: int, error: PeerFailure) -> None:
+        """The heartbeat found ``rank`` failed: waits on it raise ``error`` (polling waits see it)."""
+        self.p2p().fail_peer(rank, error)
+
+    def _alive_check(self, group: _Handle) -> Callable[[], None] | None:
+        """What a collective's wait runs while it sleeps: raise if a member of ``group`` failed."""
+        heartbeat = self._heartbeat
+        if heartbeat is None:
+            return None
+        if group.alive is None:
+            members = frozenset(group.spec.ranks)
+
+            def alive() -> None:
+                error = heartbeat.failure(members)
+                if error is not None:
+                    where = "the world" if group.spec.gid == 0 else f"group {list(group.spec.ranks)}"
+                    raise PeerFailure(f"a collective over {where} cannot complete: {error}", error.ranks)
+
+            group.alive = alive
+        return group.alive
 
     def hostname(self) -> str:
         return socket.gethostname()
@@ -142,7 +166,13 @@ class MpiEngine:
 
         return MpiSnapshotWindow(self._mpi, group, nbytes)
 
+    def peer_failure(self, ranks: Collection[int] | None = None) -> PeerFailure | None:
+        """A member of ``ranks`` (None: any rank) the heartbeat found frozen or dead, as a PeerFailure."""
+        return None if self._heartbeat is None else self._heartbeat.failure(ranks)
+
     def finalize(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.stop()  # says bye first: its successor stops watching
         if self._p2p is not None:
             self._p2p.close()  # sends in flight complete before their communicator goes
         for comm in reversed(self._comms):
@@ -171,7 +201,7 @@ class MpiEngine:
     def _wait(self, req: Any, group: _Handle, timeout: float, what: str) -> None:
         group.seq += 1
         try:
-            finished = poll_until(req.Test, timeout)
+            finished = poll_until(req.Test, timeout, idle=self._alive_check(group))
         except self._mpi.Exception as e:
             raise PeerFailure(f"{what} failed in MPI: {e}", self._peers(group), exact=False) from e
         if not finished:

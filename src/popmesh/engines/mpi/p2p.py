@@ -35,7 +35,7 @@ import numpy as np
 from popmesh.core.errors import CommTimeout, ConfigError, MessageError, PeerFailure
 from popmesh.engines.base import poll_until
 from popmesh.engines.envelope import INLINE_NBYTES, parse_envelope, plan_frame
-from popmesh.engines.p2p_base import TAG_LIMIT, BufferPool, Item, P2PBase, RecvRequest
+from popmesh.engines.p2p_base import HEARTBEAT_TAG, TAG_LIMIT, BufferPool, Item, P2PBase, RecvRequest
 
 __all__ = ["MpiP2P"]
 
@@ -63,7 +63,10 @@ class _MpiSend:
         return self._done
 
     def wait(self, timeout: float) -> None:
-        if poll_until(self._owner._progressing(self.done), timeout):
+        gone = self._owner._gone
+        if poll_until(self._owner._progressing(lambda: self.done() or self.dst in gone), timeout):
+            if self.dst in gone and not self.done():
+                raise PeerFailure(f"send to rank {self.dst} on tag {self.tag}: {gone[self.dst]}", (self.dst,))
             return
         raise CommTimeout(
             f"send to rank {self.dst} on tag {self.tag} did not complete within {timeout:g} s: that rank has not "
@@ -172,15 +175,16 @@ class MpiP2P(P2PBase):
             if self._closed:
                 return
             self._closed = True
-        still = [op for op in self._in_flight if not op.done()]
-        if still:
-            poll_until(self._progressing(lambda: all(op.done() for op in still)), timeout)
-            still = [op for op in still if not op.done()]
+        pending = [op for op in self._in_flight if not op.done()]
+        # heartbeats and sends to failed ranks may never complete: not waited for, buffers kept
+        awaited = [op for op in pending if op.tag != HEARTBEAT_TAG and op.dst not in self._gone]
+        if awaited:
+            poll_until(self._progressing(lambda: all(op.done() for op in awaited)), timeout)
         self._in_flight.clear()
+        _KEPT_FOREVER.extend(op for op in pending if not op.done())
+        still = sorted({(op.dst, op.tag) for op in awaited if not op.done()})
         if still:
-            _KEPT_FOREVER.extend(still)
-            pending = sorted({(op.dst, op.tag) for op in still})
-            sys.stderr.write(f"popmesh: rank {self.rank} closes with sends still pending to (rank, tag) {pending}: "
+            sys.stderr.write(f"popmesh: rank {self.rank} closes with sends still pending to (rank, tag) {still}: "
                              "their receivers never received them\n")
 
     def _hold(self, op: _MpiSend) -> None:
@@ -201,7 +205,7 @@ class MpiP2P(P2PBase):
                 return True
             tag, sources = req.tag, req.sources
             posted = self._posted.get(tag)
-            if (posted is None or len(posted) != 1 or posted[0]() is not req or self._partials.get(tag)
+            if (posted is None or self._gone or len(posted) != 1 or posted[0]() is not req or self._partials.get(tag)
                     or self._local.get(tag) or (sources is not None and len(sources) != 1)):
                 return super()._poll(req)
             source = self.mpi.ANY_SOURCE if sources is None else next(iter(sources))
@@ -235,6 +239,9 @@ class MpiP2P(P2PBase):
                 return started.src, started.data
             partials.append(started)
             blocked.add(started.src)
+        gone = self._gone_error(sources)
+        if gone is not None:  # nothing can arrive any more
+            raise gone
         return None
 
     def _start(self, source: int, tag: int) -> _Partial | None:

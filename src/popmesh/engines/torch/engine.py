@@ -16,7 +16,7 @@ from __future__ import annotations
 import socket
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -28,6 +28,7 @@ from popmesh.core.launch_env import TorchEnv
 from popmesh.core.ops import ReduceOp
 from popmesh.engines.base import GroupSpec, SnapshotWindow, Tuning, timeout_message
 from popmesh.engines.interop import numpy_to_torch, torch_to_numpy
+from popmesh.engines.liveness import Heartbeat, start_heartbeat
 from popmesh.engines.torch.rendezvous import join_world, make_store
 from popmesh.engines.torch.send import is_gone
 
@@ -36,7 +37,9 @@ __all__ = ["TorchEngine"]
 _NARROW_INTS: tuple[Any, ...] = ()
 _KEEP_FINISHED_WORKS = 4
 _PROBE_TAG = (1 << 20) - 2  # a gloo tag no one receives on (below the point-to-point transport's tags)
-_PROBE_WAITS_S = (0.0, 0.05, 0.2)  # a peer's closed connection may take a moment to be noticed
+_PROBE_WAITS_S = (0.0, 0.05, 0.2)
+_CLOSE_TAG = (1 << 20) - 3  # nobody sends on it: a receive that times out there closes the connection
+_CLOSE_WAIT = timedelta(milliseconds=1)  # a peer's closed connection may take a moment to be noticed
 
 
 def _import_dist() -> Any:
@@ -87,6 +90,8 @@ class TorchEngine:
         # with older ones); more would keep large collectives' tensors alive. See finalize().
         self._finished_works: deque[Any] = deque(maxlen=_KEEP_FINISHED_WORKS)
         self._probes: list[Any] = []  # zero-byte sends to live peers stay posted: never freed mid-flight
+        self._groups: list[_Handle] = []  # the subgroups this rank is a member of
+        self._heartbeat: Heartbeat | None = None
         if self._owns:
             self._store = make_store(dist, env, timeout)
             self.backend: str = backend or _default_backend(torch)
@@ -101,6 +106,8 @@ class TorchEngine:
         self._timedeltas: dict[float, timedelta] = {}
         self._all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         self._reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        if self.size > 1:
+            self._heartbeat = start_heartbeat(self.p2p(), self._peer_failed)
 
     def hostname(self) -> str:
         return socket.gethostname()
@@ -122,7 +129,28 @@ class TorchEngine:
         if spec.gid == 0:
             return _Handle(spec, None)
         pg = self._dist.new_group(list(spec.ranks), timeout=timedelta(seconds=timeout))
-        return _Handle(spec, pg) if self.rank in spec.ranks else None
+        if self.rank not in spec.ranks:
+            return None
+        handle = _Handle(spec, pg)
+        self._groups.append(handle)
+        return handle
+
+    # ---- failures found by the heartbeat ------------------------------------------------------
+    def peer_failure(self, ranks: Collection[int] | None = None) -> PeerFailure | None:
+        """A member of ``ranks`` (None: any rank) the heartbeat found frozen or dead, as a PeerFailure."""
+        return None if self._heartbeat is None else self._heartbeat.failure(ranks)
+
+    def _peer_failed(self, rank: int, error: PeerFailure) -> None:
+        """The heartbeat found ``rank`` failed: close gloo's connections to it (in the world and every
+        group with it), so whatever waits on it in gloo, a collective included, fails now."""
+        self.p2p().fail_peer(rank, error)  # the world's connection, and point-to-point waits
+        empty = self._torch.empty(0, dtype=self._torch.uint8)
+        for handle in self._groups:
+            if rank in handle.spec.ranks:
+                try:
+                    handle.pg.recv([empty], handle.spec.group_rank(rank), _CLOSE_TAG).wait(_CLOSE_WAIT)
+                except RuntimeError:
+                    pass  # the expected outcome: gloo closed the connection when the receive timed out
 
     # ---- collectives -------------------------------------------------------------------------
     def all_reduce_(self, buf: Any, op: ReduceOp, group: _Handle, timeout: float) -> None:
@@ -188,6 +216,8 @@ class TorchEngine:
                           "popmesh.init(engine='mpi')")
 
     def finalize(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.stop()  # says bye first: its successor stops watching
         if self._p2p is not None:
             self._p2p.close()  # before the group goes: no receive may be left waiting on it
         if self._owns and self._dist.is_initialized():
@@ -235,6 +265,9 @@ class TorchEngine:
 
     def _raise(self, e: RuntimeError, group: _Handle, timeout: float, what: str) -> None:
         text = str(e)
+        failure = self.peer_failure(group.spec.ranks)
+        if failure is not None:  # the heartbeat closed the connection to a frozen or dead member
+            raise PeerFailure(f"{what} cannot complete: {failure}", failure.ranks) from e
         if "timed out" in text.lower() or "timeout" in text.lower():
             missing = self._missing_ranks(group, timeout)
             raise CommTimeout(timeout_message(what, timeout, group.spec, missing), missing) from e

@@ -42,6 +42,7 @@ import sys
 import threading
 import time
 from collections import deque
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -62,6 +63,8 @@ __all__ = ["TorchP2P", "EXIT_GRACE_S", "GOODBYE_GRACE_S", "PEER_PUMPS_MAX"]
 
 _TAG_BASE = 1 << 20  # kept away from the small tags a program may use with dist.send itself
 _ENV_TAG, _SEG_TAG, _PING_TAG = _TAG_BASE, _TAG_BASE + 1, _TAG_BASE - 1
+_CLOSE_TAG = _TAG_BASE - 3  # nobody sends on it: a receive that times out there closes the connection
+_CLOSE_WAIT = timedelta(milliseconds=1)
 EXIT_GRACE_S = 30.0
 GOODBYE_GRACE_S = 2.0
 _DEPTH = 2  # envelope receives posted ahead per pump
@@ -284,7 +287,6 @@ class TorchP2P(P2PBase):
         self._waiters: list[threading.Lock] = []  # receivers blocked in _block, released on delivery
         self._inbox: dict[int, deque[Item]] = {}
         self._pumps: dict[int, _Pump] = {}  # peer -> the pump that receives from it
-        self._gone: dict[int, PopmeshError] = {}  # peers nothing more comes from: why
         self._outboxes: dict[tuple[int, int], Outbox] = {}
         self._workers = SendWorkers()
         # One lock per destination keeps a frame's envelope and segments together in that peer's
@@ -419,16 +421,14 @@ class TorchP2P(P2PBase):
 
     # ---- receiving ---------------------------------------------------------------------------
     def _fetch(self, sources: frozenset[int] | None, tag: int) -> Item | None:
-        peers = range(self.size) if sources is None else sources
         queue = self._inbox.get(tag)
         for i, item in enumerate(queue or ()):
             if sources is None or item[0] in sources:
                 del queue[i]  # type: ignore[union-attr]
                 return item
-        gone = [self._gone[p] for p in peers if p in self._gone]
-        if gone and len(gone) == sum(1 for p in peers if p != self.rank):
-            # nothing can arrive any more; a broken connection outranks an orderly goodbye
-            raise next((e for e in gone if not isinstance(e, PeerClosed)), gone[0])
+        gone = self._gone_error(sources)
+        if gone is not None:  # nothing can arrive any more
+            raise gone
         if self._closed:
             raise ConfigError(f"rank {self.rank} closed its point-to-point transport (World.finalize): it receives "
                               "nothing more")
@@ -468,9 +468,22 @@ class TorchP2P(P2PBase):
             self._inbox.setdefault(tag, deque()).append(item)
         self._notify()
 
+    def fail_peer(self, rank: int, error: PopmeshError) -> None:
+        """Declare ``rank`` failed and close gloo's connection to it, so that anything waiting on it in
+        gloo, a collective included, fails at once instead of at its timeout (gloo closes a pair
+        whose receive times out: a zero-byte receive with a 1 ms limit does it)."""
+        super().fail_peer(rank, error)
+        pg = self._group.WORLD
+        if pg is None or rank == self.rank:
+            return
+        try:
+            pg.recv([tensor(np.empty(0, dtype=np.uint8))], rank, _CLOSE_TAG).wait(_CLOSE_WAIT)
+        except RuntimeError:
+            pass  # the expected outcome: "Application timeout caused pair closure"
+
     def _end_peer(self, peer: int, why: PopmeshError) -> None:
         with self._lock:
-            self._gone[peer] = why
+            self._gone.setdefault(peer, why)
         self._notify()
 
     def _receive_rest(self, envelope: Any, src: int) -> Item:

@@ -1,0 +1,251 @@
+"""Heartbeats: a frozen or dead rank is found within seconds, whatever the operation timeout.
+
+A blocking call's own timeout (300 s by default) is far too long to wait for a rank that was
+SIGSTOPped, whose host froze, or that died where no launcher tears the world down (ranks started by
+a batch system). So every rank of a world of two or more runs one daemon thread that sends a small
+*beat* to its ring successor every ``interval`` seconds and watches the beats of its ring
+predecessor, on a point-to-point tag of its own (:data:`HEARTBEAT_TAG`). A predecessor silent for
+``timeout`` seconds is declared failed: the watcher tells every other rank (a *notice*), and each
+rank hands the failure to its engine, which ends what waits on that rank (gloo: the connection to
+it is closed, so a collective blocked in gloo fails at once; MPI: polling waits raise) with a
+PeerFailure naming it. A rank that finalizes sends *bye* first, so its successor stops watching.
+
+Any run of failed ranks is found by the live rank after its last member, so at least one
+survivor always notices; with the default 20 s timeout and 1 s beats, every rank knows within
+about 22 s. ``POPMESH_HEARTBEAT_TIMEOUT`` sets the timeout (0 turns heartbeats off, for example
+while a debugger holds a rank).
+
+The watch itself (:class:`RingWatch`) is pure: it is fed arrivals and the clock.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from popmesh.core.errors import ConfigError, PeerClosed, PeerFailure, PopmeshError
+from popmesh.engines.p2p_base import HEARTBEAT_TAG
+
+__all__ = [
+    "HEARTBEAT_TAG", "DEFAULT_TIMEOUT_S", "RingWatch", "Heartbeat", "start_heartbeat", "heartbeat_timeout",
+    "beat_interval",
+    "encode_note", "decode_note",
+]
+
+DEFAULT_TIMEOUT_S = 20.0
+BEAT, BYE, NOTICE = 1, 2, 3
+_MAGIC = 0x504D4842  # "PMHB"
+
+
+def heartbeat_timeout() -> float:
+    """Seconds of silence after which a rank is declared failed (``POPMESH_HEARTBEAT_TIMEOUT``; 0: off)."""
+    raw = os.environ.get("POPMESH_HEARTBEAT_TIMEOUT", "")
+    if not raw:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not (value >= 0 and value != float("inf")):
+        raise ConfigError(f"POPMESH_HEARTBEAT_TIMEOUT={raw!r}: give seconds (0 turns heartbeats off)")
+    return value
+
+
+def beat_interval(timeout: float) -> float:
+    """How often to beat: a twentieth of the timeout, between 0.1 and 1 s."""
+    return min(1.0, max(0.1, timeout / 20))
+
+
+def encode_note(kind: int, rank: int, about: int = -1, silent_s: float = 0.0) -> np.ndarray:
+    """One heartbeat message: ``[magic, kind, sender, rank it is about, silence in ms]`` as int64."""
+    return np.array([_MAGIC, kind, rank, about, round(silent_s * 1000)], dtype=np.int64)
+
+
+def decode_note(frame: Any) -> tuple[int, int, int, float]:
+    """``(kind, sender, about, silent seconds)``; ConfigError for anything else."""
+    raw = np.asarray(frame, dtype=np.uint8)
+    if raw.size != 40:
+        raise ConfigError(f"not a heartbeat message ({raw.size} bytes): another program uses popmesh's tag")
+    note = raw.view(np.int64)
+    if int(note[0]) != _MAGIC or int(note[1]) not in (BEAT, BYE, NOTICE):
+        raise ConfigError("not a heartbeat message: another program uses popmesh's tag")
+    return int(note[1]), int(note[2]), int(note[3]), int(note[4]) / 1000
+
+
+@dataclass
+class RingWatch:
+    """What rank ``rank`` of ``size`` knows: when its predecessor last beat, and who failed."""
+
+    rank: int
+    size: int
+    timeout: float
+    started: float
+    last_seen: float = field(init=False)
+    finished: bool = False  # the predecessor said bye (or closed in order): nothing more to watch
+    failed: dict[int, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.last_seen = self.started
+
+    @property
+    def predecessor(self) -> int:
+        return (self.rank - 1) % self.size
+
+    @property
+    def successor(self) -> int:
+        return (self.rank + 1) % self.size
+
+    def beat_from(self, sender: int, now: float) -> None:
+        if sender == self.predecessor:
+            self.last_seen = now
+
+    def bye_from(self, sender: int) -> None:
+        if sender == self.predecessor:
+            self.finished = True
+
+    def silent(self, now: float) -> float | None:
+        """Seconds the predecessor has been silent, if that is past the timeout and it is not known yet."""
+        if self.finished or self.predecessor in self.failed:
+            return None
+        quiet = now - self.last_seen
+        return quiet if quiet > self.timeout else None
+
+    def record(self, rank: int, why: str) -> bool:
+        """Note that ``rank`` failed; True if this is news."""
+        if rank in self.failed or rank == self.rank:
+            return False
+        self.failed[rank] = why
+        return True
+
+
+def silence_text(rank: int, silent_s: float, timeout: float) -> str:
+    """Why ``rank`` is declared failed (``silent_s`` 0: its connection closed)."""
+    if silent_s <= 0:
+        return f"rank {rank} closed its connection (did it die?)"
+    return (f"rank {rank} stopped responding: no heartbeat for {silent_s:.1f} s (limit {timeout:g} s, "
+            "POPMESH_HEARTBEAT_TIMEOUT); it is frozen (SIGSTOP, a debugger, a hung host) or dead")
+
+
+def start_heartbeat(p2p: Any, on_failure: Callable[[int, PeerFailure], None]) -> Heartbeat | None:
+    """A running heartbeat over ``p2p``, or None in a world of one or when turned off."""
+    timeout = heartbeat_timeout()
+    if p2p.size < 2 or timeout == 0:
+        return None
+    heartbeat = Heartbeat(p2p, timeout, on_failure)
+    heartbeat.start()
+    return heartbeat
+
+
+class Heartbeat:
+    """The heartbeat thread of one rank over ``p2p`` (see the module docstring).
+
+    ``on_failure(rank, error)`` runs on the heartbeat thread when a rank is found failed, by this
+    rank or by another's notice; the engine ends its waits on that rank there.
+    """
+
+    def __init__(self, p2p: Any, timeout: float, on_failure: Callable[[int, PeerFailure], None]) -> None:
+        self.p2p, self.timeout, self.interval = p2p, timeout, beat_interval(timeout)
+        self.watch = RingWatch(p2p.rank, p2p.size, timeout, time.monotonic())
+        self._on_failure = on_failure
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._errors: dict[int, PeerFailure] = {}
+        self._thread = threading.Thread(target=self._run, name="popmesh-heartbeat", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def failure(self, ranks: Any = None) -> PeerFailure | None:
+        """The failure of one of ``ranks`` (None: any rank) found so far, or None."""
+        with self._lock:
+            for rank, error in self._errors.items():
+                if ranks is None or rank in ranks:
+                    return error
+        return None
+
+    def stop(self) -> None:
+        """Say bye to the successor and end the thread (idempotent)."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        if self._thread.ident is not None:
+            self._thread.join(max(1.0, 3 * self.interval))
+        self._send(self.watch.successor, encode_note(BYE, self.watch.rank))
+
+    # ---- the thread ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        watch = self.watch
+        inbox: Any = self.p2p.irecv(None, HEARTBEAT_TAG)
+        next_beat = 0.0
+        while not self._stop.is_set():
+            now = time.monotonic()
+            if now >= next_beat:
+                self._send(watch.successor, encode_note(BEAT, watch.rank))
+                next_beat = now + self.interval
+            inbox = self._take(inbox)
+            self._check_predecessor()
+            if inbox is None and (watch.finished or watch.predecessor in watch.failed):
+                return  # nothing can arrive and nothing is left to watch
+            self._stop.wait(max(0.0, min(self.interval / 2, next_beat - time.monotonic())))
+
+    def _check_predecessor(self) -> None:
+        watch = self.watch
+        gone = self.p2p.gone(watch.predecessor)
+        if isinstance(gone, PeerClosed):
+            watch.finished = True  # it closed in order: its bye may have been its last message
+        elif gone is not None and watch.predecessor not in watch.failed:
+            self._found(watch.predecessor, f"{silence_text(watch.predecessor, 0.0, self.timeout)}: {gone}", 0.0)
+        silent = watch.silent(time.monotonic())
+        if silent is not None:
+            self._found(watch.predecessor, silence_text(watch.predecessor, silent, self.timeout), silent)
+
+    def _take(self, inbox: Any) -> Any:
+        """Handle every note that arrived; the receive to keep polling (None: nothing more can arrive)."""
+        while inbox is not None:
+            try:
+                if not inbox.done():
+                    return inbox
+                _, frame = inbox.wait(0)
+            except PeerFailure:  # every rank it could hear from has gone
+                return None
+            inbox = self.p2p.irecv(None, HEARTBEAT_TAG)
+            try:
+                kind, sender, about, silent = decode_note(frame)
+            except ConfigError:
+                continue
+            if kind == BEAT:
+                self.watch.beat_from(sender, time.monotonic())
+            elif kind == BYE:
+                self.watch.bye_from(sender)
+            elif about != self.watch.rank:
+                self._failed(about, f"{silence_text(about, silent, self.timeout)} (found by rank {sender})")
+        return None
+
+    def _found(self, rank: int, why: str, silent: float) -> None:
+        """This rank found ``rank`` failed: tell every other rank, then act on it."""
+        if rank in self.watch.failed:
+            return
+        for other in range(self.p2p.size):
+            if other not in (self.watch.rank, rank) and other not in self.watch.failed:
+                self._send(other, encode_note(NOTICE, self.watch.rank, rank, silent))
+        self._failed(rank, why)
+
+    def _failed(self, rank: int, why: str) -> None:
+        if not self.watch.record(rank, why):
+            return
+        error = PeerFailure(why, (rank,))
+        with self._lock:
+            self._errors[rank] = error
+        self._on_failure(rank, error)
+
+    def _send(self, dst: int, note: np.ndarray) -> None:
+        try:
+            self.p2p.isend(note, dst, HEARTBEAT_TAG)
+        except (PopmeshError, ConfigError, RuntimeError):
+            pass  # a rank that left or failed gets no more notes; its loss is found on its own

@@ -1,0 +1,71 @@
+"""The heartbeat's pure parts: the ring watch, the note codec, the settings (the thread itself runs
+on real worlds in tests/world/test_failures.py)."""
+
+import numpy as np
+import pytest
+
+from popmesh.core.errors import ConfigError
+from popmesh.engines.liveness import (
+    BEAT,
+    BYE,
+    DEFAULT_TIMEOUT_S,
+    NOTICE,
+    RingWatch,
+    beat_interval,
+    decode_note,
+    encode_note,
+    heartbeat_timeout,
+    silence_text,
+)
+
+
+def test_a_silent_predecessor_is_found_after_the_timeout_and_only_once():
+    watch = RingWatch(rank=0, size=4, timeout=5.0, started=100.0)
+    assert (watch.predecessor, watch.successor) == (3, 1)
+    assert watch.silent(104.0) is None
+    watch.beat_from(2, 104.5)  # not its predecessor: no effect
+    assert watch.silent(105.5) == pytest.approx(5.5)
+    watch.beat_from(3, 105.6)
+    assert watch.silent(110.0) is None and watch.silent(110.7) == pytest.approx(5.1)
+    assert watch.record(3, "gone") and not watch.record(3, "again") and not watch.record(0, "myself")
+    assert watch.silent(200.0) is None, "a known failure is not found again"
+
+
+def test_a_predecessor_that_said_bye_is_not_watched():
+    watch = RingWatch(rank=2, size=3, timeout=1.0, started=0.0)
+    watch.bye_from(0)
+    assert not watch.finished, "bye from another rank than the predecessor"
+    watch.bye_from(1)
+    assert watch.finished and watch.silent(1e6) is None
+
+
+def test_every_run_of_failed_ranks_is_watched_by_a_live_rank():
+    """The live rank right after a run of failed ranks watches the run's last member."""
+    size = 7
+    for failed in ({1}, {2, 3}, {0, 6}, {3, 4, 5, 6}):
+        watchers = {RingWatch(r, size, 1.0, 0.0).predecessor for r in range(size) if r not in failed}
+        assert watchers & failed, failed
+
+
+def test_notes_round_trip_and_foreign_bytes_are_refused():
+    for kind in (BEAT, BYE, NOTICE):
+        assert decode_note(encode_note(kind, 3, 5, 21.25).view(np.uint8)) == (kind, 3, 5, 21.25)
+    with pytest.raises(ConfigError, match="not a heartbeat"):
+        decode_note(np.zeros(40, np.uint8))
+    with pytest.raises(ConfigError, match="not a heartbeat"):
+        decode_note(np.zeros(7, np.uint8))
+
+
+def test_settings(monkeypatch):
+    monkeypatch.delenv("POPMESH_HEARTBEAT_TIMEOUT", raising=False)
+    assert heartbeat_timeout() == DEFAULT_TIMEOUT_S
+    assert DEFAULT_TIMEOUT_S + beat_interval(DEFAULT_TIMEOUT_S) * 2 < 30, "found within 30 s by default"
+    monkeypatch.setenv("POPMESH_HEARTBEAT_TIMEOUT", "0")
+    assert heartbeat_timeout() == 0
+    for bad in ("-1", "soon", "inf", "nan"):
+        monkeypatch.setenv("POPMESH_HEARTBEAT_TIMEOUT", bad)
+        with pytest.raises(ConfigError, match="POPMESH_HEARTBEAT_TIMEOUT"):
+            heartbeat_timeout()
+    assert beat_interval(2.0) == 0.1 and beat_interval(100.0) == 1.0
+    assert "no heartbeat for 21.0 s" in silence_text(4, 21.0, 20.0) and "rank 4" in silence_text(4, 21.0, 20.0)
+    assert "closed its connection" in silence_text(4, 0.0, 20.0)
