@@ -137,13 +137,6 @@ def finish(launcher: subprocess.Popen[str], piddir: Path) -> tuple[str, str]:
         return launcher.communicate(timeout=15)
 
 
-@pytest.fixture
-def piddir(tmp_path: Path) -> Path:
-    d = tmp_path / "ranks"
-    d.mkdir()
-    return d
-
-
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("engine", ENGINES)
 def test_a_one_node_world_listens_on_loopback_only(engine: str, piddir: Path) -> None:

@@ -65,13 +65,6 @@ def assert_all_gone(pids: list[int], within: float = 5.0) -> None:
     assert not survivors, f"worker processes survived the launcher: {survivors}"
 
 
-@pytest.fixture
-def piddir(tmp_path: Path) -> Path:
-    d = tmp_path / "pids"
-    d.mkdir()
-    return d
-
-
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_all_ranks_succeed_with_prefixed_separate_streams(n: int, piddir: Path) -> None:

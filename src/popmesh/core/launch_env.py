@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ __all__ = [
     "read_torch_env",
     "read_timeout",
     "read_check",
+    "read_number",
     "first_env",
 ]
 
@@ -130,6 +132,22 @@ def read_timeout(environ: Mapping[str, str] | None = None) -> float:
     except ValueError:
         raise ConfigError(f"POPMESH_TIMEOUT={raw!r} is not a number of seconds") from None
     return check_timeout(value, "POPMESH_TIMEOUT")
+
+
+def read_number(name: str, default: float, *, hint: str, whole: bool = False,
+                environ: Mapping[str, str] | None = None) -> float:
+    """Setting ``name`` from the environment: a finite number ≥ 0 (``whole``: an integer), ``default``
+    when unset; ConfigError with ``hint`` (what to give) otherwise."""
+    raw = (os.environ if environ is None else environ).get(name, "")
+    if not raw:
+        return default
+    try:
+        value: float = int(raw) if whole else float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < math.inf:  # NaN fails too
+        raise ConfigError(f"{name}={raw!r}: {hint}")
+    return value
 
 
 def read_check(environ: Mapping[str, str] | None = None) -> bool:

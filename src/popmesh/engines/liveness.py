@@ -20,7 +20,6 @@ The watch itself (:class:`RingWatch`) is pure: it is fed arrivals and the clock.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -30,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from popmesh.core.errors import ConfigError, PeerClosed, PeerFailure, PopmeshError
+from popmesh.core.launch_env import read_number
 from popmesh.engines.p2p_base import HEARTBEAT_TAG
 
 __all__ = [
@@ -45,16 +45,7 @@ _MAGIC = 0x504D4842  # "PMHB"
 
 def heartbeat_timeout() -> float:
     """Seconds of silence after which a rank is declared failed (``POPMESH_HEARTBEAT_TIMEOUT``; 0: off)."""
-    raw = os.environ.get("POPMESH_HEARTBEAT_TIMEOUT", "")
-    if not raw:
-        return DEFAULT_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not (value >= 0 and value != float("inf")):
-        raise ConfigError(f"POPMESH_HEARTBEAT_TIMEOUT={raw!r}: give seconds (0 turns heartbeats off)")
-    return value
+    return read_number("POPMESH_HEARTBEAT_TIMEOUT", DEFAULT_TIMEOUT_S, hint="give seconds (0 turns heartbeats off)")
 
 
 def beat_interval(timeout: float) -> float:

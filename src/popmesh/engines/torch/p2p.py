@@ -37,7 +37,6 @@ program should still let a rank exit only once every message sent *to* it has be
 from __future__ import annotations
 
 import atexit
-import os
 import sys
 import threading
 import time
@@ -48,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from popmesh.core.errors import ConfigError, MessageError, PeerClosed, PeerFailure, PopmeshError
+from popmesh.core.launch_env import read_number
 from popmesh.engines.envelope import (
     GOODBYE_TAG,
     HEADER_NBYTES,
@@ -257,16 +257,8 @@ class _AnyPump(_Pump):
 def peer_pumps_max() -> int:
     """Most peers that get a pump each: :data:`PEER_PUMPS_MAX`, or ``POPMESH_GLOO_PEER_PUMPS`` (0: always
     one any-source pump, the fewest threads)."""
-    raw = os.environ.get("POPMESH_GLOO_PEER_PUMPS", "")
-    if not raw:
-        return PEER_PUMPS_MAX
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ConfigError(f"POPMESH_GLOO_PEER_PUMPS={raw!r}: give a whole number of peers (0 or more)")
-    return value
+    return int(read_number("POPMESH_GLOO_PEER_PUMPS", PEER_PUMPS_MAX, whole=True,
+                           hint="give a whole number of peers (0 or more)"))
 
 
 def _hands_over(envelope: Any) -> bool:
