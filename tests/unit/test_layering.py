@@ -224,9 +224,9 @@ def test_engine_libraries_only_in_engines():
 
 
 def seed_names() -> set[str]:
-    from seed_signatures import load_seeds
+    from seed_signatures import find_seeds_dir, load_seeds
 
-    seeds = load_seeds()
+    seeds = load_seeds() if find_seeds_dir() is not None else {}
     if not seeds:
         pytest.skip("the seed documents (../shared/seeds) are not visible from this checkout")
     return {entry.split(".")[0] for seed in seeds.values() for entry in seed.entries} - ENGINE_VOCABULARY

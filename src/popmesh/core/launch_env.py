@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from popmesh.core.errors import ConfigError
+from popmesh.core.slurm import read_slurm
 from popmesh.core.timeouts import check_timeout
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "read_timeout",
     "read_check",
     "read_number",
+    "launcher_world_size",
     "first_env",
 ]
 
@@ -51,6 +53,8 @@ def detect_engine(environ: Mapping[str, str] | None = None) -> str:
     rank, size = environ.get("RANK"), environ.get("WORLD_SIZE")
     if rank and size:
         return "torch"
+    if not rank and not size and read_slurm(environ) is not None:
+        return "torch"  # a task of `srun python script.py`: torch's rendezvous on the step's first node
     if rank or size:  # half a launch: running a world of one here would hide it
         have, lack = ("RANK", "WORLD_SIZE") if rank else ("WORLD_SIZE", "RANK")
         raise ConfigError(f"{have} is set but {lack} is not: set {lack} as well (popmesh launch and torchrun set "
@@ -96,8 +100,13 @@ def _port(environ: Mapping[str, str], *, required: bool) -> int:
 
 
 def read_torch_env(environ: Mapping[str, str] | None = None) -> TorchEnv:
-    """Validate RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT (and popmesh's POPMESH_STORE_FD)."""
+    """Validate RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT (and popmesh's POPMESH_STORE_FD); under
+    ``srun`` without them, the task's Slurm variables give them (:mod:`popmesh.core.slurm`)."""
     environ = os.environ if environ is None else environ
+    if not environ.get("RANK") and not environ.get("WORLD_SIZE"):
+        task = read_slurm(environ)
+        if task is not None:
+            environ = {**environ, **task.torch_variables(environ)}
     rank = _int_var(environ, "RANK", required=True)
     size = _int_var(environ, "WORLD_SIZE", required=True)
     assert rank is not None and size is not None
@@ -132,6 +141,21 @@ def read_timeout(environ: Mapping[str, str] | None = None) -> float:
     except ValueError:
         raise ConfigError(f"POPMESH_TIMEOUT={raw!r} is not a number of seconds") from None
     return check_timeout(value, "POPMESH_TIMEOUT")
+
+
+_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "PMIX_SIZE")
+
+
+def launcher_world_size(environ: Mapping[str, str] | None = None) -> tuple[str, int] | None:
+    """``(variable, size)``: the world size the launcher that started this process announced (MPI's
+    process managers, or Slurm's ``srun``), or None when none did."""
+    environ = os.environ if environ is None else environ
+    for name in _SIZE_VARIABLES:
+        raw = environ.get(name, "")
+        if raw.strip().isdecimal():
+            return name, int(raw)
+    task = read_slurm(environ)
+    return ("SLURM_NTASKS", task.world_size) if task is not None else None
 
 
 def read_number(name: str, default: float, *, hint: str, whole: bool = False,

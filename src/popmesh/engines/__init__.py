@@ -7,7 +7,7 @@ import sys
 from typing import Any
 
 from popmesh.core.errors import ConfigError
-from popmesh.core.launch_env import read_torch_env
+from popmesh.core.launch_env import launcher_world_size, read_torch_env
 from popmesh.engines.base import Engine, GroupSpec
 
 __all__ = ["Engine", "GroupSpec", "create_engine", "available_engines", "mpi_library_version"]
@@ -33,8 +33,24 @@ def create_engine(name: str, timeout: float, **options: Any) -> Engine:
     if name == "mpi":
         from popmesh.engines.mpi.engine import MpiEngine
 
-        return MpiEngine()
+        engine = MpiEngine()
+        _check_size(engine.size, "MPI")
+        return engine
     raise ConfigError(f"unknown engine {name!r}: use 'auto', 'local', 'torch' or 'mpi'")
+
+
+def _check_size(size: int, formed_by: str) -> None:
+    """ConfigError unless the world that formed has the size its launcher announced."""
+    announced = launcher_world_size()
+    if announced is None or announced[1] == size:
+        return
+    name, expected = announced
+    raise ConfigError(
+        f"the launcher started a world of {expected} ({name}={expected}) but {formed_by} formed a world of {size}: "
+        "mpi4py is built against another MPI than the one that launched this process (for example mpi4py with "
+        "the MPICH wheel under Open MPI's mpirun, or under srun without --mpi=pmi2/pmix). Launch with the "
+        "matching mpiexec (`popmesh launch --engine mpi`), or install mpi4py built for your MPI: "
+        "pip install 'popmesh[mpi-system]' --no-binary mpi4py")
 
 
 def mpi_library_version() -> str | None:

@@ -16,9 +16,12 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+from popmesh.core.errors import ConfigError
+from popmesh.core.launch_env import detect_engine, launcher_world_size
+from popmesh.core.slurm import read_slurm
 from popmesh.engines import mpi_library_version
 
-__all__ = ["collect_info", "format_info", "distributed_env", "ENV_PREFIXES", "ENV_NAMES"]
+__all__ = ["collect_info", "format_info", "distributed_env", "detected_launch", "ENV_PREFIXES", "ENV_NAMES"]
 
 ENV_NAMES = (
     "RANK",
@@ -32,7 +35,7 @@ ENV_NAMES = (
     "MKL_NUM_THREADS",
     "CUDA_VISIBLE_DEVICES",
 )
-ENV_PREFIXES = ("PMI_", "PMIX_", "OMPI_COMM_WORLD_", "POPMESH_", "JAX_", "TORCHELASTIC_")
+ENV_PREFIXES = ("PMI_", "PMIX_", "OMPI_COMM_WORLD_", "POPMESH_", "JAX_", "TORCHELASTIC_", "SLURM_")
 _ENGINE_PACKAGES = {"torch": "torch", "mpi": "mpi4py", "jax": "jax"}
 
 
@@ -64,6 +67,36 @@ def distributed_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
     return {k: env[k] for k in sorted(env) if k in ENV_NAMES or k.startswith(ENV_PREFIXES)}
 
 
+def detected_launch(env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """What ``popmesh.init()`` would make of this environment: the engine, and who launched us."""
+    env = os.environ if env is None else env
+    out: dict[str, Any] = {}
+    try:
+        out["engine"] = detect_engine(env)
+    except ConfigError as e:
+        out["engine"] = f"none: {e}"
+    announced = launcher_world_size(env)
+    task = None
+    try:
+        task = read_slurm(env)
+    except ConfigError as e:
+        out["slurm"] = f"unreadable: {e}"
+    if env.get("RANK") and env.get("WORLD_SIZE"):
+        out["launcher"] = "torchrun" if env.get("TORCHELASTIC_RUN_ID") else "popmesh launch or torchrun-style variables"
+        out["rank"], out["world_size"] = env["RANK"], env["WORLD_SIZE"]
+    elif announced is not None and announced[0] != "SLURM_NTASKS":
+        out["launcher"] = f"an MPI process manager ({announced[0]}={announced[1]})"
+    elif task is not None:
+        out["launcher"] = "slurm (srun)"
+        out["rank"], out["world_size"] = task.rank, task.world_size
+        out["nodes"] = ",".join(task.nodes) or "(no node list)"
+        variables = task.torch_variables(env)
+        out["master"] = f"{variables['MASTER_ADDR']}:{variables['MASTER_PORT']}"
+    else:
+        out["launcher"] = "none: a world of one"
+    return out
+
+
 def collect_info(env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Everything ``popmesh info`` prints, as plain data."""
     versions = {
@@ -81,6 +114,7 @@ def collect_info(env: Mapping[str, str] | None = None) -> dict[str, Any]:
         "engines": {name: _engine_available(pkg) for name, pkg in _ENGINE_PACKAGES.items()},
         "cpu_count": os.cpu_count(),
         "environment": distributed_env(env),
+        "detected": detected_launch(env),
     }
 
 
@@ -91,7 +125,9 @@ def format_info(info: Mapping[str, Any], *, as_json: bool = False) -> str:
     lines = [f"- platform: {info['platform']}", f"- python executable: {info['python_executable']}"]
     lines += [f"- {name} version: {value or 'not installed'}" for name, value in info["versions"].items()]
     engines = ", ".join(f"{name} ({'yes' if ok else 'no'})" for name, ok in info["engines"].items())
-    lines += [f"- engines available: {engines}", f"- cpu count: {info['cpu_count']}", "- distributed environment:"]
+    lines += [f"- engines available: {engines}", f"- cpu count: {info['cpu_count']}"]
+    lines += [f"- detected {key.replace('_', ' ')}: {value}" for key, value in info.get("detected", {}).items()]
+    lines += ["- distributed environment:"]
     env = info["environment"]
     lines += [f"    {k}={v}" for k, v in env.items()] or ["    (none set)"]
     return "\n".join(lines)
