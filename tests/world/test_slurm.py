@@ -1,5 +1,6 @@
-"""Slurm and MPI process managers on real processes: tasks started with only srun's variables form
-one world; a world whose MPI disagrees with its launcher's announced size is refused."""
+"""Other launchers on real processes: tasks started with only srun's variables form one world; a
+world whose MPI disagrees with its launcher's announced size is refused; under torchrun, popmesh
+uses the agent's store."""
 
 import os
 import random
@@ -50,3 +51,15 @@ def test_mpi_world_smaller_than_its_launcher_says_is_refused():
     assert done.returncode != 0
     assert "ConfigError" in done.stderr and "OMPI_COMM_WORLD_SIZE=2" in done.stderr, done.stderr[-2000:]
     assert "formed a world of 1" in done.stderr, done.stderr[-2000:]
+
+
+@pytest.mark.timeout(120)
+def test_under_torchrun_the_agent_store_is_used():
+    """Before: rank 0 started a store server of its own, and every run logged 'failed to bind'."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PMI_", "POPMESH_"))}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           str(SCRIPTS / "torchrun_task.py")], env=env, capture_output=True, text=True, timeout=100)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
+    assert all(f"TORCHRUN rank={r} size=2 sum=2.0" in output for r in range(2)), output[-3000:]
+    assert "failed to bind" not in output, output[-3000:]

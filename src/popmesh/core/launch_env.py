@@ -73,6 +73,7 @@ class TorchEnv:
     master_addr: str
     master_port: int
     store_fd: int | None
+    agent_store: bool = False  # torchrun's agent serves the store (TORCHELASTIC_USE_AGENT_STORE): rank 0 only connects
 
 
 def _int_var(environ: Mapping[str, str], name: str, *, required: bool) -> int | None:
@@ -127,6 +128,7 @@ def read_torch_env(environ: Mapping[str, str] | None = None) -> TorchEnv:
         master_addr=environ.get("MASTER_ADDR") or "127.0.0.1",
         master_port=port,
         store_fd=_int_var(environ, "POPMESH_STORE_FD", required=False),
+        agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE", "").strip().lower() == "true",
     )
 
 

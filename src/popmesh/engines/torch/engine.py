@@ -92,6 +92,7 @@ class TorchEngine:
         self._probes: list[Any] = []  # zero-byte sends to live peers stay posted: never freed mid-flight
         self._groups: list[_Handle] = []  # the subgroups this rank is a member of
         self._heartbeat: Heartbeat | None = None
+        _pick_cuda_device(torch, env)
         if self._owns:
             self._store = make_store(dist, env, timeout)
             self.backend: str = backend or _default_backend(torch)
@@ -362,6 +363,13 @@ def _narrow_ints() -> tuple[Any, ...]:
     import torch
 
     return tuple(getattr(torch, name) for name in ("int16", "uint16", "uint32", "uint64") if hasattr(torch, name))
+
+
+def _pick_cuda_device(torch: Any, env: TorchEnv) -> None:
+    """One GPU per local rank, as torchrun users expect: ``cuda:LOCAL_RANK`` becomes the current device
+    (before nccl binds its communicators to it). Nothing without CUDA or a LOCAL_RANK."""
+    if env.local_rank is not None and torch.cuda.is_available() and env.local_rank < torch.cuda.device_count():
+        torch.cuda.set_device(env.local_rank)
 
 
 def _default_backend(torch: Any) -> str:

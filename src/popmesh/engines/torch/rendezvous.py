@@ -40,8 +40,9 @@ _CONNECT_GRACE_S = 0.5  # torch's own connect, once something listens, even at t
 
 def make_store(dist: Any, env: TorchEnv, timeout: float) -> Any:
     """The rendezvous store: rank 0 serves it (on the socket ``popmesh launch`` bound, if any), the
-    other ranks connect to it, giving up after about ``timeout`` seconds (CommTimeout)."""
-    if env.rank == 0:
+    other ranks connect to it, giving up after about ``timeout`` seconds (CommTimeout). Under
+    torchrun, whose agent already serves a store there, every rank connects."""
+    if env.rank == 0 and not env.agent_store:
         return _tcp_store(dist, env, timeout)
     deadline = time.monotonic() + timeout
     _await_listener(env, timeout, deadline)
@@ -112,7 +113,7 @@ def _not_joined(store: Any, size: int) -> tuple[int, ...] | None:
 def _tcp_store(dist: Any, env: TorchEnv, timeout: float) -> Any:
     """torch's TCPStore. ``multi_tenant`` lets a later env:// init in the same process (a user script
     calling init_process_group itself) reuse rank 0's server instead of failing to bind."""
-    is_master = env.rank == 0
+    is_master = env.rank == 0 and not env.agent_store  # under torchrun its agent serves the store
     kwargs: dict[str, Any] = {}
     if is_master and env.store_fd is not None:
         kwargs["master_listen_fd"] = env.store_fd
