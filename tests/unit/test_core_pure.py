@@ -228,3 +228,23 @@ def test_flat_buffers_pack_view_and_copy_back_for_numpy_and_torch():
         assert float(targets[0][0, 0]) == -1.0 and float(targets[2][3]) == 13.0
         out = flat * 0
         assert flatten_into(parts, out=out) is out and float(out[6]) == 7.0
+
+
+def test_peer_failures_name_the_hosts_of_the_ranks_at_fault():
+    import pickle
+
+    from popmesh.core.errors import PeerFailure, know_hosts
+
+    know_hosts([])
+    assert PeerFailure("gone", [1]).hosts == ("",), "no world yet: hosts unknown"
+    know_hosts(["a", "a"])
+    one_host = PeerFailure("rank 1 died", [1])
+    assert one_host.hosts == ("a",) and str(one_host) == "rank 1 died", "one host: the message stays short"
+    know_hosts(["a", "a", "b"])
+    try:
+        error = PeerFailure("rank 2 died", [2])
+        assert error.hosts == ("b",) and str(error) == "rank 2 died (rank 2 on host b)"
+        again = pickle.loads(pickle.dumps(error))
+        assert str(again) == str(error) and again.hosts == ("b",)
+    finally:
+        know_hosts([])

@@ -12,7 +12,7 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 from popmesh.comm.agreement import exchange_texts
-from popmesh.core.errors import ConfigError, NotInGroup, PeerFailure
+from popmesh.core.errors import ConfigError, NotInGroup, PeerFailure, know_hosts
 from popmesh.core.launch_env import detect_engine, read_check, read_timeout
 from popmesh.core.timeouts import check_timeout
 from popmesh.engines import Engine, GroupSpec, create_engine
@@ -100,6 +100,7 @@ class World(Comm):
         super().__init__(None, spec, engine.make_group(spec, timeout))
         self.hostname = engine.hostname()
         self.hostnames: list[str] = self._gather_hostnames()
+        know_hosts(self.hostnames)  # failures name the host of each rank at fault
         self.local_rank, self.local_size = engine.local_topology() or self._local_from_hostnames()
 
     @property

@@ -6,7 +6,7 @@ these with ``from`` so the original stays visible. Messages say what happened an
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 __all__ = [
@@ -19,6 +19,8 @@ __all__ = [
     "CollectiveMismatch",
     "MessageError",
     "NotInGroup",
+    "know_hosts",
+    "host_of",
 ]
 
 
@@ -34,18 +36,36 @@ class EngineUnavailable(ConfigError, ImportError):
     """An engine was asked for but its package is not installed; the message names the extra."""
 
 
+_RANK_HOSTS: list[str] = []  # host name of each global rank, as the world learned them at init
+
+
+def know_hosts(hosts: Sequence[str]) -> None:
+    """Record the host of every global rank (the World does at init), so failures can name hosts."""
+    _RANK_HOSTS[:] = [str(h) for h in hosts]
+
+
+def host_of(rank: int) -> str:
+    """The host global rank ``rank`` runs on, or "" before a world formed."""
+    return _RANK_HOSTS[rank] if 0 <= rank < len(_RANK_HOSTS) else ""
+
+
 class PeerFailure(PopmeshError):
     """A peer rank died or closed its connection while this rank was talking to it.
 
-    ``ranks``: the global ranks at fault, never empty. ``exact`` is False when the engine could not
-    tell which peer failed; ``ranks`` then lists every peer of the operation (the suspects).
+    ``ranks``: the global ranks at fault, never empty. ``hosts``: the host of each (empty strings
+    before a world formed); in a world of several hosts the message names them too. ``exact`` is
+    False when the engine could not tell which peer failed; ``ranks`` then lists every peer of the
+    operation (the suspects).
     """
 
     def __init__(self, message: str, ranks: Iterable[int], *, exact: bool = True) -> None:
-        super().__init__(message)
         self.ranks = tuple(int(r) for r in ranks)
         if not self.ranks:
             raise ValueError("PeerFailure needs the ranks at fault (every peer of the operation if unknown)")
+        self.hosts = tuple(host_of(r) for r in self.ranks)
+        if len(set(_RANK_HOSTS)) > 1 and all(self.hosts) and " on host " not in message:
+            message += " (" + ", ".join(f"rank {r} on host {h}" for r, h in zip(self.ranks, self.hosts)) + ")"
+        super().__init__(message)
         self.exact = bool(exact)
 
     def __reduce__(self) -> tuple[Any, ...]:
