@@ -12,7 +12,8 @@ Variants, interleaved within each repetition so machine load hits them alike:
 * torchrun: ``python -m torch.distributed.run --standalone --nproc-per-node 4``,
 * naive: 4 ``subprocess.Popen`` ranks with env:// (rank 0 binds the store itself, no launcher).
 
-Usage: ``python benchmarks/launch.py [--reps 5] [--nproc 4]``.
+Usage: ``python benchmarks/launch.py [--reps 5] [--nproc 4]``; ``--nproc 4,16,32`` measures each size in turn
+(wide worlds: beyond 8 peers popmesh's gloo transport receives on one thread).
 """
 
 from __future__ import annotations
@@ -79,15 +80,20 @@ def _naive(nproc: int) -> list[subprocess.Popen[str]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--nproc", type=int, default=4)
+    parser.add_argument("--nproc", default="4", help="ranks, or a comma-separated list of sizes")
     opts = parser.parse_args()
+    for nproc in (int(n) for n in str(opts.nproc).split(",")):
+        _compare(nproc, opts.reps)
+
+
+def _compare(nproc: int, reps: int) -> None:
     variants = {"popmesh": _popmesh, "torchrun": _torchrun, "naive": _naive}
     results: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
-    for rep in range(opts.reps):
+    for rep in range(reps):
         for name, start in variants.items():
-            results[name].append(_measure(lambda s=start: s(opts.nproc), opts.nproc))
-        print(f"rep {rep + 1}/{opts.reps}: " + ", ".join(f"{n} ready {r[-1][0]:.2f}s" for n, r in results.items()))
-    print(f"\n{opts.nproc}-rank gloo world, {opts.reps} reps, {os.cpu_count()} cpus; medians:")
+            results[name].append(_measure(lambda s=start: s(nproc), nproc))
+        print(f"rep {rep + 1}/{reps}: " + ", ".join(f"{n} ready {r[-1][0]:.2f}s" for n, r in results.items()))
+    print(f"\n{nproc}-rank gloo world, {reps} reps, {os.cpu_count()} cpus; medians:")
     print(f"{'variant':<10}{'ready (s)':>12}{'total (s)':>12}")
     med = {n: (statistics.median(r[0] for r in rs), statistics.median(r[1] for r in rs)) for n, rs in results.items()}
     for name, (ready, total) in med.items():
@@ -97,6 +103,7 @@ def main() -> None:
             f"popmesh / {other}: ready {med['popmesh'][0] / med[other][0]:.2f}x, "
             f"total {med['popmesh'][1] / med[other][1]:.2f}x"
         )
+    print()
 
 
 if __name__ == "__main__":

@@ -38,6 +38,19 @@ def test_single_node_ranks_and_common_variables() -> None:
     assert [p.env.get("POPMESH_STORE_FD") for p in plans] == ["7", None, None]
 
 
+def test_torchrun_variables_of_each_rank() -> None:
+    spec = LaunchSpec(nproc=2, nnodes=3, node_rank=2, master_port=5, run_id="job7", role="trainer")
+    for p in plan_ranks(spec, port=5, error_dir="/e"):
+        assert {k: v for k, v in p.env.items() if k.startswith(("TORCHELASTIC_", "ROLE_", "GROUP_"))} == {
+            "GROUP_RANK": "2", "GROUP_WORLD_SIZE": "3", "ROLE_NAME": "trainer", "ROLE_RANK": str(p.rank),
+            "ROLE_WORLD_SIZE": "6", "TORCHELASTIC_RUN_ID": "job7", "TORCHELASTIC_RESTART_COUNT": "0",
+            "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_USE_AGENT_STORE": "False",
+            "TORCHELASTIC_ERROR_FILE": p.env["POPMESH_ERROR_FILE"],
+        }
+    assert [p.rank for p in plan_ranks(spec, port=5, error_dir="/e")] == [4, 5]
+    assert not any(k.startswith("TORCHELASTIC_") for k in plan_mpi_env(LaunchSpec(nproc=2, engine="mpi"), "/e"))
+
+
 def test_multi_node_numbering_and_store_only_on_node_zero() -> None:
     spec = LaunchSpec(nproc=3, nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=4000)
     plans = plan_ranks(spec, port=4000, error_dir="/e", store_fd=9)
@@ -82,8 +95,12 @@ def test_base_env_strips_an_enclosing_world_and_respects_user_threads() -> None:
     env = base_env(parent, LaunchSpec(nproc=4), cpus=16)
     assert env == {
         "PATH": "/bin", "OMP_NUM_THREADS": "7", "MKL_NUM_THREADS": "4", "POPMESH_ENGINE": "torch",
-        "POPMESH_TIMEOUT": "9", "JAX_PLATFORMS": "cpu",
+        "POPMESH_TIMEOUT": "9", "JAX_PLATFORMS": "cpu", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
     }
+    mine = base_env({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "ROLE_NAME": "x", "GROUP_WORLD_SIZE": "2"},
+                    LaunchSpec(nproc=1), cpus=1)
+    assert mine["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3" and "ROLE_NAME" not in mine and "GROUP_WORLD_SIZE" not in mine
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in base_env({}, LaunchSpec(nproc=1, engine="mpi"), cpus=1)
 
 
 @pytest.mark.parametrize(
@@ -98,6 +115,10 @@ def test_base_env_strips_an_enclosing_world_and_respects_user_threads() -> None:
         (LaunchSpec(nproc=2, master_addr=""), "master-addr"),
         (LaunchSpec(nproc=2, nnodes=2), "same --master-port"),
         (LaunchSpec(nproc=2, nnodes=2, engine="mpi", master_port=5), "mpiexec"),
+        (LaunchSpec(nproc=2, max_restarts=1), "--max-restarts 1: restarting failed ranks is not supported yet"),
+        (LaunchSpec(nproc=2, max_restarts=-1), "not supported yet"),
+        (LaunchSpec(nproc=2, role=""), "--role is empty"),
+        (LaunchSpec(nproc=2, run_id=""), "--rdzv-id is empty"),
     ],
 )
 def test_bad_specs_say_what_to_do(spec: LaunchSpec, words: str) -> None:

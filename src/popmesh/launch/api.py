@@ -12,11 +12,13 @@ import signal
 import socket
 import sys
 import tempfile
-from collections.abc import Mapping, Sequence
+import uuid
+from collections.abc import Collection, Mapping, Sequence
 from typing import TextIO
 
 from popmesh.core.errors import ConfigError
 from popmesh.launch import mpirun
+from popmesh.launch.logs import LogRequest, RankLogs, log_request, make_attempt_dir, plan_routes
 from popmesh.launch.output import OutputPump
 from popmesh.launch.plan import (
     LaunchSpec,
@@ -58,6 +60,13 @@ def launch(
     grace: float = DEFAULT_GRACE_S,
     store_fd: bool = True,
     rank0_terminal: bool = False,
+    run_id: str | None = None,
+    role: str = "default",
+    max_restarts: int = 0,
+    log_dir: str | None = None,
+    tee: int | str | Mapping[int, int] | None = None,
+    redirects: int | str | Mapping[int, int] | None = None,
+    local_ranks_filter: Collection[int] | None = None,
     env: Mapping[str, str] | None = None,
     python: Sequence[str] | None = None,
     stdout: TextIO | None = None,
@@ -77,39 +86,79 @@ def launch(
     for torch's TCPStore (for scripts that bind ``MASTER_PORT`` themselves). ``rank0_terminal=True``
     hands rank 0 this process's stdout/stderr directly, unprefixed, so it can draw a live terminal
     view (torch and jax engines; under mpiexec output is always relayed).
+
+    torchrun's settings: ``run_id`` (``TORCHELASTIC_RUN_ID`` and the log folder's prefix; default a new
+    uuid when the launcher picks the port, else ``"none"``), ``role`` (``ROLE_NAME``), ``max_restarts``
+    (only 0 until restarts are supported), ``log_dir``/``tee``/``redirects`` (per-rank log files, values
+    as torchrun's: see :mod:`popmesh.launch.logs`) and ``local_ranks_filter`` (the local ranks whose
+    output the console shows).
     """
     spec = LaunchSpec(
-        nproc=nproc, engine=engine, nnodes=nnodes, node_rank=node_rank, master_addr=master_addr, master_port=master_port
+        nproc=nproc, engine=engine, nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
+        master_port=master_port, run_id=_run_id(run_id, master_port), role=role, max_restarts=max_restarts,
     )
     validate(spec)
     _check_target(target, module)
     if grace < 0:
         raise ConfigError(f"grace must be >= 0 seconds, got {grace}")
+    request = log_request(log_dir, tee, redirects, local_ranks_filter)
+    if rank0_terminal and request.routes_output:
+        raise ConfigError(
+            "rank0_terminal=True hands rank 0 the terminal, so its output cannot also go to log files or a "
+            "filter; drop log_dir/tee/redirects/local_ranks_filter, or rank0_terminal"
+        )
     python = list(python or [sys.executable])
     worker = [*python, "-P", BOOTSTRAP, *(["-m", target] if module else ["--", target]), *args]
     parent_env = {**os.environ, **(env or {})}
     err = stderr or sys.stderr
-    warning = oversubscription_warning(spec.nproc, cpu_count())
-    if warning:
-        err.write(warning + "\n")
-        err.flush()
-    pump = OutputPump(stdout or sys.stdout, err, quiet_others=quiet_others)
-    result = _supervise(spec, worker, parent_env, pump, grace=grace, store_fd=store_fd, python=python[0],
-                        rank0_terminal=rank0_terminal)
+    _say(err, oversubscription_warning(spec.nproc, cpu_count()))
+    logs = _open_logs(request, spec, err)
+    try:
+        pump = OutputPump(stdout or sys.stdout, err, quiet_others=quiet_others, sink=logs)
+        result = _supervise(spec, worker, parent_env, pump, grace=grace, store_fd=store_fd, python=python[0],
+                            rank0_terminal=rank0_terminal, logs=logs)
+    finally:
+        if logs is not None:
+            logs.close()
     if not result.ok:
-        err.write(format_summary(result) + "\n")
-        err.flush()
+        _say(err, format_summary(result))
     return result
+
+
+def _run_id(run_id: str | None, master_port: int) -> str:
+    """torchrun's: a new uuid when the launcher picks the port (one node), else ``"none"``, unless given."""
+    if run_id is not None:
+        return run_id
+    return str(uuid.uuid4()) if master_port == 0 else "none"
+
+
+def _say(err: TextIO, line: str | None) -> None:
+    """Write one message of the launcher's own (if any) to ``err`` at once."""
+    if line:
+        err.write(line + "\n")
+        err.flush()
+
+
+def _open_logs(request: LogRequest, spec: LaunchSpec, err: TextIO) -> RankLogs | None:
+    """The per-rank log files and console filter ``request`` asks for (None: all on the console)."""
+    if not request.routes_output:
+        return None
+    attempt = make_attempt_dir(request.log_dir, spec.run_id) if request.writes_files else None
+    ranks = [(spec.node_rank * spec.nproc + local_rank, local_rank) for local_rank in range(spec.nproc)]
+    logs = RankLogs(plan_routes(request, attempt, ranks))
+    if attempt is not None:
+        _say(err, f"popmesh launch: rank logs in {attempt}")
+    return logs
 
 
 def _supervise(
     spec: LaunchSpec, worker: list[str], parent_env: dict[str, str], pump: OutputPump, *, grace: float,
-    store_fd: bool, python: str, rank0_terminal: bool = False,
+    store_fd: bool, python: str, rank0_terminal: bool = False, logs: RankLogs | None = None,
 ) -> LaunchResult:
     """Start the children, watch them to the end (killing them if we are interrupted), judge.
 
     Under MPI, the shared-memory segments the job left (a rank died before finalizing) are removed
-    once mpiexec has exited.
+    once mpiexec has exited. The ranks' error records are copied into their log folders.
     """
     with tempfile.TemporaryDirectory(prefix="popmesh-launch-") as error_dir:
         supervisor = Supervisor(pump, grace)
@@ -125,6 +174,8 @@ def _supervise(
             raise
         finally:
             supervisor.close()
+            if logs is not None:
+                logs.keep_errors(error_dir)
             if segments is not None and supervisor.children:
                 segments.sweep(supervisor.children[0].proc.pid)
         return _judge(supervisor, spec, error_dir, pump, store_fd)

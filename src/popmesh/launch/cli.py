@@ -15,7 +15,9 @@ from dataclasses import dataclass
 
 from popmesh.core.errors import ConfigError
 
-__all__ = ["Command", "register_command", "commands", "build_parser", "main", "ENTRY_POINT_GROUP"]
+__all__ = [
+    "Command", "register_command", "commands", "build_parser", "main", "popmesh_version", "ENTRY_POINT_GROUP"
+]
 
 ENTRY_POINT_GROUP = "popmesh.commands"
 
@@ -54,32 +56,20 @@ def _load_plugins() -> None:
 
 
 def _configure_launch(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-n", "--nproc-per-node", dest="nproc", type=int, default=1, help="ranks on this node (default 1)")
-    p.add_argument("--engine", default="torch", help="torch (default), mpi or jax")
-    p.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
-    p.add_argument("--node-rank", type=int, default=0, help="this node's index, 0..nnodes-1")
-    p.add_argument("--master-addr", default="127.0.0.1", help="host of node rank 0 (default 127.0.0.1)")
-    p.add_argument("--master-port", type=int, default=0, help="rendezvous port; 0 picks a free one (one node only)")
-    p.add_argument("--quiet-others", action="store_true", help="show only rank 0's output")
-    p.add_argument("--grace", type=float, default=3.0, help="seconds between SIGTERM and SIGKILL at teardown")
-    p.add_argument(
-        "--no-store-fd", dest="store_fd", action="store_false",
-        help="do not hand rank 0 a pre-bound TCPStore socket (for scripts that bind MASTER_PORT themselves)",
-    )
-    p.add_argument("-m", "--module", action="store_true", help="run TARGET as a module, like python -m")
-    p.add_argument("target", metavar="TARGET", help="script path, or module name with -m")
-    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    from popmesh.launch.options import configure
+
+    configure(p)
+    p.add_argument("--version", action=_Version)
 
 
 def _run_launch(ns: argparse.Namespace) -> int:
     from popmesh.launch.api import launch
+    from popmesh.launch.options import launch_options
 
-    result = launch(
-        ns.target, ns.args, nproc=ns.nproc, module=ns.module, engine=ns.engine, nnodes=ns.nnodes,
-        node_rank=ns.node_rank, master_addr=ns.master_addr, master_port=ns.master_port,
-        quiet_others=ns.quiet_others, grace=ns.grace, store_fd=ns.store_fd,
-    )
-    return result.returncode
+    options, warnings = launch_options(ns)
+    for warning in warnings:
+        print(f"popmesh launch: warning: {warning}", file=sys.stderr)
+    return launch(ns.target, ns.args, **options).returncode
 
 
 def _configure_info(p: argparse.ArgumentParser) -> None:
@@ -99,13 +89,44 @@ register_command(
 register_command(Command("info", "versions, engines and distributed variables", _configure_info, _run_info))
 
 
+def popmesh_version() -> str:
+    """The installed popmesh's version (from its metadata; "unknown" when run from an uninstalled tree)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("popmesh")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+class _Version(argparse.Action):
+    """``--version``: print ``popmesh VERSION`` and exit (the version is looked up only then)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, **_: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help="print the version and exit")
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+        values: str | Sequence[object] | None, option_string: str | None = None,
+    ) -> None:
+        print(f"popmesh {popmesh_version()}")
+        parser.exit()
+
+
+def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    parser = argparse.ArgumentParser(prog="popmesh", description="popmesh: distributed training of learning agents")
+    parser.add_argument("--version", action=_Version)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parsers = {}
+    for command in _COMMANDS.values():
+        parsers[command.name] = sub.add_parser(command.name, help=command.help, description=command.help)
+        command.configure(parsers[command.name])
+    return parser, parsers
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with one sub-parser per registered command."""
-    parser = argparse.ArgumentParser(prog="popmesh", description="popmesh: distributed training of learning agents")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for command in _COMMANDS.values():
-        command.configure(sub.add_parser(command.name, help=command.help, description=command.help))
-    return parser
+    return _build()[0]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -113,8 +134,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in _COMMANDS:
         _load_plugins()
-    parser = build_parser()
-    ns = parser.parse_args(argv)
+    parser, parsers = _build()
+    ns, unknown = parser.parse_known_args(argv)
+    if unknown:  # the command's own usage, not the top level's (argparse's default)
+        parsers.get(ns.command, parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     if ns.command is None:
         parser.print_help(sys.stderr)
         return 2

@@ -82,7 +82,12 @@ def detected_launch(env: Mapping[str, str] | None = None) -> dict[str, Any]:
     except ConfigError as e:
         out["slurm"] = f"unreadable: {e}"
     if env.get("RANK") and env.get("WORLD_SIZE"):
-        out["launcher"] = "torchrun" if env.get("TORCHELASTIC_RUN_ID") else "popmesh launch or torchrun-style variables"
+        if env.get("POPMESH_ERROR_FILE"):  # set by popmesh launch, not by torchrun
+            out["launcher"] = "popmesh launch"
+        elif env.get("TORCHELASTIC_RUN_ID"):
+            out["launcher"] = "torchrun"
+        else:
+            out["launcher"] = "RANK/WORLD_SIZE set by hand or another launcher"
         out["rank"], out["world_size"] = env["RANK"], env["WORLD_SIZE"]
     elif announced is not None and announced[0] != "SLURM_NTASKS":
         out["launcher"] = f"an MPI process manager ({announced[0]}={announced[1]})"

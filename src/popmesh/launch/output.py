@@ -3,7 +3,9 @@
 One reader thread per child pipe reads whole lines and writes ``[rank r] line`` to the launcher's
 stdout or stderr (kept apart), flushing after each line so output appears as it is produced.
 Every rank's last lines are also kept in memory: when a rank fails, its stderr tail goes into
-the root-cause summary even if ``quiet_others`` hid it from the terminal.
+the root-cause summary even if ``quiet_others`` hid it from the terminal. An optional sink (the
+per-rank log files of ``--log-dir``/``--tee``/``--redirects``) gets each rank's lines as written, and
+decides which of them the console shows.
 """
 
 from __future__ import annotations
@@ -12,24 +14,40 @@ import re
 import threading
 import time
 from collections import deque
-from typing import IO, TextIO
+from typing import IO, Protocol, TextIO
 
-__all__ = ["OutputPump", "PREFIX"]
+__all__ = ["OutputPump", "OutputSink", "PREFIX"]
 
 PREFIX = "[rank {rank}] "
 _PREFIXED = re.compile(rb"^\[rank (\d+)\] ")
 TAIL_LINES = 200
 
 
+class OutputSink(Protocol):
+    """Where ranks' lines go besides the console (:class:`popmesh.launch.logs.RankLogs`)."""
+
+    def shows(self, rank: int, stream: str) -> bool:
+        """Whether the console shows ``rank``'s ``stream``."""
+        ...
+
+    def write(self, rank: int, stream: str, data: bytes) -> None:
+        """Keep one line of ``rank``'s ``stream``, exactly as the rank wrote it (without prefix)."""
+        ...
+
+
 class OutputPump:
     """Reader threads for child pipes, writing to ``stdout``/``stderr`` under one lock.
 
-    ``quiet_others`` shows only rank 0 (and lines of no rank, e.g. mpiexec's own messages).
+    ``quiet_others`` shows only rank 0 (and lines of no rank, e.g. mpiexec's own messages); ``sink``
+    gets every rank's lines and may hide some from the console.
     """
 
-    def __init__(self, stdout: TextIO, stderr: TextIO, *, quiet_others: bool = False) -> None:
+    def __init__(
+        self, stdout: TextIO, stderr: TextIO, *, quiet_others: bool = False, sink: OutputSink | None = None
+    ) -> None:
         self._streams = {"stdout": stdout, "stderr": stderr}
         self._quiet_others = quiet_others
+        self._sink = sink
         self._lock = threading.Lock()
         self._tails: dict[tuple[int | None, str], deque[str]] = {}
         self._threads: list[threading.Thread] = []
@@ -67,13 +85,23 @@ class OutputPump:
         prefix = "" if line_rank is None else PREFIX.format(rank=line_rank)
         with self._lock:
             self._tails.setdefault((line_rank, name), deque(maxlen=TAIL_LINES)).append(text)
-            if (self._quiet_others and line_rank not in (None, 0)) or name in self._broken:
+            if line_rank is not None and self._sink is not None:
+                self._sink.write(line_rank, name, body)
+            if not self._shown(line_rank, name) or name in self._broken:
                 return
             try:
                 self._streams[name].write(f"{prefix}{text}\n")
                 self._streams[name].flush()
             except (OSError, ValueError):  # e.g. `popmesh launch ... | head`: keep draining, stop writing
                 self._broken.add(name)
+
+    def _shown(self, rank: int | None, name: str) -> bool:
+        """True if the console shows ``rank``'s ``name`` stream (lines of no rank always)."""
+        if rank is None:
+            return True
+        if self._sink is not None and not self._sink.shows(rank, name):
+            return False
+        return not (self._quiet_others and rank != 0)
 
     def tail(self, rank: int | None, name: str = "stderr", lines: int = 20) -> list[str]:
         """The last ``lines`` lines rank ``rank`` wrote to ``name`` (kept even when not shown)."""

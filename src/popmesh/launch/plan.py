@@ -8,6 +8,11 @@ Environment contract (torch and jax engines, one entry per local rank)::
     RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK (node rank),
     MASTER_ADDR, MASTER_PORT, POPMESH_ENGINE, POPMESH_ERROR_FILE,
     OMP_NUM_THREADS, MKL_NUM_THREADS (each unless already set)
+    torchrun's too (torch.distributed.elastic's LocalElasticAgent), so libraries that read them work:
+    GROUP_WORLD_SIZE, ROLE_NAME, ROLE_RANK, ROLE_WORLD_SIZE, TORCHELASTIC_RUN_ID,
+    TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_USE_AGENT_STORE=False
+    (rank 0 serves the store, not the launcher), TORCHELASTIC_ERROR_FILE (= POPMESH_ERROR_FILE),
+    TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (unless already set)
     jax only: JAX_COORDINATOR_ADDRESS=<addr>:<port>, JAX_NUM_PROCESSES, JAX_PROCESS_ID
     torch only, local rank 0 of node 0: POPMESH_STORE_FD (a listening socket for TCPStore)
 
@@ -42,6 +47,7 @@ __all__ = [
     "loopback_env",
     "error_file_name",
     "base_env",
+    "elastic_env",
     "plan_ranks",
     "plan_mpi_env",
 ]
@@ -64,7 +70,10 @@ STALE_NAMES = (
     "LOCAL_RANK",
     "LOCAL_WORLD_SIZE",
     "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
     "ROLE_RANK",
+    "ROLE_NAME",
+    "ROLE_WORLD_SIZE",
     "MASTER_ADDR",
     "MASTER_PORT",
 )
@@ -80,7 +89,11 @@ LOOPBACK_VARS: dict[str, tuple[str, ...]] = {
 
 @dataclass(frozen=True)
 class LaunchSpec:
-    """What to start on this node: ``nproc`` ranks of a world of ``nnodes * nproc``."""
+    """What to start on this node: ``nproc`` ranks of a world of ``nnodes * nproc``.
+
+    ``run_id``, ``role`` and ``max_restarts`` are torchrun's (``TORCHELASTIC_RUN_ID``, ``ROLE_NAME``,
+    ``TORCHELASTIC_MAX_RESTARTS``); restarts are not supported yet, so ``max_restarts`` must be 0.
+    """
 
     nproc: int
     engine: str = "torch"
@@ -88,6 +101,9 @@ class LaunchSpec:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 0
+    run_id: str = "none"
+    role: str = "default"
+    max_restarts: int = 0
 
     @property
     def world_size(self) -> int:
@@ -127,13 +143,29 @@ def validate(spec: LaunchSpec) -> None:
         raise ConfigError("--master-addr is empty; give the host name or IP of node rank 0")
     if spec.nnodes > 1 and spec.master_port == 0:
         raise ConfigError(
-            "with --nnodes > 1 every node must agree on the port: pass the same --master-port to all nodes"
+            "with --nnodes > 1 every node must agree on the port: pass the same --master-port (or "
+            "--rdzv-endpoint HOST:PORT) to all nodes"
         )
     if spec.nnodes > 1 and spec.engine == "mpi":
         raise ConfigError(
             "--engine mpi starts one mpiexec for the whole world; for several nodes run "
             "`mpiexec -n N -hosts a,b python -m popmesh.launch.bootstrap script.py` yourself"
         )
+    _validate_elastic(spec)
+
+
+def _validate_elastic(spec: LaunchSpec) -> None:
+    """The torchrun settings: restarts are not supported yet; names must not be empty."""
+    if spec.max_restarts != 0:
+        raise ConfigError(
+            f"--max-restarts {spec.max_restarts}: restarting failed ranks is not supported yet (popmesh launch "
+            "tears the whole world down at the first failure and reports it); pass --max-restarts 0, the "
+            "default, and restart the job from your scheduler or a retry loop"
+        )
+    if not spec.role:
+        raise ConfigError("--role is empty; give a name, or leave it out for torchrun's 'default'")
+    if not spec.run_id:
+        raise ConfigError("--rdzv-id is empty; give the job's id, or leave it out")
 
 
 def thread_share(cpus: int, local_world_size: int) -> int:
@@ -201,8 +233,25 @@ def base_env(parent: Mapping[str, str], spec: LaunchSpec, cpus: int) -> dict[str
     share = str(thread_share(cpus, spec.nproc))
     for name in THREAD_VARS:
         env[name] = parent.get(name) or share
+    if spec.engine != "mpi":  # torchrun's choice: a failed NCCL collective ends the rank, so the world stops
+        env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     env["POPMESH_ENGINE"] = spec.engine
     return env
+
+
+def elastic_env(spec: LaunchSpec, rank: int, error_file: str) -> dict[str, str]:
+    """torchrun's per-rank variables beyond RANK/WORLD_SIZE/LOCAL_*/MASTER_* (one role, no restarts yet)."""
+    return {
+        "GROUP_WORLD_SIZE": str(spec.nnodes),
+        "ROLE_NAME": spec.role,
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(spec.world_size),
+        "TORCHELASTIC_RUN_ID": spec.run_id,
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "TORCHELASTIC_ERROR_FILE": error_file,
+    }
 
 
 def plan_ranks(spec: LaunchSpec, port: int, error_dir: str, *, store_fd: int | None = None) -> list[RankPlan]:
@@ -217,6 +266,7 @@ def plan_ranks(spec: LaunchSpec, port: int, error_dir: str, *, store_fd: int | N
     plans = []
     for local_rank in range(spec.nproc):
         rank = spec.node_rank * spec.nproc + local_rank
+        error_file = os.path.join(error_dir, error_file_name(rank))
         env = {
             "RANK": str(rank),
             "WORLD_SIZE": str(spec.world_size),
@@ -226,7 +276,8 @@ def plan_ranks(spec: LaunchSpec, port: int, error_dir: str, *, store_fd: int | N
             "MASTER_ADDR": spec.master_addr,
             "MASTER_PORT": str(port),
             "POPMESH_ENGINE": spec.engine,
-            "POPMESH_ERROR_FILE": os.path.join(error_dir, error_file_name(rank)),
+            "POPMESH_ERROR_FILE": error_file,
+            **elastic_env(spec, rank, error_file),
         }
         if spec.engine == "jax":
             env["JAX_COORDINATOR_ADDRESS"] = f"{spec.master_addr}:{port}"
