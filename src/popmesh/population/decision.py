@@ -29,7 +29,8 @@ from popmesh.population.selection import (
     as_generator,
     as_metrics,
     combine_rules,
-    select_donors,
+    donors_from_pool,
+    valid_donors,
 )
 
 __all__ = ["Decision", "decide"]
@@ -144,15 +145,21 @@ class Decision:
 _Plan = tuple[tuple[int, ...], tuple[float, ...], int | None]
 
 
-def _plan_one(m: np.ndarray, r: int, selected: list[int], donor_rule: DonorRule, strategy: Strategy,
-              policy: OptimizerPolicy, gen: np.random.Generator | None) -> _Plan:
-    """Donors, weights and optimizer source of replaced rank ``r``; empty donors when none is valid."""
+def _plan_one(m: np.ndarray, r: int, pool: list[int], donor_rule: DonorRule, strategy: Strategy,
+              policy: OptimizerPolicy, gen: np.random.Generator | None,
+              weights_of: dict[tuple[int, ...], tuple[float, ...]]) -> _Plan:
+    """Donors, weights and optimizer source of replaced rank ``r``; empty donors when none is valid.
+    ``pool``: the valid donors, best first; ``weights_of`` caches weights per donor set (most replaced
+    ranks of a decision share theirs)."""
     if strategy is Strategy.RESET:
         return (), (), None
-    donors = select_donors(m, selected, donor_rule, gen)
+    donors = donors_from_pool(pool, donor_rule, gen)
     if not donors:
         return (), (), None
-    weights = averaging_weights(m, donors, strategy)
+    key = tuple(donors)
+    if key not in weights_of:
+        weights_of[key] = tuple(averaging_weights(m, donors, strategy))
+    weights: tuple[float, ...] = weights_of[key]
     if strategy is Strategy.BEST_ONLY:
         donors = [d for d, w in zip(donors, weights) if w > 0]
         weights = (1.0,)
@@ -179,8 +186,10 @@ def decide(metrics: Sequence[float] | np.ndarray, rule: ReplacementRule, donor_r
     gen = as_generator(rng, "random donors") if needs_rng else None
     selected, why = combine_rules(m, rule, iteration=iteration, state=state)
     replaced, donors, weights, copy_from, skipped = [], {}, {}, {}, {}
+    pool = valid_donors(m, selected)
+    weights_of: dict[tuple[int, ...], tuple[float, ...]] = {}
     for r in selected:
-        ds, ws, opt = _plan_one(m, r, selected, donor_rule, strategy, policy, gen)
+        ds, ws, opt = _plan_one(m, r, pool, donor_rule, strategy, policy, gen, weights_of)
         if not ds and strategy is not Strategy.RESET:
             skipped[r] = _NO_DONOR
             continue

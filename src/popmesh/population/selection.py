@@ -47,6 +47,8 @@ __all__ = [
     "donors_best_k",
     "donors_random",
     "select_donors",
+    "valid_donors",
+    "donors_from_pool",
 ]
 
 RngLike = int | np.random.Generator
@@ -351,13 +353,13 @@ def _candidates(metrics: Sequence[float] | np.ndarray, replaced: Sequence[int]) 
 
 def donors_all_others(metrics: Sequence[float] | np.ndarray, replaced: Sequence[int]) -> list[int]:
     """Every agent that is neither replaced nor non-finite, as ascending ranks (may be empty)."""
-    return sorted(_candidates(metrics, replaced))
+    return donors_from_pool(_candidates(metrics, replaced), DonorRule("all"))
 
 
 def donors_best_k(metrics: Sequence[float] | np.ndarray, replaced: Sequence[int], k: int) -> list[int]:
     """The ``k`` best valid donors (fewer if fewer exist), as ascending ranks; ties prefer lower ranks."""
     _check_k(k)
-    return sorted(_candidates(metrics, replaced)[:k])
+    return donors_from_pool(_candidates(metrics, replaced), DonorRule("best_k", k))
 
 
 def donors_random(metrics: Sequence[float] | np.ndarray, replaced: Sequence[int], k: int,
@@ -365,11 +367,26 @@ def donors_random(metrics: Sequence[float] | np.ndarray, replaced: Sequence[int]
     """``k`` valid donors drawn uniformly without replacement (all of them if fewer), ascending.
     ``rng`` is required when there is a choice to make (ConfigError if it is None then)."""
     _check_k(k)
-    pool = sorted(_candidates(metrics, replaced))
-    if len(pool) <= k:
-        return pool
-    picked = as_generator(rng, "donors_random").choice(len(pool), size=k, replace=False)
-    return sorted(pool[int(i)] for i in picked)
+    return donors_from_pool(_candidates(metrics, replaced), DonorRule("random", k), rng)
+
+
+def valid_donors(metrics: Sequence[float] | np.ndarray, replaced: Sequence[int]) -> list[int]:
+    """The pool every donor rule draws from: finite, not replaced, best first (compute once per decision)."""
+    return _candidates(metrics, replaced)
+
+
+def donors_from_pool(pool: Sequence[int], rule: DonorRule, rng: RngLike | None = None) -> list[int]:
+    """Apply ``rule`` to ``pool`` (valid donors, best first): ascending ranks."""
+    if rule.kind == "all":
+        return sorted(pool)
+    assert rule.k is not None  # DonorRule checked k for every kind but "all"
+    if rule.kind == "best_k":
+        return sorted(pool[:rule.k])
+    ordered = sorted(pool)
+    if len(ordered) <= rule.k:
+        return ordered
+    picked = as_generator(rng, "donors_random").choice(len(ordered), size=rule.k, replace=False)
+    return sorted(ordered[int(i)] for i in picked)
 
 
 def select_donors(metrics: Sequence[float] | np.ndarray, replaced: Sequence[int], rule: DonorRule,
