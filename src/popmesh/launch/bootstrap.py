@@ -68,18 +68,38 @@ def _interruptible() -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+def _mpi_running() -> bool:
+    mpi = sys.modules.get("mpi4py.MPI")
+    return mpi is not None and bool(mpi.Is_initialized()) and not mpi.Is_finalized()
+
+
 def _mpi_abort(code: int) -> None:
     """Abort the MPI job if this rank has initialised MPI (and not yet finalised it)."""
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
+    if not _mpi_running():
         return
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
-    mpi.COMM_WORLD.Abort(code)
+    sys.modules["mpi4py.MPI"].COMM_WORLD.Abort(code)
 
 
-def _report(exc: BaseException) -> None:
-    """Print the traceback like Python does and write the error record, if the launcher asked for one."""
+def _note_pid() -> None:
+    """Under mpiexec, leave ``<error file>.pid``: mpiexec names a killed rank only by its pid."""
+    template = os.environ.get("POPMESH_ERROR_FILE")
+    if not template or os.environ.get("POPMESH_ENGINE") != "mpi":
+        return
+    rank = next((os.environ[v] for v in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK") if v in os.environ), None)
+    if rank is None or not rank.isdigit():
+        return
+    try:
+        with open(template.replace("{rank}", rank) + ".pid", "w") as f:
+            f.write(str(os.getpid()))
+    except OSError:
+        pass
+
+
+def _report(exc: BaseException, *, quiet: bool = False) -> None:
+    """Print the traceback like Python does (unless ``quiet``) and write the error record, if the
+    launcher asked for one."""
     try:
         from popmesh.launch import errorfile
     except Exception:
@@ -88,8 +108,9 @@ def _report(exc: BaseException) -> None:
         traceback.print_exception(exc)
         return
     record = errorfile.make_record(exc, _SKIP_FILES)
-    sys.stderr.write(record.traceback)
-    sys.stderr.flush()
+    if not quiet:
+        sys.stderr.write(record.traceback)
+        sys.stderr.flush()
     path = errorfile.error_file_path()
     if path:
         try:
@@ -124,7 +145,8 @@ def run(target: str, args: list[str], *, module: bool = False) -> int:
             _set_path(os.path.dirname(os.path.abspath(target)))
             runpy.run_path(target, run_name="__main__")
     except SystemExit as exc:
-        if exc.code not in (None, 0):
+        if exc.code not in (None, 0) and _mpi_running():
+            _report(exc, quiet=True)  # the launcher names this rank (mpiexec would only give its exit code)
             _mpi_abort(exc.code if isinstance(exc.code, int) else 1)
         raise
     except BaseException as exc:
@@ -157,6 +179,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(_USAGE)
     _line_buffered()
     _interruptible()
+    _note_pid()
     sys.exit(run(rest[0], rest[1:], module=module))
 
 

@@ -1,0 +1,31 @@
+"""`popmesh launch --engine mpi` watches its ranks: a rank of any script (popmesh imported or not)
+that raises, exits non-zero or is killed takes the world down within seconds, and the root cause
+names the rank (mpiexec itself names only a pid or its own exit code)."""
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from harness import mpiexec
+
+SCRIPT = Path(__file__).parent / "scripts" / "mpi_rank_fails.py"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(mpiexec() is None, reason="mpi4py/MPICH not installed")
+@pytest.mark.parametrize("how,cause", [
+    ("raise", "rank 1 exited with code 1 after raising ValueError: rank 1 gives up"),
+    ("exit", "rank 1 exited with code 3 after raising SystemExit: 3"),
+    ("kill", "rank 1 was killed by SIGKILL"),
+])
+def test_a_failing_rank_is_named_and_the_world_ends(how, cause):
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "popmesh", "launch", "-n", "3", "--engine", "mpi", str(SCRIPT), how],
+                          capture_output=True, text=True, timeout=50)
+    elapsed = time.monotonic() - start
+    assert done.returncode != 0
+    assert f"root cause: {cause}" in done.stderr + done.stdout, done.stderr[-3000:]
+    assert elapsed < 15, f"took {elapsed:.1f} s"  # includes starting three Python processes
