@@ -59,3 +59,20 @@ world_run, test_on_a_world, test_world_exits_cleanly = world_tests(
     worker, [("torch", 1), ("torch", 2), ("torch", 3), ("mpi", 1), ("mpi", 2), ("mpi", 3)],
     timeout=240, suite="training",
 )
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("engine", ["torch", "mpi"])
+def test_policies_start_the_world_when_nothing_did(engine):
+    """Under popmesh launch or mpiexec, with no popmesh.init() in the script (upstream needs none)."""
+    import subprocess
+
+    from harness import mpiexec
+
+    if engine == "mpi" and mpiexec() is None:
+        pytest.skip("mpiexec not installed")
+    script = Path(__file__).parent / "scripts" / "spawn_policy_no_init.py"
+    done = subprocess.run([sys.executable, "-m", "popmesh", "launch", "-n", "2", "--engine", engine, str(script)],
+                          capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert all(f"NOINIT rank={r} size=2 ok" in done.stdout for r in range(2)), done.stdout[-3000:]

@@ -42,6 +42,7 @@ Where popmesh deliberately behaves differently from torchgfn:
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -49,6 +50,8 @@ import torch
 
 import popmesh.comm.collectives as _collectives
 import popmesh.comm.messages as _messages
+import popmesh.core.launch_env as _launch_env
+import popmesh.engines as _engines
 import popmesh.observe.stats as _stats
 import popmesh.topology.roles as _roles
 import popmesh.torch as _pt
@@ -104,9 +107,19 @@ def _world(engine: str | None = None) -> World:
     return world
 
 
+def _first_env(*names: str, default: str | None = None) -> str | None:
+    """The first non-empty environment variable among ``names`` (upstream's private helper)."""
+    return _launch_env.first_env(os.environ, *names, default=default)
+
+
+def _get_MPI() -> Any:
+    """mpi4py's MPI module, imported on first use (upstream's private helper)."""
+    return _engines.mpi_module()
+
+
 def _engine(backend: str) -> str:
     if backend not in _ENGINES:
-        raise ConfigError(f"backend={backend!r}: use 'torch' or 'mpi'")
+        raise ConfigError(f"Unknown backend {backend!r}: use 'torch' or 'mpi'")  # upstream's words, which tests match
     return _ENGINES[backend]
 
 

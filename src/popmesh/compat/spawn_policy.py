@@ -40,7 +40,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from popmesh.comm.world import Comm, resolve_group
+from popmesh.comm.world import Comm, current_world, init, resolve_group
 from popmesh.core.errors import ConfigError
 from popmesh.population import (
     AsyncSelectiveAveraging,
@@ -83,7 +83,13 @@ _COMM_WORLD = _CurrentWorld("COMM_WORLD")  # torchgfn: MPI.COMM_WORLD
 
 
 def _group(group: Any) -> Comm | None:
+    """``group`` as popmesh's, None for the current world, which is started here when this process
+    was launched as part of a job and nothing has started it yet (as the gfn and omnisafe facades do)."""
     if group is None or isinstance(group, _CurrentWorld):
+        try:
+            current_world()
+        except ConfigError:
+            init()
         return None
     if not isinstance(group, Comm):
         raise ConfigError(f"group must be a popmesh Group or World (e.g. ctx.train_global_group), "

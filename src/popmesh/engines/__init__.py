@@ -6,11 +6,11 @@ import importlib.util
 import sys
 from typing import Any
 
-from popmesh.core.errors import ConfigError
+from popmesh.core.errors import ConfigError, EngineUnavailable
 from popmesh.core.launch_env import launcher_world_size, read_torch_env
 from popmesh.engines.base import Engine, GroupSpec
 
-__all__ = ["Engine", "GroupSpec", "create_engine", "available_engines", "mpi_library_version"]
+__all__ = ["Engine", "GroupSpec", "create_engine", "available_engines", "mpi_module", "mpi_library_version"]
 
 _PACKAGES = {"local": None, "torch": "torch", "mpi": "mpi4py"}
 
@@ -51,6 +51,15 @@ def _check_size(size: int, formed_by: str) -> None:
         "the MPICH wheel under Open MPI's mpirun, or under srun without --mpi=pmi2/pmix). Launch with the "
         "matching mpiexec (`popmesh launch --engine mpi`), or install mpi4py built for your MPI: "
         "pip install 'popmesh[mpi-system]' --no-binary mpi4py")
+
+
+def mpi_module() -> Any:
+    """mpi4py's ``MPI`` module, imported (and MPI initialised) on first use; EngineUnavailable without it."""
+    if importlib.util.find_spec("mpi4py") is None:
+        raise EngineUnavailable("mpi4py is not installed: pip install 'popmesh[mpi]'")
+    from mpi4py import MPI
+
+    return MPI
 
 
 def mpi_library_version() -> str | None:
