@@ -83,6 +83,13 @@ class Comm:
     def check(self) -> bool:
         return self.world.check_mode
 
+    @property
+    def native(self) -> Any:
+        """The engine's own communicator for this group: a torch ProcessGroup (torch's non-member
+        sentinel on non-members), an ``mpi4py`` communicator (``COMM_NULL`` on non-members), or None
+        on the local engine. For code that calls the engine itself (``dist.barrier(group=...)``)."""
+        return self.world.engine.native_group(self.handle)
+
     def _describe(self) -> str:
         return f"group {list(self.spec.ranks)}" if self.spec.gid else "the world"
 

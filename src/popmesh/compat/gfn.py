@@ -6,7 +6,9 @@ popmesh one world runs on one engine. The facade maps ``"torch"`` to the torch e
 to the MPI engine: a collective whose ``backend`` names another engine than the running world's
 raises ``ConfigError`` (pass the other name, or launch under the other launcher) instead of quietly
 using another engine. A world of one (nothing launched) accepts either name. ``group`` is a popmesh
-``Group``/``World`` (e.g. ``ctx.train_global_group``); None means the whole world.
+``Group``/``World`` or one of the context's groups, which are the engine's own as in the seed (a
+torch ProcessGroup, an MPI communicator: ``dist.barrier(group=ctx.train_global_group)`` works);
+None means the whole world.
 
 Map: ``average_gradients`` → ``popmesh.torch.mean_grads_``; ``average_models`` → ``mean_params_``;
 ``gather_distributed_data`` → ``popmesh.observe.stats.gather_rows``; ``report_time_info`` /
@@ -58,6 +60,7 @@ import popmesh.torch as _pt
 from popmesh.comm.world import Comm, World
 from popmesh.comm.world import current_world as _current_world
 from popmesh.comm.world import init as _init
+from popmesh.compat._native import comm_of, native_of
 from popmesh.core.errors import ConfigError
 from popmesh.observe.reports import format_report
 from popmesh.observe.timing import report_imbalance as _report_imbalance
@@ -123,13 +126,20 @@ def _engine(backend: str) -> str:
     return _ENGINES[backend]
 
 
-def _comm(backend: str, group: Comm | None, what: str, *, strict: bool = True) -> Comm:
+def _group_of(group: Any, what: str) -> Comm:
+    """The popmesh group of ``group`` (None: the world), whatever form the caller holds it in."""
+    world = _world()
+    comm = world if group is None else comm_of(group)
+    if comm is None:
+        raise ConfigError(f"{what}: group must be one of the context's groups (e.g. ctx.train_global_group) or a "
+                          f"popmesh Group, not {type(group).__name__}")
+    return comm
+
+
+def _comm(backend: str, group: Any, what: str, *, strict: bool = True) -> Comm:
     """The communicator ``backend``/``group`` name, checked against the running world's engine."""
     engine = _engine(backend)
-    comm = _world() if group is None else group
-    if not isinstance(comm, Comm):
-        raise ConfigError(f"{what}: group must be a popmesh Group or World (e.g. ctx.train_global_group), "
-                          f"not {type(comm).__name__}")
+    comm = _group_of(group, what)
     running = comm.world.engine_name
     if strict and running != engine and comm.world.size > 1:
         other = "torch" if running == "torch" else "mpi"
@@ -185,31 +195,31 @@ def recv(src_rank: int | None = None, backend: str = default_backend, tag: int =
     return source, torch.as_tensor(payload)
 
 
-def barrier(backend: str = default_backend, group: Comm | None = None) -> None:
+def barrier(backend: str = default_backend, group: Any = None) -> None:
     """Backend-agnostic barrier synchronization over ``group`` (default: the world)."""
     _collectives.barrier(group=_comm(backend, group, "barrier"))
 
 
-def get_rank(backend: str = default_backend, group: Comm | None = None) -> int:
+def get_rank(backend: str = default_backend, group: Any = None) -> int:
     """This process's rank within ``group`` (default: the world); -1 if it is not a member."""
     comm = _comm(backend, group, "get_rank")
     return comm.group_rank if comm.is_member else -1
 
 
-def get_world_size(backend: str = default_backend, group: Comm | None = None) -> int:
+def get_world_size(backend: str = default_backend, group: Any = None) -> int:
     """The number of ranks in ``group`` (default: the world)."""
     return _comm(backend, group, "get_world_size").size
 
 
 def all_reduce(tensor: torch.Tensor, op: str = "SUM", backend: str = default_backend,
-               group: Comm | None = None) -> None:
+               group: Any = None) -> None:
     """In-place all-reduce of ``tensor`` over ``group``: ``"SUM"``, ``"MAX"``, ``"MIN"`` (also
     ``"AVG"``, ``"PROD"``). Every member calls it with a tensor of the same shape and dtype."""
     _collectives.all_reduce_(tensor, op, group=_comm(backend, group, "all_reduce"))
 
 
 def all_gather(output_list: list[torch.Tensor], tensor: torch.Tensor, backend: str = default_backend,
-               group: Comm | None = None) -> None:
+               group: Any = None) -> None:
     """All-gather ``tensor`` into ``output_list`` (one pre-allocated tensor per group rank, whose
     devices are kept). Every member passes a tensor of the same shape."""
     comm = _comm(backend, group, "all_gather")
@@ -220,17 +230,17 @@ def all_gather(output_list: list[torch.Tensor], tensor: torch.Tensor, backend: s
         out.copy_(row)
 
 
-def broadcast(tensor: torch.Tensor, src: int, backend: str = default_backend, group: Comm | None = None) -> None:
+def broadcast(tensor: torch.Tensor, src: int, backend: str = default_backend, group: Any = None) -> None:
     """Broadcast ``tensor`` in place from **global** rank ``src`` (a member of ``group``)."""
     _collectives.broadcast_(tensor, src, group=_comm(backend, group, "broadcast"))
 
 
 def gather_distributed_data(local_tensor: Any, world_size: int | None = None, rank: int | None = None,
-                            training_group: Comm | None = None) -> torch.Tensor | None:
+                            training_group: Any = None) -> torch.Tensor | None:
     """Gather data from all processes: the rows (dim 0) of every rank concatenated on the group's
     first rank, None on the others. ``local_tensor`` is a tensor or a list of rows; row counts may
     differ. ``world_size``/``rank``, when given, must be the group's size and this group rank."""
-    comm = _world() if training_group is None else training_group
+    comm = _group_of(training_group, "gather_distributed_data")
     if world_size is not None and world_size != comm.size:
         raise ConfigError(f"gather_distributed_data: world_size={world_size} but the group has {comm.size} ranks")
     if rank is not None and comm.is_member and rank != comm.group_rank:
@@ -248,11 +258,10 @@ def average_gradients(model: torch.nn.Module) -> None:
     _pt.mean_grads_(model)
 
 
-def average_models(model: torch.nn.Module, training_group: Comm | None = None) -> None:
+def average_models(model: torch.nn.Module, training_group: Any = None) -> None:
     """Averages model weights across the ranks of ``training_group`` (default: the world), in
     place, dividing by the group's size (torchgfn divided by the global world size)."""
-    _world()
-    _pt.mean_params_(model, training_group)
+    _pt.mean_params_(model, _group_of(training_group, "average_models"))
 
 
 def report_time_info(all_timing_dict: list[dict[str, Any]], world_size: int) -> None:
@@ -281,8 +290,9 @@ class DistributedContext(_roles.Roles):
 
     dc_mpi4py: DistributedContextMPI4Py | None = None
 
-    def get_train_group(self, backend: str = "mpi") -> Comm:
-        """The training group; ``backend`` must name the world's engine."""
+    def get_train_group(self, backend: str = "mpi") -> Any:
+        """The training group (a torch ProcessGroup, or an MPI communicator on the MPI engine);
+        ``backend`` must name the world's engine."""
         _comm(backend, self.train_global_group, "get_train_group")
         return self.train_global_group
 
@@ -292,7 +302,13 @@ class DistributedContext(_roles.Roles):
 
 
 def _fields_of(roles: _roles.Roles) -> dict[str, Any]:
-    return {f.name: getattr(roles, f.name) for f in fields(_roles.Roles)}
+    """The context's fields, its groups as the engine's own (torch ProcessGroups, MPI communicators),
+    as the seed hands them out: its users pass them to torch.distributed or mpi4py directly."""
+    out = {f.name: getattr(roles, f.name) for f in fields(_roles.Roles)}
+    out["agent_groups"] = [native_of(g) for g in roles.agent_groups]
+    out["train_global_group"] = native_of(roles.train_global_group)
+    out["buffer_group"] = None if roles.buffer_group is None else native_of(roles.buffer_group)
+    return out
 
 
 def initialize_distributed_compute(dist_backend: str, num_remote_buffers: int, num_agent_groups: int,

@@ -41,6 +41,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from popmesh.comm.world import Comm, current_world, init, resolve_group
+from popmesh.compat._native import comm_of
 from popmesh.core.errors import ConfigError
 from popmesh.population import (
     AsyncSelectiveAveraging,
@@ -91,10 +92,11 @@ def _group(group: Any) -> Comm | None:
         except ConfigError:
             init()
         return None
-    if not isinstance(group, Comm):
-        raise ConfigError(f"group must be a popmesh Group or World (e.g. ctx.train_global_group), "
+    comm = comm_of(group)
+    if comm is None:
+        raise ConfigError(f"group must be a context's group (e.g. ctx.train_global_group) or a popmesh Group, "
                           f"not {type(group).__name__}")
-    return group
+    return comm
 
 
 def _ratio(ratio: float) -> float:

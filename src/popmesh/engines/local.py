@@ -62,6 +62,9 @@ class LocalEngine:
     def barrier(self, group: Any, timeout: float) -> None:
         return None
 
+    def native_group(self, group: Any) -> Any:
+        return None  # a world of one has no engine communicator: the popmesh group is the only one
+
     def snapshot_window(self, group: Any, nbytes: int) -> SnapshotWindow:
         """No one-sided windows on this engine (``one_sided`` is False)."""
         raise ConfigError(f"the {self.name} engine has no one-sided windows: launch under mpiexec or "

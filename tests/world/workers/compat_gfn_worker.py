@@ -8,6 +8,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import popmesh
 import popmesh.compat.gfn as gfn
 from popmesh import ConfigError
 from worldlib import check, main, need_ranks
@@ -166,6 +167,24 @@ def average_gradients_over_the_world(w):
     assert model.weight.grad.tolist() == [[mean, mean]] and model.bias.grad.item() == 1.0
 
 
+def members(w, group):
+    """Global ranks of a context group, whatever the engine's group object."""
+    if isinstance(group, (popmesh.Group, popmesh.World)):
+        return tuple(group.ranks)  # the local engine has no group objects of its own
+    if w.engine_name == "torch":
+        import torch.distributed as dist
+
+        if group is dist.GroupMember.NON_GROUP_MEMBER:
+            return None
+        return tuple(dist.get_process_group_ranks(group))
+    from mpi4py import MPI
+
+    if group == MPI.COMM_NULL:
+        return None
+    return tuple(MPI.Group.Translate_ranks(group.Get_group(), list(range(group.Get_size())),
+                                           MPI.COMM_WORLD.Get_group()))
+
+
 @check
 def contexts_have_the_documented_attributes(w):
     own, other = names(w)
@@ -181,10 +200,26 @@ def contexts_have_the_documented_attributes(w):
     assert ctx.is_training_rank() is (r in trainers) and ctx.is_buffer_rank() is (r not in trainers)
     assert ctx.assigned_buffer == (n - 1 if buffers and r in trainers else None)
     assert ctx.assigned_training_ranks == (None if r in trainers else trainers)
-    assert ctx.train_global_group.ranks == tuple(trainers)
-    assert (ctx.buffer_group.ranks if buffers else ctx.buffer_group) == ((n - 1,) if buffers else None)
-    assert [g.ranks for g in ctx.agent_groups] == [tuple(trainers)]
+    mine = tuple(trainers) if r in trainers else None  # non-members hold the engine's non-member object
+    assert members(w, ctx.train_global_group) == mine
+    assert (members(w, ctx.buffer_group) if buffers else ctx.buffer_group) == (
+        ((n - 1,) if r == n - 1 else None) if buffers else None)
+    assert [members(w, g) for g in ctx.agent_groups] == [mine]
     assert ctx.get_train_group(own) is ctx.train_global_group
+    if n > 1 and r in trainers:  # the seed's groups are the engine's own: its users call the engine with them
+        if own == "torch":
+            import torch.distributed as dist
+
+            assert isinstance(ctx.train_global_group, dist.ProcessGroup)
+            dist.barrier(group=ctx.train_global_group)  # torchgfn's training script does this five times
+            total = torch.tensor([r + 1.0])
+            dist.all_reduce(total, group=ctx.train_global_group)
+        else:
+            total = torch.tensor([float(ctx.train_global_group.allreduce(r + 1.0))])
+        assert total.item() == len(trainers) * (len(trainers) + 1) / 2
+        again = torch.tensor([r + 1.0])
+        gfn.all_reduce(again, backend=own, group=ctx.train_global_group)  # and back into the facade
+        assert again.item() == total.item()
     if n > 1:
         assert raises_config_error(ctx.get_train_group, other)
     else:  # a world of one takes either name (see above)
@@ -211,6 +246,10 @@ def mpi4py_context(w):
     assert isinstance(ctx, gfn.DistributedContextMPI4Py)
     assert ctx.coordinator_rank == n - 1 and ctx.num_training_ranks == n - 1 and ctx.world_size == n
     assert ctx.is_training_rank() is (w.rank < n - 1) and ctx.is_buffer_rank() is False
+    from mpi4py import MPI
+
+    assert isinstance(ctx.train_global_group, MPI.Comm)  # as the seed: an mpi4py communicator
+    assert (ctx.train_global_group == MPI.COMM_NULL) is (w.rank == n - 1)
     assert raises_config_error(gfn.initialize_distributed_compute_mpi4py, 0, 1, num_coordinators=2)
 
 

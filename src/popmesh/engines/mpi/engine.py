@@ -160,6 +160,10 @@ class MpiEngine:
     def barrier(self, group: _Handle, timeout: float) -> None:
         self._wait(group.comm.Ibarrier(), group, timeout, "barrier")
 
+    def native_group(self, group: _Handle | None) -> Any:
+        """The MPI communicator of ``group`` (``MPI.COMM_NULL`` where this rank is no member)."""
+        return self._mpi.COMM_NULL if group is None else group.comm
+
     def snapshot_window(self, group: _Handle, nbytes: int) -> SnapshotWindow:
         """An MPI-3 window of ``nbytes`` per member (collective over ``group``)."""
         from popmesh.engines.mpi.window import MpiSnapshotWindow

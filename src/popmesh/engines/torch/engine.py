@@ -211,6 +211,12 @@ class TorchEngine:
         work = self._dist.barrier(group=group.pg, async_op=True)
         self._wait(work, group, timeout, "barrier")
 
+    def native_group(self, group: _Handle | None) -> Any:
+        """The torch ProcessGroup of ``group`` (torch's non-member sentinel where this rank is none)."""
+        if group is None:
+            return self._dist.GroupMember.NON_GROUP_MEMBER
+        return group.pg if group.pg is not None else self._dist.group.WORLD
+
     def snapshot_window(self, group: _Handle, nbytes: int) -> SnapshotWindow:
         """No one-sided windows on this engine (``one_sided`` is False)."""
         raise ConfigError(f"the {self.name} engine has no one-sided windows: launch under mpiexec or "

@@ -311,11 +311,6 @@ class TorchP2P(P2PBase):
             pump.top_up()
             pump.thread.start()
 
-    def threads(self) -> int:
-        """Threads this transport runs now (receive pumps and send workers)."""
-        pumps = {id(p): p for p in self._pumps.values()}.values()
-        return sum(p.thread.is_alive() for p in pumps) + self._workers.threads()
-
     @property
     def _pg(self) -> Any:
         """The default process group, looked up on every use: holding it would keep it (and gloo's

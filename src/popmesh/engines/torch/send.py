@@ -164,11 +164,6 @@ class SendWorkers:
         self._wakeup = 0.0  # when the idle workers wake up next by themselves
         self._closed = False
 
-    def threads(self) -> int:
-        """Workers alive now."""
-        with self._cond:
-            return len(self._threads)
-
     def push(self, box: Outbox, op: TorchSend) -> None:
         with self._cond:
             if not box._ops:
