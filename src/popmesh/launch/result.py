@@ -31,9 +31,10 @@ class RankFailure:
     signal: str | None = None
     error: ErrorRecord | None = None
     stderr_tail: tuple[str, ...] = ()
+    host: str = ""  # where the rank ran, when known
 
     def describe(self) -> str:
-        """One line: who failed and how."""
+        """One line: who failed and how, and on which host."""
         who = "mpiexec" if self.rank is None else f"rank {self.rank}"
         if self.signal:
             how = f"was killed by {self.signal} (exit code {self.exitcode})"
@@ -41,7 +42,7 @@ class RankFailure:
             how = f"exited with code {self.exitcode}"
         if self.error is not None:
             how += f" after raising {self.error.type}: {self.error.message}"
-        return f"{who} {how}"
+        return f"{who} {how}" + (f", on host {self.host}" if self.host else "")
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ import glob
 import os
 import re
 import signal
+import socket
 from collections.abc import Sequence
 
 from popmesh.launch.errorfile import ErrorRecord, read_error_file
@@ -48,7 +49,8 @@ def judge_local(
             terminated.append(child.rank)
             continue
         code, sig = exit_status(child.returncode)
-        failure = RankFailure(child.rank, code, sig, record, tuple(pump.tail(child.rank)))
+        host = record.host if record is not None else socket.gethostname()  # this launcher's ranks run here
+        failure = RankFailure(child.rank, code, sig, record, tuple(pump.tail(child.rank)), host)
         timed.append((record.time if record else child.exited_at or 0.0, child.rank, failure))
     timed.sort(key=lambda item: item[:2])
     failures = [failure for _, _, failure in timed]
@@ -86,14 +88,14 @@ _HYDRA_CODE = re.compile(r"EXIT CODE: (\d+)")
 _HYDRA_SIGNAL = re.compile(r"\(signal (\d+)\)")
 
 
-def killed_rank(lines: Sequence[str], pids: dict[int, int]) -> tuple[int, int] | None:
-    """``(rank, return code)`` of the process hydra's "BAD TERMINATION" banner names by pid, if it is one
-    of ``pids``; the return code is negative for a signal, as ``subprocess`` gives it."""
+def killed_rank(lines: Sequence[str], pids: dict[int, int]) -> tuple[int, int, str] | None:
+    """``(rank, return code, host)`` of the process hydra's "BAD TERMINATION" banner names by pid, if it
+    is one of ``pids``; the return code is negative for a signal, as ``subprocess`` gives it."""
     text = "\n".join(lines)
     pid, code, sig = _HYDRA_PID.search(text), _HYDRA_CODE.search(text), _HYDRA_SIGNAL.search(text)
     if pid is None or code is None or int(pid.group(1)) not in pids:
         return None
-    return pids[int(pid.group(1))], -int(sig.group(1)) if sig else int(code.group(1))
+    return pids[int(pid.group(1))], -int(sig.group(1)) if sig else int(code.group(1)), pid.group(2)
 
 
 def judge_mpi(
@@ -106,16 +108,16 @@ def judge_mpi(
     if child.returncode == 0 and not records:
         return LaunchResult(0, world_size, "mpi")
     code = exit_status(child.returncode)[0] if child.returncode > 0 else 1  # the code the first rank aborted with
-    failures = [RankFailure(r.rank, code if i == 0 else 1, None, r, tuple(pump.tail(r.rank)))
+    failures = [RankFailure(r.rank, code if i == 0 else 1, None, r, tuple(pump.tail(r.rank)), r.host)
                 for i, r in enumerate(records)]
     if not failures and received is None:
         code, sig = exit_status(child.returncode)
         said = pump.tail(None, "stdout") + pump.tail(None, "stderr")
         killed = killed_rank(said, _pids(error_dir))
         if killed is not None:
-            rank, status = killed
+            rank, status, host = killed
             code, sig = exit_status(status)
-            failures = [RankFailure(rank, code, sig, None, tuple(pump.tail(rank)) or tuple(said))]
+            failures = [RankFailure(rank, code, sig, None, tuple(pump.tail(rank)) or tuple(said), host)]
         else:
             failures = [RankFailure(None, code, sig, None, tuple(said))]
     return LaunchResult(
