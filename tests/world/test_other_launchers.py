@@ -63,3 +63,21 @@ def test_under_torchrun_the_agent_store_is_used():
     assert done.returncode == 0, output[-3000:]
     assert all(f"TORCHRUN rank={r} size=2 sum=2.0" in output for r in range(2)), output[-3000:]
     assert "failed to bind" not in output, output[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_popmesh_launch_under_srun_takes_its_nodes_from_the_step():
+    """`srun --ntasks-per-node=1 popmesh launch -n 2 script.py` on two "nodes": each launcher is a task
+    of the step, which gives the node count, its node rank and the rendezvous (here both on this host)."""
+    job = random.randrange(1, 10**6)
+    script = SCRIPTS / "torchrun_task.py"  # prints its rank and the world size after an all_reduce
+    procs = []
+    for node in range(2):
+        env = _srun_env(node, 2, job)
+        env["SLURM_NODEID"], env["SLURM_LOCALID"] = str(node), "0"
+        procs.append(subprocess.Popen([sys.executable, "-m", "popmesh", "launch", "-n", "2", str(script)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = [p.communicate(timeout=100)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outputs)
+    everything = "\n".join(outputs)
+    assert all(f"TORCHRUN rank={r} size=4 sum=4.0" in everything for r in range(4)), everything[-3000:]

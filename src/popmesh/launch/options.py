@@ -9,11 +9,13 @@ into :func:`popmesh.launch.launch` keyword arguments plus warnings (pure: nothin
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from popmesh.core.errors import ConfigError
+from popmesh.core.slurm import read_slurm
 from popmesh.launch.plan import cpu_count
 
 __all__ = [
@@ -144,6 +146,10 @@ def rendezvous(ns: argparse.Namespace) -> tuple[Rendezvous, list[str]]:
         )
     if ns.standalone:
         return _standalone(ns)
+    slurm = _slurm_nodes(ns)
+    if slurm is not None:
+        return slurm, []
+    nnodes = 1 if ns.nnodes is None else ns.nnodes
     addr, port = _strip_brackets(ns.master_addr), ns.master_port
     if ns.rdzv_endpoint is not None:
         host, endpoint_port = parse_endpoint(ns.rdzv_endpoint, ns.rdzv_backend)
@@ -154,17 +160,33 @@ def rendezvous(ns: argparse.Namespace) -> tuple[Rendezvous, list[str]]:
                 )
         addr, port = host, endpoint_port
     node_rank = ns.node_rank
-    if node_rank is None and ns.rdzv_backend == "c10d" and ns.nnodes > 1:
+    if node_rank is None and ns.rdzv_backend == "c10d" and nnodes > 1:
         raise ConfigError(
             "--rdzv-backend c10d: popmesh launch does not hand out node ranks at the rendezvous; give each node "
             "its --node-rank (0 to --nnodes minus one)"
         )
-    return Rendezvous(addr or "127.0.0.1", port or 0, ns.nnodes, node_rank or 0, ns.rdzv_id), []
+    return Rendezvous(addr or "127.0.0.1", port or 0, nnodes, node_rank or 0, ns.rdzv_id), []
+
+
+def _slurm_nodes(ns: argparse.Namespace) -> Rendezvous | None:
+    """Under ``srun`` (one launcher per node: ``srun --ntasks-per-node=1 popmesh launch -n 4 ...``), with
+    no ``--nnodes``/``--node-rank``/``--master-*``/``--rdzv-endpoint`` given, the step's tasks are the
+    nodes: SLURM_NTASKS of them, this one SLURM_PROCID, meeting on the step's first node."""
+    if ns.nnodes is not None or ns.node_rank is not None or ns.master_addr or ns.master_port or ns.rdzv_endpoint:
+        return None
+    if os.environ.get("RANK") or os.environ.get("WORLD_SIZE"):
+        return None  # inside a world already (a launcher under a launcher): no node layout from Slurm
+    task = read_slurm(os.environ)
+    if task is None or task.world_size < 2:
+        return None
+    variables = task.torch_variables(os.environ)
+    return Rendezvous(variables["MASTER_ADDR"], int(variables["MASTER_PORT"]), task.world_size, task.rank,
+                      ns.rdzv_id or f"slurm-{task.job_id}")
 
 
 def _standalone(ns: argparse.Namespace) -> tuple[Rendezvous, list[str]]:
     """torchrun's ``--standalone``: one node, a free port on loopback, a new run id."""
-    if ns.nnodes != 1:
+    if ns.nnodes not in (None, 1):
         raise ConfigError(f"--standalone is one node, but --nnodes is {ns.nnodes}; drop one of them")
     ignored = [
         f"{option} {value}" for option, value in (
@@ -240,7 +262,8 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 def _rendezvous_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("nodes and rendezvous (torchrun's options)")
-    g.add_argument("--nnodes", type=parse_nnodes, default=1, help="number of nodes (default 1)")
+    g.add_argument("--nnodes", type=parse_nnodes, default=None,
+                   help="number of nodes (default 1; under srun, one node per task of the step)")
     g.add_argument("--node-rank", "--node_rank", type=int, default=None, help="this node's index, 0..nnodes-1")
     g.add_argument("--master-addr", "--master_addr", default=None, help="host of node rank 0 (default 127.0.0.1)")
     g.add_argument("--master-port", "--master_port", type=int, default=None,
