@@ -232,3 +232,24 @@ def test_tree_device_put(devices, dp_mesh):
     spread = evorl.tree_device_put(tree, replicated)
     assert all(leaf.sharding == replicated for leaf in jax.tree.leaves(spread))
     assert np.array_equal(spread["b"][0], tree["b"][0])
+
+
+def test_gradient_update_averages_every_leaf_as_evorl_does(dp_mesh):
+    """EvoRL pmeans every gradient leaf; an nn.Partitioned leaf named with the DP axis too (popmesh's
+    own make_update would leave such an FSDP shard's gradient alone along the axis it is sharded on)."""
+    import flax.linen as nn
+
+    n = dp_mesh.shape["DP"]
+    params = {"p": nn.Partitioned(jnp.zeros(4), names=("DP",))}
+    x = jnp.arange(4.0 * n)  # device d sees x[4d:4d+4]
+    step = evorl.gradient_update(lambda params, x: jnp.sum(params["p"].value * x), optax.sgd(1.0), evorl.DP_AXIS_NAME)
+
+    def body(params, x):
+        optimizer_state = optax.sgd(1.0).init(params)
+        _, new_params, _ = step(optimizer_state, params, x)
+        return new_params["p"].value
+
+    fn = jax.shard_map(body, mesh=dp_mesh, in_specs=(P(), P("DP")), out_specs=P("DP"), check_vma=False)
+    per_device = np.asarray(jax.jit(fn)(params, x)).reshape(n, 4)
+    mean = -np.asarray(x).reshape(n, 4).mean(axis=0)
+    assert np.allclose(per_device, mean), per_device  # every device stepped by the mean gradient

@@ -155,3 +155,24 @@ def test_sync_gradients_skips_axes_a_gradient_is_sharded_on(devices):
     replicated, sharded = jax.jit(fn)(jnp.arange(1.0, N + 1))
     assert np.allclose(replicated, 4.5)  # averaged over all 8 devices
     assert np.allclose(sharded, np.arange(N) % 4 + 3.0)  # averaged over dp only: (f + 1 + f + 5) / 2
+
+
+def test_sync_gradients_warns_when_autodiff_already_summed_replicated_gradients(fsdp_mesh):
+    """Under shard_map(check_vma=True) JAX sums a replicated parameter's gradient over the devices; the
+    facade returns that sum as upstream does (N times the mean), and says so once at trace time."""
+    w = jnp.ones(4)
+
+    def body(w, x):
+        grads = jax.grad(lambda w: jnp.sum(w * x))(w)  # w replicated: autodiff sums over "fsdp"
+        return dp.sync_gradients(grads, ("fsdp",))
+
+    fn = jax.shard_map(body, mesh=fsdp_mesh, in_specs=(P(), P("fsdp")), out_specs=P())  # check_vma=True
+    with pytest.warns(RuntimeWarning, match="already SUMMED"):
+        summed = jax.jit(fn)(w, jnp.ones(4 * N))
+    assert np.allclose(summed, N * np.ones(4)), summed  # upstream's result: N times the mean gradient
+
+
+def test_shard_params_outside_shard_map_names_itself():
+    with pytest.raises(pj.UnboundAxisError) as caught:
+        dp.shard_params(_params(), "fsdp")
+    assert "shard_params" in str(caught.value) and "axis_size" not in str(caught.value), str(caught.value)

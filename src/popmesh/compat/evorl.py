@@ -122,10 +122,23 @@ def gradient_update(
 
     Returns ``f(opt_state, params, *args, **kwargs) -> (value, new_params, new_opt_state)``;
     gradients of ``loss_fn(params, *args, **kwargs)`` are averaged over ``dp_axis_name`` (None:
-    one device); ``value`` is the loss, or ``(loss, aux)`` with ``has_aux``. Fixed: ``params``
-    reaches ``optimizer.update`` (``optax.adamw`` works).
+    one device), every leaf as in EvoRL, ``nn.Partitioned`` ones included (popmesh's own
+    ``make_update`` leaves FSDP shards alone along the axes they are sharded on); ``value`` is the
+    loss, or ``(loss, aux)`` with ``has_aux``. Fixed: ``params`` reaches ``optimizer.update``
+    (``optax.adamw`` works); under ``shard_map(check_vma=True)`` the mean is exact (JAX's autodiff
+    would otherwise sum replicated parameters' gradients first).
     """
-    return _pj.make_update(loss_fn, optimizer, dp_axis_name, has_aux)
+    if dp_axis_name is None:
+        return _pj.make_update(loss_fn, optimizer, None, has_aux)
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux)
+
+    def update(opt_state: Any, params: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any, Any]:
+        value, grads = grad_fn(_pj.as_varying(params, dp_axis_name), *args, **kwargs)
+        grads = jax.tree.map(lambda g: _pj.pmean(g, dp_axis_name), grads)  # every leaf, as EvoRL
+        updates, new_opt_state = optimizer.update(grads, opt_state, params)
+        return value, optax.apply_updates(params, updates), new_opt_state
+
+    return update
 
 
 def agent_gradient_update(

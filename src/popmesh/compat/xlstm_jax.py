@@ -46,6 +46,7 @@ def shard_params(params: PyTree, axis_name: str, min_weight_size: int = 2**18) -
     dimension divisible by the axis size (the last of equal ones), as ``nn.Partitioned`` named
     with ``axis_name``; other leaves are returned as they are. Runs where ``axis_name`` is bound.
     """
+    _pj.require_bound(axis_name, "shard_params")  # the error names this function
     return _pj.shard_tree(params, axis_name, min_weight_size, tie_break="last")
 
 
@@ -92,6 +93,10 @@ def sync_gradients(grads: PyTree, axis_names: Sequence[str]) -> PyTree:
     """Synchronize gradients across devices.
 
     Each gradient is averaged over the axes of ``axis_names`` its parameter is not partitioned
-    over; a partitioned gradient already holds the mean along its own axes.
+    over; a partitioned gradient already holds the mean along its own axes. Inside
+    ``shard_map(check_vma=True)`` JAX's autodiff has already *summed* the gradients of replicated
+    parameters, which are then returned as they are (axis size times the mean, as upstream): a
+    RuntimeWarning says so at trace time. Differentiate with respect to
+    ``popmesh.jax.as_varying(params, axis_names)`` (or use ``check_vma=False``) for the mean.
     """
     return _pj.mean_grads(grads, axis_names)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -139,6 +140,7 @@ def shard_tree(
     """
     if tie_break not in ("first", "last"):
         raise ConfigError(f"shard_tree: tie_break must be 'first' or 'last', got {tie_break!r}")
+    require_bound(axis_name, "shard_tree")  # the error names this function, not a helper
     n = axis_size(axis_name)
     with jax.named_scope("shard_tree"):
         index = jax.lax.axis_index(axis_name)
@@ -250,9 +252,20 @@ def shard_module(
     )
 
 
+_SUMMED_WARNING = (
+    "mean_grads: inside shard_map(check_vma=True), JAX's autodiff already SUMMED the gradients of "
+    "parameters replicated along {axes} over the devices: they are returned as they are, {axes} size "
+    "times the mean (upstream xlstm-jax's sync_gradients does the same). For the mean, differentiate "
+    "with respect to popmesh.jax.as_varying(params, axis_names), or run shard_map with check_vma=False."
+)
+
+
 def _sync_value(value: jax.Array, axes: tuple[str, ...], checked: frozenset[str]) -> jax.Array:
     # Under check_vma, a gradient invariant along a checked axis was already reduced by JAX.
     vary = varying_axes(value)
+    summed = tuple(a for a in axes if a in checked and a not in vary)
+    if summed:  # once per call site and trace (Python's default warning filter)
+        warnings.warn(_SUMMED_WARNING.format(axes=summed), RuntimeWarning, stacklevel=4)
     axes = tuple(a for a in axes if a not in checked or a in vary)
     return jax.lax.pmean(value, axes) if axes else value  # type: ignore[no-untyped-call]  # jax: lax.pmean is unannotated
 
