@@ -261,12 +261,3 @@ def test_importing_the_launcher_imports_no_engine() -> None:
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=30)
 
-
-def test_hydras_banner_names_a_killed_rank_by_pid():
-    from popmesh.launch.verdict import killed_rank
-
-    banner = ["=   BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES", "=   PID 8661 RUNNING AT vm",
-              "=   EXIT CODE: 9", "YOUR APPLICATION TERMINATED WITH THE EXIT STRING: Killed (signal 9)"]
-    assert killed_rank(banner, {8660: 0, 8661: 1}) == (1, -9, "vm")
-    assert killed_rank(banner[:3], {8661: 1}) == (1, 9, "vm"), "no signal string: a plain exit code"
-    assert killed_rank(banner, {1: 0}) is None and killed_rank(["nothing"], {8661: 1}) is None

@@ -82,21 +82,6 @@ def _mpi_abort(code: int) -> None:
     sys.modules["mpi4py.MPI"].COMM_WORLD.Abort(code)
 
 
-def _note_pid() -> None:
-    """Under mpiexec, leave ``<error file>.pid``: mpiexec names a killed rank only by its pid."""
-    template = os.environ.get("POPMESH_ERROR_FILE")
-    if not template or os.environ.get("POPMESH_ENGINE") != "mpi":
-        return
-    rank = next((os.environ[v] for v in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK") if v in os.environ), None)
-    if rank is None or not rank.isdigit():
-        return
-    try:
-        with open(template.replace("{rank}", rank) + ".pid", "w") as f:
-            f.write(str(os.getpid()))
-    except OSError:
-        pass
-
-
 def _report(exc: BaseException, *, quiet: bool = False) -> None:
     """Print the traceback like Python does (unless ``quiet``) and write the error record, if the
     launcher asked for one."""
@@ -179,7 +164,6 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(_USAGE)
     _line_buffered()
     _interruptible()
-    _note_pid()
     sys.exit(run(rest[0], rest[1:], module=module))
 
 

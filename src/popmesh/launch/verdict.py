@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import glob
 import os
-import re
 import signal
 import socket
 from collections.abc import Sequence
@@ -21,7 +20,7 @@ from popmesh.launch.plan import error_file_name
 from popmesh.launch.result import LaunchResult, RankFailure, exit_status
 from popmesh.launch.runner import Child
 
-__all__ = ["judge_local", "judge_mpi", "killed_rank"]
+__all__ = ["judge_local", "judge_mpi"]
 
 
 def _interrupted_code(received: int | None) -> int:
@@ -70,34 +69,6 @@ def _records(error_dir: str) -> list[ErrorRecord]:
     return sorted((r for r in found if r is not None), key=lambda r: (r.time, r.rank))
 
 
-def _pids(error_dir: str) -> dict[int, int]:
-    """pid → rank, from the ``.pid`` files the ranks' bootstrap left under mpiexec."""
-    out = {}
-    for path in glob.glob(os.path.join(error_dir, error_file_name("*")) + ".pid"):
-        rank = os.path.basename(path).split(".")[0].rsplit("-", 1)[-1]
-        try:
-            with open(path) as f:
-                out[int(f.read().strip())] = int(rank)
-        except (OSError, ValueError):
-            continue
-    return out
-
-
-_HYDRA_PID = re.compile(r"PID (\d+) RUNNING AT (\S+)")
-_HYDRA_CODE = re.compile(r"EXIT CODE: (\d+)")
-_HYDRA_SIGNAL = re.compile(r"\(signal (\d+)\)")
-
-
-def killed_rank(lines: Sequence[str], pids: dict[int, int]) -> tuple[int, int, str] | None:
-    """``(rank, return code, host)`` of the process hydra's "BAD TERMINATION" banner names by pid, if it
-    is one of ``pids``; the return code is negative for a signal, as ``subprocess`` gives it."""
-    text = "\n".join(lines)
-    pid, code, sig = _HYDRA_PID.search(text), _HYDRA_CODE.search(text), _HYDRA_SIGNAL.search(text)
-    if pid is None or code is None or int(pid.group(1)) not in pids:
-        return None
-    return pids[int(pid.group(1))], -int(sig.group(1)) if sig else int(code.group(1)), pid.group(2)
-
-
 def judge_mpi(
     child: Child, *, error_dir: str, pump: OutputPump, teardown_at: float | None, received: int | None,
     world_size: int,
@@ -113,13 +84,9 @@ def judge_mpi(
     if not failures and received is None:
         code, sig = exit_status(child.returncode)
         said = pump.tail(None, "stdout") + pump.tail(None, "stderr")
-        killed = killed_rank(said, _pids(error_dir))
-        if killed is not None:
-            rank, status, host = killed
-            code, sig = exit_status(status)
-            failures = [RankFailure(rank, code, sig, None, tuple(pump.tail(rank)) or tuple(said), host)]
-        else:
-            failures = [RankFailure(None, code, sig, None, tuple(said))]
+        # A rank killed by a signal leaves no record, and hydra's "BAD TERMINATION" banner names the
+        # first of the processes its cleanup killed, not the first to die: mpiexec is blamed.
+        failures = [RankFailure(None, code, sig, None, tuple(said))]
     return LaunchResult(
         returncode=failures[0].exitcode if failures else _interrupted_code(received) or 1,
         world_size=world_size,
