@@ -53,6 +53,12 @@ class _MpiSend:
 
     def done(self) -> bool:
         if not self._done:
+            with self._owner._lock:  # the heartbeat thread tests held sends too: never one request in two threads
+                return self._test()
+        return True
+
+    def _test(self) -> bool:
+        if not self._done:
             try:
                 reqs = self._reqs
                 self._done = bool(reqs[0].Test() if len(reqs) == 1 else self._owner.mpi.Request.Testall(reqs))
