@@ -5,6 +5,7 @@ The CLI (``popmesh launch``) and :func:`popmesh.launch.fork` are thin layers ove
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -17,7 +18,9 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import TextIO
 
 from popmesh.core.errors import ConfigError
+from popmesh.core.interfaces import choose_interface, list_interfaces, source_address
 from popmesh.launch import mpirun
+from popmesh.launch.hosts import Slots, hydra_hosts, parse_hosts, read_hostfile
 from popmesh.launch.logs import LogRequest, RankLogs, log_request, make_attempt_dir, plan_routes
 from popmesh.launch.output import OutputPump
 from popmesh.launch.plan import (
@@ -31,6 +34,7 @@ from popmesh.launch.plan import (
     plan_ranks,
     validate,
 )
+from popmesh.launch.rankwatch import RankEnd, RankWatch
 from popmesh.launch.result import LaunchResult, format_summary
 from popmesh.launch.runner import Supervisor
 from popmesh.launch.shm import SegmentSweep
@@ -67,6 +71,8 @@ def launch(
     tee: int | str | Mapping[int, int] | None = None,
     redirects: int | str | Mapping[int, int] | None = None,
     local_ranks_filter: Collection[int] | None = None,
+    hosts: str | Slots = (),
+    hostfile: str | None = None,
     env: Mapping[str, str] | None = None,
     python: Sequence[str] | None = None,
     stdout: TextIO | None = None,
@@ -96,6 +102,7 @@ def launch(
     spec = LaunchSpec(
         nproc=nproc, engine=engine, nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
         master_port=master_port, run_id=_run_id(run_id, master_port), role=role, max_restarts=max_restarts,
+        hosts=_hosts(hosts, hostfile, nproc),
     )
     validate(spec)
     _check_target(target, module)
@@ -123,6 +130,17 @@ def launch(
     if not result.ok:
         _say(err, format_summary(result))
     return result
+
+
+def _hosts(hosts: str | Slots, hostfile: str | None, nproc: int) -> Slots:
+    """The hosts of an MPI world from ``hosts`` or ``hostfile`` (not both); () for one host."""
+    if hosts and hostfile:
+        raise ConfigError("give the hosts once: --hosts or --hostfile, not both")
+    if hostfile:
+        return read_hostfile(hostfile, nproc)
+    if isinstance(hosts, str):
+        return parse_hosts(hosts, nproc) if hosts else ()
+    return tuple(hosts)
 
 
 def _run_id(run_id: str | None, master_port: int) -> str:
@@ -163,12 +181,14 @@ def _supervise(
     with tempfile.TemporaryDirectory(prefix="popmesh-launch-") as error_dir:
         supervisor = Supervisor(pump, grace)
         segments = SegmentSweep() if spec.engine == "mpi" else None
+        ranks = RankWatch(error_dir) if spec.engine == "mpi" else contextlib.nullcontext()
         try:
-            if spec.engine == "mpi":
-                _start_mpi(supervisor, spec, worker, parent_env, error_dir, python)
-            else:
-                _start_local(supervisor, spec, worker, parent_env, error_dir, store_fd, rank0_terminal)
-            supervisor.watch()
+            with ranks:
+                if spec.engine == "mpi":
+                    _start_mpi(supervisor, spec, worker, parent_env, error_dir, python)
+                else:
+                    _start_local(supervisor, spec, worker, parent_env, error_dir, store_fd, rank0_terminal)
+                supervisor.watch()
         except BaseException:
             supervisor.kill_all()
             raise
@@ -178,7 +198,8 @@ def _supervise(
                 logs.keep_errors(error_dir)
             if segments is not None and supervisor.children:
                 segments.sweep(supervisor.children[0].proc.pid)
-        return _judge(supervisor, spec, error_dir, pump, store_fd)
+        killed = ranks.killed() if isinstance(ranks, RankWatch) else []
+        return _judge(supervisor, spec, error_dir, pump, store_fd, killed)
 
 
 def _check_target(target: str, module: bool) -> None:
@@ -224,17 +245,30 @@ def _start_mpi(
 ) -> None:
     """One mpiexec for all ranks, on a parent-death leash (the same process, exec'd) so it cannot outlive us.
 
-    Hydra hands its proxy the loopback address (``-iface``, unless ``HYDRA_IFACE`` is set) and the
-    netmod listens on loopback only (:func:`loopback_env`).
+    On one host Hydra hands its proxy the loopback address (``-iface``, unless ``HYDRA_IFACE`` is set)
+    and the netmod listens on loopback only (:func:`loopback_env`); on several (``spec.hosts``) the
+    interface that routes to the first other host, so the proxies reach mpiexec whatever this host's
+    own name resolves to there.
     """
     mpiexec = mpirun.find_mpiexec(python)
     iface = loopback_interface()
     env = {**base_env(parent_env, spec, cpu_count()), **plan_mpi_env(spec, error_dir),
            **loopback_env(parent_env, spec, iface)}
-    hydra_iface = None if "HYDRA_IFACE" in parent_env else iface
-    cmd = mpirun.mpi_command(mpiexec, spec.nproc, worker, hydra=mpirun.is_hydra(mpiexec), iface=hydra_iface)
+    hydra_iface = None if "HYDRA_IFACE" in parent_env else _interface_toward(spec.hosts) if spec.hosts else iface
+    cmd = mpirun.mpi_command(mpiexec, spec.world_size, worker, hydra=mpirun.is_hydra(mpiexec), iface=hydra_iface,
+                             hosts=hydra_hosts(spec.hosts))
     leash = [python, "-P", BOOTSTRAP, "--leash", str(int(signal.SIGTERM)), str(os.getpid())]
     sup.spawn([*leash, *cmd], env, None)
+
+
+def _interface_toward(hosts: Slots) -> str | None:
+    """The interface that routes to the first of ``hosts`` that is not this one (None: leave it to Hydra)."""
+    here = {socket.gethostname(), socket.getfqdn(), "localhost"}
+    for host, _ in hosts:
+        if host not in here:
+            choice = choose_interface(host, source_address(host), list_interfaces())
+            return None if choice is None else choice.name
+    return None
 
 
 def _family(addr: str) -> socket.AddressFamily:
@@ -264,10 +298,12 @@ def _free_port(addr: str) -> int:
         return probe.getsockname()[1]
 
 
-def _judge(sup: Supervisor, spec: LaunchSpec, error_dir: str, pump: OutputPump, store_fd: bool) -> LaunchResult:
+def _judge(
+    sup: Supervisor, spec: LaunchSpec, error_dir: str, pump: OutputPump, store_fd: bool, killed: list[RankEnd]
+) -> LaunchResult:
     if spec.engine == "mpi":
         return judge_mpi(sup.children[0], world_size=spec.world_size, error_dir=error_dir, pump=pump,
-                         teardown_at=sup.teardown_at, received=sup.received)
+                         teardown_at=sup.teardown_at, received=sup.received, killed=killed)
     result = judge_local(sup.children, world_size=spec.world_size, engine=spec.engine, error_dir=error_dir,
                          pump=pump, teardown_at=sup.teardown_at, received=sup.received)
     if store_fd and spec.engine == "torch" and _mentions_port_clash(result):

@@ -13,7 +13,11 @@ standard library until something fails: a rank does not pay for importing the po
   ``python -m``), with ``sys.argv = [TARGET, *ARGS]``,
 * on an uncaught exception prints the traceback, writes the error record to
   ``POPMESH_ERROR_FILE`` (torchrun's ``@record`` idea) and, if MPI is up, aborts the whole MPI job
-  so that peers blocked in a collective do not hang; the rank then exits with status 1.
+  so that peers blocked in a collective do not hang; the rank then exits with status 1,
+* under ``popmesh launch --engine mpi`` (whose ranks mpiexec starts, so the launcher does not know
+  their pids) leaves two notes beside the error record: ``rank-R.pid`` (pid and host) when it starts
+  and ``rank-R.exit`` (the exit status) when it exits normally, so that the launcher, which watches
+  the pids, can tell a rank that was killed (no exit note, no error record) and name it.
 
 ``bootstrap.py --leash SIGNUM PARENT_PID CMD ARGS...`` sets the parent-death signal and execs CMD
 (the setting survives exec): the launcher puts mpiexec on this leash.
@@ -33,6 +37,9 @@ _USAGE = "usage: bootstrap.py [-m] TARGET [ARGS...]  |  bootstrap.py --leash SIG
 _SKIP_FILES = (os.path.abspath(__file__), runpy.__file__, "<frozen runpy>")
 _EXIT_WATCHDOG_S = 5.0  # after a failure, exit even if a non-daemon thread or atexit hook hangs
 _PR_SET_PDEATHSIG = 1
+PID_NOTE = ".pid"  # beside the error record rank-R.json: "PID HOST" once the rank runs
+EXIT_NOTE = ".exit"  # "STATUS" once it exits normally
+_MPI_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
 
 
 def set_parent_death_signal(sig: int) -> bool:
@@ -150,6 +157,35 @@ def _leash(argv: list[str]) -> None:
     os.execvp(argv[2], argv[2:])
 
 
+def note_path(error_file_template: str, rank: int | str, suffix: str) -> str:
+    """The note ``suffix`` of ``rank`` beside its error record (the launcher's template, ``{rank}`` inside)."""
+    return os.path.splitext(error_file_template.replace("{rank}", str(rank)))[0] + suffix
+
+
+def _mpi_notes() -> str | None:
+    """Leave this MPI rank's pid note; the exit note's path (None when not under ``--engine mpi``)."""
+    template = os.environ.get("POPMESH_ERROR_FILE")
+    rank = next((os.environ[v] for v in _MPI_RANK_VARS if os.environ.get(v, "").isdigit()), None)
+    if os.environ.get("POPMESH_ENGINE") != "mpi" or not template or rank is None:
+        return None
+    _write_note(note_path(template, rank, PID_NOTE), f"{os.getpid()} {os.uname().nodename}")
+    return note_path(template, rank, EXIT_NOTE)
+
+
+def _write_note(path: str, text: str) -> None:
+    try:
+        with open(path + ".tmp", "w") as f:
+            f.write(text + "\n")
+        os.replace(path + ".tmp", path)  # the launcher never reads half a note
+    except OSError:  # another host's launcher directory (no shared file system): nobody reads it there
+        pass
+
+
+def _status(code: object) -> int:
+    """The exit status ``sys.exit(code)`` gives."""
+    return 0 if code is None else code if isinstance(code, int) else 1
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry of ``bootstrap.py`` / ``python -m popmesh.launch.bootstrap``."""
     argv = sys.argv[1:] if argv is None else argv
@@ -164,7 +200,17 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(_USAGE)
     _line_buffered()
     _interruptible()
-    sys.exit(run(rest[0], rest[1:], module=module))
+    exit_note = _mpi_notes()
+    status = 1
+    try:
+        status = run(rest[0], rest[1:], module=module)
+    except SystemExit as exc:
+        status = _status(exc.code)
+        raise
+    finally:
+        if exit_note is not None:
+            _write_note(exit_note, str(status))
+    sys.exit(status)
 
 
 if __name__ == "__main__":

@@ -43,9 +43,9 @@ def is_hydra(mpiexec: str) -> bool:
 
 
 def mpi_command(
-    mpiexec: str, nproc: int, worker: Sequence[str], *, hydra: bool, iface: str | None = None
+    mpiexec: str, nproc: int, worker: Sequence[str], *, hydra: bool, iface: str | None = None, hosts: str = ""
 ) -> list[str]:
-    """``mpiexec -n N [-prepend-pattern "[rank %r] "] [-iface IFACE] worker...``.
+    """``mpiexec -n N [-hosts a:2,b:2] [-prepend-pattern "[rank %r] "] [-iface IFACE] worker...``.
 
     Without Hydra the lines come through unprefixed (they are still shown and kept). ``iface`` is the
     interface whose address Hydra gives its proxy to connect back to (loopback on one node); Hydra still
@@ -53,4 +53,5 @@ def mpi_command(
     """
     prefix = ["-prepend-pattern", HYDRA_PREFIX] if hydra else []
     interface = ["-iface", iface] if hydra and iface else []
-    return [mpiexec, "-n", str(nproc), *prefix, *interface, *worker]
+    placement = ["-hosts", hosts] if hosts else []
+    return [mpiexec, "-n", str(nproc), *placement, *prefix, *interface, *worker]

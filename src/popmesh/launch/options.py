@@ -233,7 +233,7 @@ def launch_options(ns: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
         master_addr=rdzv.master_addr, master_port=rdzv.master_port, run_id=rdzv.run_id, role=ns.role,
         max_restarts=ns.max_restarts, quiet_others=ns.quiet_others, grace=ns.grace, store_fd=ns.store_fd,
         log_dir=ns.log_dir, tee=ns.tee, redirects=ns.redirects,
-        local_ranks_filter=parse_rank_list(ns.local_ranks_filter),
+        local_ranks_filter=parse_rank_list(ns.local_ranks_filter), hosts=ns.hosts or (), hostfile=ns.hostfile,
     )
     return kwargs, warnings
 
@@ -275,6 +275,11 @@ def _rendezvous_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rdzv-id", "--rdzv_id", default=None, help="the job's id: TORCHELASTIC_RUN_ID, log folder prefix")
     g.add_argument("--rdzv-conf", "--rdzv_conf", default="", help=argparse.SUPPRESS)
     g.add_argument("--standalone", action="store_true", help="one node, a free port on loopback")
+    h = p.add_argument_group("hosts of an MPI world (--engine mpi: one mpiexec starts every host's ranks over ssh)")
+    h.add_argument("--hosts", "-hosts", default=None, metavar="A:N,B:N",
+                   help="hosts and their ranks, e.g. a:2,b:2 (a host without :N runs -n ranks)")
+    h.add_argument("--hostfile", "-f", "--host-file", default=None, metavar="FILE",
+                   help="a file of hosts, one a line: host:N or host slots=N")
 
 
 def _output_options(p: argparse.ArgumentParser) -> None:

@@ -31,6 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from popmesh.core.errors import ConfigError
+from popmesh.launch.hosts import Slots, ranks_on
 
 __all__ = [
     "ENGINES",
@@ -93,6 +94,7 @@ class LaunchSpec:
 
     ``run_id``, ``role`` and ``max_restarts`` are torchrun's (``TORCHELASTIC_RUN_ID``, ``ROLE_NAME``,
     ``TORCHELASTIC_MAX_RESTARTS``); restarts are not supported yet, so ``max_restarts`` must be 0.
+    ``hosts`` (mpi engine only) names the hosts one mpiexec starts the world on, with their ranks.
     """
 
     nproc: int
@@ -104,10 +106,11 @@ class LaunchSpec:
     run_id: str = "none"
     role: str = "default"
     max_restarts: int = 0
+    hosts: Slots = ()
 
     @property
     def world_size(self) -> int:
-        return self.nnodes * self.nproc
+        return ranks_on(self.hosts) if self.hosts else self.nnodes * self.nproc
 
     @property
     def hosts_store(self) -> bool:
@@ -148,8 +151,13 @@ def validate(spec: LaunchSpec) -> None:
         )
     if spec.nnodes > 1 and spec.engine == "mpi":
         raise ConfigError(
-            "--engine mpi starts one mpiexec for the whole world; for several nodes run "
-            "`mpiexec -n N -hosts a,b python -m popmesh.launch.bootstrap script.py` yourself"
+            "--engine mpi starts one mpiexec for the whole world, on every host at once: name the hosts "
+            "with --hosts a:2,b:2 or --hostfile FILE instead of --nnodes"
+        )
+    if spec.hosts and spec.engine != "mpi":
+        raise ConfigError(
+            "--hosts/--hostfile name the hosts one mpiexec starts ranks on: add --engine mpi; for the torch "
+            "engine start one popmesh launch per host with --nnodes, --node-rank and --master-addr"
         )
     _validate_elastic(spec)
 
@@ -213,7 +221,7 @@ def loopback_env(parent: Mapping[str, str], spec: LaunchSpec, iface: str | None)
     A variable the user set (in ``parent``) is left alone; on several nodes, or without a loopback
     interface, nothing is pinned.
     """
-    if spec.nnodes > 1 or not iface:
+    if spec.nnodes > 1 or spec.hosts or not iface:
         return {}
     return {name: iface for name in LOOPBACK_VARS.get(spec.engine, ()) if name not in parent}
 

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from popmesh.launch.errorfile import ErrorRecord, read_error_file
 from popmesh.launch.output import OutputPump
 from popmesh.launch.plan import error_file_name
+from popmesh.launch.rankwatch import RankEnd
 from popmesh.launch.result import LaunchResult, RankFailure, exit_status
 from popmesh.launch.runner import Child
 
@@ -71,9 +72,11 @@ def _records(error_dir: str) -> list[ErrorRecord]:
 
 def judge_mpi(
     child: Child, *, error_dir: str, pump: OutputPump, teardown_at: float | None, received: int | None,
-    world_size: int,
+    world_size: int, killed: Sequence[RankEnd] = (),
 ) -> LaunchResult:
-    """The result of an mpiexec run: ranks are named by their error records, else mpiexec is blamed."""
+    """The result of an mpiexec run: ranks are named by their error records, else by the watch of this
+    host's ranks (``killed``: processes that ended without an exit note, earliest first), else mpiexec
+    is blamed."""
     assert child.returncode is not None
     records = [r for r in _records(error_dir) if teardown_at is None or r.time < teardown_at]
     if child.returncode == 0 and not records:
@@ -81,11 +84,26 @@ def judge_mpi(
     code = exit_status(child.returncode)[0] if child.returncode > 0 else 1  # the code the first rank aborted with
     failures = [RankFailure(r.rank, code if i == 0 else 1, None, r, tuple(pump.tail(r.rank)), r.host)
                 for i, r in enumerate(records)]
+    terminated: tuple[int, ...] = ()
+    hints: tuple[str, ...] = ()
+    if not failures and received is None and killed:
+        # No record: the first rank of this host seen to end without an exit note was killed; mpiexec's
+        # status is the first failed process's (Hydra reports a signal N as N).
+        first, *rest = killed
+        code = exit_status(child.returncode)[0]
+        sig = _signal_of(code)
+        failures = [RankFailure(first.rank, 128 + code if sig else code, sig, None, tuple(pump.tail(first.rank)),
+                                first.host)]
+        terminated = tuple(sorted(end.rank for end in rest))
+        together = [end.rank for end in killed if end.time == first.time]
+        if len(together) > 1:
+            hints = (f"ranks {', '.join(map(str, together))} were seen to end together (the launcher was not "
+                     "scheduled in between), so the first of them to die cannot be told; the root cause is a guess",)
     if not failures and received is None:
         code, sig = exit_status(child.returncode)
         said = pump.tail(None, "stdout") + pump.tail(None, "stderr")
-        # A rank killed by a signal leaves no record, and hydra's "BAD TERMINATION" banner names the
-        # first of the processes its cleanup killed, not the first to die: mpiexec is blamed.
+        # A rank of another host killed by a signal leaves no record here, and hydra's "BAD TERMINATION"
+        # banner names the first of the processes its cleanup killed, not the first to die: mpiexec is blamed.
         failures = [RankFailure(None, code, sig, None, tuple(said))]
     return LaunchResult(
         returncode=failures[0].exitcode if failures else _interrupted_code(received) or 1,
@@ -93,5 +111,15 @@ def judge_mpi(
         engine="mpi",
         failure=failures[0] if failures else None,
         other_failures=tuple(failures[1:]),
+        terminated=terminated,
         interrupted_by=_signal_name(received),
+        hints=hints,
     )
+
+
+def _signal_of(code: int) -> str | None:
+    """The signal Hydra's exit status ``code`` stands for (it exits with N for a process killed by signal N)."""
+    try:
+        return signal.Signals(code).name if 0 < code < 64 else None
+    except ValueError:
+        return None

@@ -31,6 +31,7 @@ from typing import Any
 
 from popmesh.core.errors import CommTimeout, ConfigError, PopmeshError
 from popmesh.core.launch_env import TorchEnv
+from popmesh.engines.torch.network import pin_interface, probe_ring, spans_hosts
 
 __all__ = ["make_store", "join_world"]
 
@@ -84,14 +85,23 @@ def _await_listener(env: TorchEnv, timeout: float, deadline: float) -> None:
 
 def join_world(dist: Any, store: Any, env: TorchEnv, backend: str, timeout: float) -> None:
     """``init_process_group`` over ``store``; CommTimeout naming the ranks that never joined if the
-    world does not form within ``timeout``."""
+    world does not form within ``timeout``. A world that may span hosts first checks that each rank
+    reaches the next at the address its transport will use (:func:`~popmesh.engines.torch.network.probe_ring`):
+    the interface chosen by :func:`~popmesh.engines.torch.network.pin_interface`, which runs first."""
+    choice = pin_interface(env)
     try:
         store.set(_JOINED + str(env.rank), b"1")
+        if spans_hosts(env):
+            probe_ring(store, env, backend, choice, timeout)
         dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size,
                                 timeout=timedelta(seconds=timeout))
-    except RuntimeError as e:  # torch's DistStoreError, DistNetworkError, gloo's errors
+    except ConfigError:  # the probe's verdict: it says what to set
+        raise
+    except (RuntimeError, CommTimeout) as e:  # torch's DistStoreError, DistNetworkError, gloo's errors; the probe's
         missing = _not_joined(store, env.world_size)
         if missing == ():
+            if isinstance(e, CommTimeout):
+                raise
             raise PopmeshError(f"rank {env.rank} could not form the torch.distributed world of {env.world_size} "
                                f"ranks ({backend}) although every rank joined the rendezvous: {e}") from e
         who = (f"rank(s) {list(missing)} never joined" if missing else
