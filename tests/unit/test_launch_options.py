@@ -166,14 +166,16 @@ def test_refused_torchrun_options_name_themselves(names: tuple[str, ...], takes_
         assert f"argument {'/'.join(names)}: torchrun's option is not supported: {reason}" in err
 
 
-def test_max_restarts_is_a_clear_error_not_ignored(tmp_path: Path, capsys) -> None:
+def test_max_restarts_where_no_engine_can_take_a_rank_back_is_a_clear_error(tmp_path: Path, capsys) -> None:
     script = tmp_path / "s.py"
     script.write_text("raise SystemExit('must not run')\n")
-    assert cli.main(["launch", "--max-restarts", "1", "-n", "2", str(script)]) == 2
+    assert cli.main(["launch", "--max-restarts", "1", "--engine", "mpi", "-n", "2", str(script)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("popmesh launch: error: --max-restarts 1: restarting failed ranks is not supported yet")
-    with pytest.raises(ConfigError, match="not supported yet"):
-        launch(str(script), max_restarts=3)
+    assert err.startswith("popmesh launch: error: --max-restarts 1 with --engine mpi: an MPI world cannot take")
+    with pytest.raises(ConfigError, match=r"jax\.distributed cannot take a restarted process"):
+        launch(str(script), max_restarts=3, engine="jax")
+    with pytest.raises(ConfigError, match="give 0"):
+        launch(str(script), max_restarts=-1)
 
 
 def test_unknown_options_get_the_commands_usage(capsys) -> None:

@@ -51,6 +51,14 @@ def test_torchrun_variables_of_each_rank() -> None:
     assert not any(k.startswith("TORCHELASTIC_") for k in plan_mpi_env(LaunchSpec(nproc=2, engine="mpi"), "/e"))
 
 
+def test_with_restarts_the_launcher_serves_the_store_and_rank_zero_gets_no_socket() -> None:
+    spec = LaunchSpec(nproc=2, max_restarts=3)
+    plans = plan_ranks(spec, port=5, error_dir="/e", store_fd=7)
+    assert {p.env["TORCHELASTIC_USE_AGENT_STORE"] for p in plans} == {"True"}
+    assert {p.env["TORCHELASTIC_MAX_RESTARTS"] for p in plans} == {"3"}
+    assert all("POPMESH_STORE_FD" not in p.env for p in plans)
+
+
 def test_multi_node_numbering_and_store_only_on_node_zero() -> None:
     spec = LaunchSpec(nproc=3, nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=4000)
     plans = plan_ranks(spec, port=4000, error_dir="/e", store_fd=9)
@@ -115,8 +123,9 @@ def test_base_env_strips_an_enclosing_world_and_respects_user_threads() -> None:
         (LaunchSpec(nproc=2, master_addr=""), "master-addr"),
         (LaunchSpec(nproc=2, nnodes=2), "same --master-port"),
         (LaunchSpec(nproc=2, nnodes=2, engine="mpi", master_port=5), "mpiexec"),
-        (LaunchSpec(nproc=2, max_restarts=1), "--max-restarts 1: restarting failed ranks is not supported yet"),
-        (LaunchSpec(nproc=2, max_restarts=-1), "not supported yet"),
+        (LaunchSpec(nproc=2, max_restarts=1, engine="mpi"), "--max-restarts 1 with --engine mpi: an MPI world"),
+        (LaunchSpec(nproc=2, max_restarts=1, engine="jax"), r"jax\.distributed cannot take"),
+        (LaunchSpec(nproc=2, max_restarts=-1), "give 0"),
         (LaunchSpec(nproc=2, role=""), "--role is empty"),
         (LaunchSpec(nproc=2, run_id=""), "--rdzv-id is empty"),
     ],

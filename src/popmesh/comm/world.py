@@ -14,7 +14,7 @@ from typing import Any
 from popmesh.comm.agreement import exchange_texts
 from popmesh.core.errors import ConfigError, NotInGroup, PeerFailure, know_hosts
 from popmesh.core.launch_env import detect_engine, read_check, read_timeout
-from popmesh.core.timeouts import check_timeout
+from popmesh.core.timeouts import check_timeout, resolve_timeout
 from popmesh.engines import Engine, GroupSpec, create_engine
 
 __all__ = ["Comm", "World", "Group", "init", "current_world", "resolve_group", "finalize"]
@@ -126,6 +126,33 @@ class World(Comm):
         """A rank of ``ranks`` (None: any) that the heartbeat found frozen or dead, as the PeerFailure
         that names it, or None. Background services poll this to stop within seconds of a loss."""
         return self.engine.peer_failure(ranks)
+
+    @property
+    def generation(self) -> int:
+        """How many times this world has re-formed (0: the world as first formed)."""
+        return self.engine.generation
+
+    @property
+    def newcomers(self) -> tuple[int, ...]:
+        """The ranks that joined the current generation as new processes (restarted for lost ranks);
+        () in the world as first formed. A newcomer sees its own rank here: it has state to receive."""
+        return self.engine.newcomers
+
+    def reform(self, timeout: float | None = None) -> tuple[int, ...]:
+        """After a lost rank (a PeerFailure, ``failure()``), form the world again with the process the
+        launcher restarted for it (``popmesh launch --max-restarts N``): a new process group on the same
+        engine, under a new generation of the rendezvous. Every surviving rank calls this; the restarted
+        process joins from ``init()``. Returns :attr:`newcomers`, whose state the survivors hand over
+        (``broadcast``, ``send``). Groups made with ``new_group`` before belong to the old generation:
+        make them again, in the same order on every rank. torch engine only (MPI: ConfigError)."""
+        seconds = resolve_timeout(timeout, self.default_timeout, "timeout", "reform")
+        self.require_member("reform")
+        fresh = self.engine.reform(seconds)
+        self._next_gid = 1
+        self.handle = self.engine.make_group(self.spec, seconds)
+        self.hostnames = self._gather_hostnames()
+        know_hosts(self.hostnames)
+        return fresh
 
     def new_group(self, ranks: Sequence[int]) -> Group:
         """A sub-communicator over ``ranks`` (global). Every rank of the world must call this, in the

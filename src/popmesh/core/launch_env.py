@@ -74,6 +74,7 @@ class TorchEnv:
     master_port: int
     store_fd: int | None
     agent_store: bool = False  # torchrun's agent serves the store (TORCHELASTIC_USE_AGENT_STORE): rank 0 only connects
+    restart_count: int = 0  # this rank's restarts (TORCHELASTIC_RESTART_COUNT): > 0 rejoins a formed world
 
 
 def _int_var(environ: Mapping[str, str], name: str, *, required: bool) -> int | None:
@@ -129,6 +130,7 @@ def read_torch_env(environ: Mapping[str, str] | None = None) -> TorchEnv:
         master_port=port,
         store_fd=_int_var(environ, "POPMESH_STORE_FD", required=False),
         agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE", "").strip().lower() == "true",
+        restart_count=_int_var(environ, "TORCHELASTIC_RESTART_COUNT", required=False) or 0,
     )
 
 

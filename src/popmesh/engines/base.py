@@ -74,6 +74,8 @@ class Engine(Protocol):
     rank: int
     size: int
     one_sided: bool  # whether :meth:`snapshot_window` is available
+    generation: int  # how many times the world re-formed after a lost rank (see reform)
+    newcomers: tuple[int, ...]  # ranks that joined the current generation as new processes
     tuning: Tuning
 
 
@@ -91,6 +93,7 @@ class Engine(Protocol):
     def snapshot_window(self, group: Any, nbytes: int) -> SnapshotWindow: ...
     def native_group(self, group: Any) -> Any: ...  # the engine's own communicator for a group handle
     def peer_failure(self, ranks: Collection[int] | None = None) -> PeerFailure | None: ...  # the heartbeat's finding
+    def reform(self, timeout: float) -> tuple[int, ...]: ...  # next generation after a lost rank; its new processes
     def finalize(self) -> None: ...
 
 

@@ -21,6 +21,8 @@ class LocalEngine:
     rank = 0
     size = 1
     one_sided = False
+    generation = 0  # worlds of this engine never re-form
+    newcomers: tuple[int, ...] = ()
     tuning = Tuning()
     _p2p: Any = None
 
@@ -72,6 +74,10 @@ class LocalEngine:
 
     def peer_failure(self, ranks: Collection[int] | None = None) -> PeerFailure | None:
         return None  # a world of one has no peer to lose
+
+    def reform(self, timeout: float) -> tuple[int, ...]:
+        """A world of one has no other rank to lose: nothing to re-form."""
+        return ()
 
     def finalize(self) -> None:
         return None

@@ -11,8 +11,10 @@ import os
 import re
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from collections.abc import Collection, Mapping, Sequence
 from typing import TextIO
@@ -27,6 +29,7 @@ from popmesh.launch.plan import (
     LaunchSpec,
     base_env,
     cpu_count,
+    error_file_name,
     loopback_env,
     loopback_interface,
     oversubscription_warning,
@@ -35,8 +38,8 @@ from popmesh.launch.plan import (
     validate,
 )
 from popmesh.launch.rankwatch import RankEnd, RankWatch
-from popmesh.launch.result import LaunchResult, format_summary
-from popmesh.launch.runner import Supervisor
+from popmesh.launch.result import LaunchResult, exit_status, format_summary
+from popmesh.launch.runner import Child, Supervisor
 from popmesh.launch.shm import SegmentSweep
 from popmesh.launch.verdict import judge_local, judge_mpi
 
@@ -123,7 +126,7 @@ def launch(
     try:
         pump = OutputPump(stdout or sys.stdout, err, quiet_others=quiet_others, sink=logs)
         result = _supervise(spec, worker, parent_env, pump, grace=grace, store_fd=store_fd, python=python[0],
-                            rank0_terminal=rank0_terminal, logs=logs)
+                            rank0_terminal=rank0_terminal, logs=logs, err=err)
     finally:
         if logs is not None:
             logs.close()
@@ -172,34 +175,90 @@ def _open_logs(request: LogRequest, spec: LaunchSpec, err: TextIO) -> RankLogs |
 def _supervise(
     spec: LaunchSpec, worker: list[str], parent_env: dict[str, str], pump: OutputPump, *, grace: float,
     store_fd: bool, python: str, rank0_terminal: bool = False, logs: RankLogs | None = None,
+    err: TextIO = sys.stderr,
 ) -> LaunchResult:
     """Start the children, watch them to the end (killing them if we are interrupted), judge.
 
     Under MPI, the shared-memory segments the job left (a rank died before finalizing) are removed
-    once mpiexec has exited. The ranks' error records are copied into their log folders.
+    once mpiexec has exited. The ranks' error records are copied into their log folders. With
+    ``spec.max_restarts`` a failed rank is restarted in place (:class:`_Restarts`), and node 0 serves
+    the store from a process of its own, so that it outlives any rank.
     """
     with tempfile.TemporaryDirectory(prefix="popmesh-launch-") as error_dir:
         supervisor = Supervisor(pump, grace)
         segments = SegmentSweep() if spec.engine == "mpi" else None
         ranks = RankWatch(error_dir) if spec.engine == "mpi" else contextlib.nullcontext()
+        restarts = _Restarts(spec, supervisor, worker, error_dir, err)
+        store: subprocess.Popen[bytes] | None = None
         try:
             with ranks:
                 if spec.engine == "mpi":
                     _start_mpi(supervisor, spec, worker, parent_env, error_dir, python)
                 else:
-                    _start_local(supervisor, spec, worker, parent_env, error_dir, store_fd, rank0_terminal)
+                    store = _start_local(supervisor, spec, worker, parent_env, error_dir, store_fd, rank0_terminal,
+                                         python, restarts)
                 supervisor.watch()
         except BaseException:
             supervisor.kill_all()
             raise
         finally:
             supervisor.close()
+            if store is not None:
+                _stop(store)
             if logs is not None:
                 logs.keep_errors(error_dir)
             if segments is not None and supervisor.children:
                 segments.sweep(supervisor.children[0].proc.pid)
         killed = ranks.killed() if isinstance(ranks, RankWatch) else []
-        return _judge(supervisor, spec, error_dir, pump, store_fd, killed)
+        return _judge(supervisor, spec, error_dir, pump, store_fd, killed, restarts.notes)
+
+
+class _Restarts:
+    """``--max-restarts``: a failed rank's replacement, the same command and variables plus its restart
+    count, while the rank's budget lasts; each restart is said on stderr and kept for the summary."""
+
+    def __init__(self, spec: LaunchSpec, sup: Supervisor, worker: list[str], error_dir: str, err: TextIO) -> None:
+        self._spec, self._sup, self._worker, self._dir, self._err = spec, sup, worker, error_dir, err
+        self._envs: dict[int, tuple[dict[str, str], bool]] = {}
+        self._counts: dict[int, int] = {}
+        self.notes: list[str] = []
+        if spec.max_restarts > 0 and spec.engine == "torch":
+            sup.set_restart(self)
+
+    def remember(self, rank: int, env: dict[str, str], inherit_output: bool) -> None:
+        self._envs[rank] = (env, inherit_output)
+
+    def __call__(self, child: Child) -> Child | None:
+        assert child.rank is not None and child.returncode is not None
+        code, sig = exit_status(child.returncode)
+        how = f"was killed by {sig}" if sig else f"exited with code {code}"
+        count = self._counts.get(child.rank, 0) + 1
+        if count > self._spec.max_restarts:
+            _say(self._err, f"popmesh launch: rank {child.rank} {how}; its {self._spec.max_restarts} restart(s) are "
+                            "used up: tearing the world down")
+            return None
+        self._counts[child.rank] = count
+        record = os.path.join(self._dir, error_file_name(child.rank))
+        if os.path.exists(record):  # the replaced process's record stays, under another name
+            os.replace(record, record[: -len(".json")] + f".restart-{count}.json")
+        env, inherit_output = self._envs[child.rank]
+        budget = self._spec.max_restarts
+        note = f"rank {child.rank} {how} at {time.strftime('%H:%M:%S')}; restarted ({count} of {budget})"
+        _say(self._err, f"popmesh launch: {note}")
+        self.notes.append(note)
+        return self._sup.spawn(self._worker, {**env, "TORCHELASTIC_RESTART_COUNT": str(count)}, child.rank,
+                               inherit_output=inherit_output)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """End a helper process of the launcher: SIGTERM, then SIGKILL after a second."""
+    with contextlib.suppress(ProcessLookupError):
+        proc.terminate()
+    try:
+        proc.wait(timeout=1.0)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def _check_target(target: str, module: bool) -> None:
@@ -214,30 +273,54 @@ def _check_target(target: str, module: bool) -> None:
 
 def _start_local(
     sup: Supervisor, spec: LaunchSpec, worker: list[str], parent_env: dict[str, str], error_dir: str, store_fd: bool,
-    rank0_terminal: bool = False,
-) -> None:
-    """Spawn the ranks of this node; rank 0 of node 0 gets the pre-bound store socket (torch)."""
+    rank0_terminal: bool = False, python: str = sys.executable, restarts: _Restarts | None = None,
+) -> subprocess.Popen[bytes] | None:
+    """Spawn the ranks of this node; rank 0 of node 0 gets the pre-bound store socket (torch), or, with
+    restarts, a store process of the launcher does (returned, for the caller to stop)."""
     sock = None
+    store = None
     port = spec.master_port
-    if spec.engine == "torch" and store_fd and spec.hosts_store:
+    if spec.engine == "torch" and (store_fd or spec.serves_store_apart) and spec.hosts_store:
         sock = _listen(spec.master_addr, port, backlog=max(1024, spec.world_size), anywhere=spec.nnodes > 1)
         port = sock.getsockname()[1]
     elif port == 0:
         port = _free_port(spec.master_addr)
     try:
+        if sock is not None and spec.serves_store_apart:
+            store = _serve_store(python, sock, spec, port)
+            sock.close()
+            sock = None
         fd = None if sock is None else sock.fileno()
         common = {**base_env(parent_env, spec, cpu_count()), **loopback_env(parent_env, spec, loopback_interface())}
         common["POPMESH_PARENT_PID"] = str(os.getpid())
         for plan in plan_ranks(spec, port, error_dir, store_fd=fd):
             gets_fd = "POPMESH_STORE_FD" in plan.env
-            sup.spawn(worker, {**common, **plan.env}, plan.rank, pass_fds=(fd,) if gets_fd and fd is not None else (),
-                      inherit_output=rank0_terminal and plan.rank == 0)
+            env = {**common, **plan.env}
+            inherit = rank0_terminal and plan.rank == 0
+            if restarts is not None:
+                restarts.remember(plan.rank, env, inherit)
+            sup.spawn(worker, env, plan.rank, pass_fds=(fd,) if gets_fd and fd is not None else (),
+                      inherit_output=inherit)
             if gets_fd and sock is not None:
                 sock.close()  # rank 0 owns it now; our copy would only keep the port busy
                 sock = None
+    except BaseException:
+        if store is not None:
+            _stop(store)
+        raise
     finally:
         if sock is not None:
             sock.close()
+    return store
+
+
+def _serve_store(python: str, sock: socket.socket, spec: LaunchSpec, port: int) -> subprocess.Popen[bytes]:
+    """The store process (:mod:`popmesh.engines.torch.store_server`) on ``sock``, leashed to this launcher."""
+    leash = [python, "-P", BOOTSTRAP, "--leash", str(int(signal.SIGTERM)), str(os.getpid())]
+    serve = [python, "-m", "popmesh.engines.torch.store_server", str(sock.fileno()), spec.master_addr, str(port),
+             str(spec.world_size)]
+    return subprocess.Popen([*leash, *serve], pass_fds=(sock.fileno(),), stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, start_new_session=True)
 
 
 def _start_mpi(
@@ -299,13 +382,14 @@ def _free_port(addr: str) -> int:
 
 
 def _judge(
-    sup: Supervisor, spec: LaunchSpec, error_dir: str, pump: OutputPump, store_fd: bool, killed: list[RankEnd]
+    sup: Supervisor, spec: LaunchSpec, error_dir: str, pump: OutputPump, store_fd: bool, killed: list[RankEnd],
+    restarts: list[str],
 ) -> LaunchResult:
     if spec.engine == "mpi":
         return judge_mpi(sup.children[0], world_size=spec.world_size, error_dir=error_dir, pump=pump,
                          teardown_at=sup.teardown_at, received=sup.received, killed=killed)
     result = judge_local(sup.children, world_size=spec.world_size, engine=spec.engine, error_dir=error_dir,
-                         pump=pump, teardown_at=sup.teardown_at, received=sup.received)
+                         pump=pump, teardown_at=sup.teardown_at, received=sup.received, restarts=restarts)
     if store_fd and spec.engine == "torch" and _mentions_port_clash(result):
         hint = (
             "rank 0 already holds the rendezvous socket (POPMESH_STORE_FD); create torch's TCPStore "

@@ -93,7 +93,7 @@ class LaunchSpec:
     """What to start on this node: ``nproc`` ranks of a world of ``nnodes * nproc``.
 
     ``run_id``, ``role`` and ``max_restarts`` are torchrun's (``TORCHELASTIC_RUN_ID``, ``ROLE_NAME``,
-    ``TORCHELASTIC_MAX_RESTARTS``); restarts are not supported yet, so ``max_restarts`` must be 0.
+    ``TORCHELASTIC_MAX_RESTARTS``); ``max_restarts`` is the budget of restarts per rank (torch engine).
     ``hosts`` (mpi engine only) names the hosts one mpiexec starts the world on, with their ranks.
     """
 
@@ -111,6 +111,11 @@ class LaunchSpec:
     @property
     def world_size(self) -> int:
         return ranks_on(self.hosts) if self.hosts else self.nnodes * self.nproc
+
+    @property
+    def serves_store_apart(self) -> bool:
+        """True when the rendezvous store runs in a process of node 0's launcher, not in rank 0 (restarts)."""
+        return self.engine == "torch" and self.max_restarts > 0
 
     @property
     def hosts_store(self) -> bool:
@@ -163,12 +168,20 @@ def validate(spec: LaunchSpec) -> None:
 
 
 def _validate_elastic(spec: LaunchSpec) -> None:
-    """The torchrun settings: restarts are not supported yet; names must not be empty."""
-    if spec.max_restarts != 0:
+    """The torchrun settings: a restart budget the engine can use; names must not be empty."""
+    if spec.max_restarts < 0:
+        raise ConfigError(f"--max-restarts {spec.max_restarts}: give 0 (no restarts, the default) or more")
+    if spec.max_restarts and spec.engine == "mpi":
         raise ConfigError(
-            f"--max-restarts {spec.max_restarts}: restarting failed ranks is not supported yet (popmesh launch "
-            "tears the whole world down at the first failure and reports it); pass --max-restarts 0, the "
-            "default, and restart the job from your scheduler or a retry loop"
+            f"--max-restarts {spec.max_restarts} with --engine mpi: an MPI world cannot take a restarted rank back "
+            "(MPI_COMM_WORLD is fixed for the job, and ULFM, which could shrink it, is not in the MPICH wheels); "
+            "use the torch engine for a world that survives a lost rank, or pass --max-restarts 0 and restart "
+            "the job from a checkpoint"
+        )
+    if spec.max_restarts and spec.engine == "jax":
+        raise ConfigError(
+            f"--max-restarts {spec.max_restarts} with --engine jax: jax.distributed cannot take a restarted process "
+            "back into a running job; pass --max-restarts 0 and restart the job from a checkpoint"
         )
     if not spec.role:
         raise ConfigError("--role is empty; give a name, or leave it out for torchrun's 'default'")
@@ -247,17 +260,18 @@ def base_env(parent: Mapping[str, str], spec: LaunchSpec, cpus: int) -> dict[str
     return env
 
 
-def elastic_env(spec: LaunchSpec, rank: int, error_file: str) -> dict[str, str]:
-    """torchrun's per-rank variables beyond RANK/WORLD_SIZE/LOCAL_*/MASTER_* (one role, no restarts yet)."""
+def elastic_env(spec: LaunchSpec, rank: int, error_file: str, restart_count: int = 0) -> dict[str, str]:
+    """torchrun's per-rank variables beyond RANK/WORLD_SIZE/LOCAL_*/MASTER_* (one role). With restarts the
+    launcher serves the store (as torchrun's agent does), so that it outlives any rank."""
     return {
         "GROUP_WORLD_SIZE": str(spec.nnodes),
         "ROLE_NAME": spec.role,
         "ROLE_RANK": str(rank),
         "ROLE_WORLD_SIZE": str(spec.world_size),
         "TORCHELASTIC_RUN_ID": spec.run_id,
-        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_RESTART_COUNT": str(restart_count),
         "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
-        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "TORCHELASTIC_USE_AGENT_STORE": str(spec.serves_store_apart),
         "TORCHELASTIC_ERROR_FILE": error_file,
     }
 
@@ -291,7 +305,7 @@ def plan_ranks(spec: LaunchSpec, port: int, error_dir: str, *, store_fd: int | N
             env["JAX_COORDINATOR_ADDRESS"] = f"{spec.master_addr}:{port}"
             env["JAX_NUM_PROCESSES"] = str(spec.world_size)
             env["JAX_PROCESS_ID"] = str(rank)
-        if spec.engine == "torch" and store_fd is not None and rank == 0:
+        if spec.engine == "torch" and store_fd is not None and rank == 0 and not spec.serves_store_apart:
             env["POPMESH_STORE_FD"] = str(store_fd)
         plans.append(RankPlan(rank=rank, local_rank=local_rank, env=env))
     return plans

@@ -57,6 +57,7 @@ class LaunchResult:
     terminated: tuple[int, ...] = ()
     interrupted_by: str | None = None
     hints: tuple[str, ...] = field(default=())
+    restarts: tuple[str, ...] = ()  # one line per rank restarted during the run (--max-restarts)
 
     @property
     def ok(self) -> bool:
@@ -109,6 +110,7 @@ def format_summary(result: LaunchResult) -> str:
             lines.append("  it left no error record and wrote nothing to stderr")
     for other in result.other_failures:
         lines.append(f"  also failed: {other.describe()}")
+    lines += [f"  earlier: {note}" for note in result.restarts]
     if result.terminated:
         lines.append(f"  terminated by the launcher: ranks {', '.join(map(str, result.terminated))}")
     lines += [f"  hint: {hint}" for hint in result.hints]

@@ -4,9 +4,10 @@ Every child starts in its own session (its own process group), with a parent-dea
 the bootstrap, so the whole group can be killed at teardown and nothing outlives a SIGKILLed
 launcher. Exits are noticed at once through pidfds (polling where the kernel lacks them).
 
-When a child fails (non-zero exit or a signal) or the launcher receives SIGINT/SIGTERM, every
-live group gets SIGTERM (or the received signal), then SIGKILL after ``grace`` seconds; a second
-signal to the launcher skips the grace period.
+When a child fails (non-zero exit or a signal), it is first offered to ``restart`` (``--max-restarts``):
+a replacement process takes its place and the others run on. Otherwise, or when the launcher receives
+SIGINT/SIGTERM, every live group gets SIGTERM (or the received signal), then SIGKILL after ``grace``
+seconds; a second signal to the launcher skips the grace period.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from popmesh.launch.output import OutputPump
@@ -39,13 +40,16 @@ class Child:
     returncode: int | None = None
     exited_at: float | None = None  # wall clock, comparable with error records
     signalled: bool = False  # the launcher sent it a teardown signal before it exited
+    replaced: bool = False  # it failed and a restarted process took its rank
 
 
 class Supervisor:
     """Owns the children of one launch until every one of them has been reaped."""
 
-    def __init__(self, pump: OutputPump, grace: float) -> None:
+    def __init__(self, pump: OutputPump, grace: float, restart: Callable[[Child], Child | None] | None = None) -> None:
         self.children: list[Child] = []
+        self._restart = restart  # given a failed child, spawns its replacement (None: no budget left)
+        self._sel: selectors.BaseSelector | None = None
         self.teardown_at: float | None = None
         self.received: int | None = None
         self._pump = pump
@@ -54,6 +58,10 @@ class Supervisor:
         self._closed = False
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
+
+    def set_restart(self, restart: Callable[[Child], Child | None]) -> None:
+        """Offer every failed child to ``restart`` first: it spawns a replacement, or returns None."""
+        self._restart = restart
 
     def spawn(
         self, cmd: Sequence[str], env: Mapping[str, str], rank: int | None, pass_fds: Sequence[int] = (),
@@ -84,6 +92,7 @@ class Supervisor:
     def watch(self) -> None:
         """Block until every child has exited, tearing the rest down after the first failure."""
         with self._forward_signals(), selectors.DefaultSelector() as sel:
+            self._sel = sel
             sel.register(self._wake_r, selectors.EVENT_READ, None)
             for child in self.children:
                 if child.pidfd is not None:
@@ -95,8 +104,21 @@ class Supervisor:
                 for child in self._live():
                     if _has_exited(child.proc.pid):
                         self._reap(child, sel)
+                        self._offer_restart(child)
                 self._step()
+            self._sel = None
         self._pump.join()
+
+    def _offer_restart(self, child: Child) -> None:
+        """A failed rank's replacement, while the world is not being torn down and the budget allows."""
+        if child.returncode == 0 or self._restart is None or self.teardown_at is not None or self.received is not None:
+            return
+        fresh = self._restart(child)
+        if fresh is None:
+            return
+        child.replaced = True
+        if fresh.pidfd is not None and self._sel is not None:
+            self._sel.register(fresh.pidfd, selectors.EVENT_READ, fresh)
 
     def kill_all(self) -> None:
         """Emergency stop (a spawn failed half-way, or the caller was interrupted): SIGKILL and reap."""
@@ -140,7 +162,7 @@ class Supervisor:
     def _step(self) -> None:
         """Start teardown on the first failure or signal; escalate to SIGKILL after the grace period."""
         if self.teardown_at is None:
-            failed = any(c.returncode not in (None, 0) for c in self.children)
+            failed = any(c.returncode not in (None, 0) and not c.replaced for c in self.children)
             if self.received is not None or failed:
                 sig = self.received if self.received is not None else signal.SIGTERM
                 self.teardown_at = time.time()

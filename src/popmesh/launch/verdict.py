@@ -34,14 +34,15 @@ def _signal_name(received: int | None) -> str | None:
 
 def judge_local(
     children: Sequence[Child], *, error_dir: str, pump: OutputPump, teardown_at: float | None,
-    received: int | None, world_size: int, engine: str,
+    received: int | None, world_size: int, engine: str, restarts: Sequence[str] = (),
 ) -> LaunchResult:
-    """The result of a launch whose children are the ranks themselves (torch and jax engines)."""
+    """The result of a launch whose children are the ranks themselves (torch and jax engines); a child
+    that a restarted process replaced is not a failure of the launch (``restarts`` tells of it)."""
     timed: list[tuple[float, int, RankFailure]] = []
     terminated: list[int] = []
     for child in children:
         assert child.rank is not None and child.returncode is not None
-        if child.returncode == 0:
+        if child.returncode == 0 or child.replaced:
             continue
         record = read_error_file(os.path.join(error_dir, error_file_name(child.rank)))
         own = not child.signalled or (record is not None and teardown_at is not None and record.time < teardown_at)
@@ -62,6 +63,7 @@ def judge_local(
         other_failures=tuple(failures[1:]),
         terminated=tuple(sorted(terminated)),
         interrupted_by=_signal_name(received),
+        restarts=tuple(restarts),
     )
 
 

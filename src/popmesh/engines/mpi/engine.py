@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from popmesh.core.arrays import is_torch
-from popmesh.core.errors import CommTimeout, EngineUnavailable, PeerFailure
+from popmesh.core.errors import CommTimeout, ConfigError, EngineUnavailable, PeerFailure
 from popmesh.core.ops import ReduceOp
 from popmesh.engines.base import GroupSpec, SnapshotWindow, Tuning, poll_until, timeout_message
 from popmesh.engines.interop import numpy_bytes, torch_bytes
@@ -49,6 +49,8 @@ class MpiEngine:
 
     name = "mpi"
     one_sided = True
+    generation = 0  # worlds of this engine never re-form
+    newcomers: tuple[int, ...] = ()
     tuning = Tuning(cpu_bucket_cap_bytes=4 << 20, max_in_flight=1)
     """MPICH, measured like gloo's (benchmarks/grad_sync.py --sweep): 4 MiB pieces one after another
     took 0.4x the time of one 40 MB call; larger pieces lose that, smaller ones pay per call. MPI
@@ -173,6 +175,16 @@ class MpiEngine:
     def peer_failure(self, ranks: Collection[int] | None = None) -> PeerFailure | None:
         """A member of ``ranks`` (None: any rank) the heartbeat found frozen or dead, as a PeerFailure."""
         return None if self._heartbeat is None else self._heartbeat.failure(ranks)
+
+    def reform(self, timeout: float) -> tuple[int, ...]:
+        """MPI cannot re-form a world that lost a rank without ULFM (MPIX_Comm_shrink), which the MPICH
+        wheels do not build: a clear error instead of a hang."""
+        raise ConfigError(
+            "an MPI world cannot re-form after a lost rank: MPI_COMM_WORLD is fixed for the job, and the fault-"
+            "tolerance extension that could shrink it (ULFM) is not in the MPICH wheels; use the torch engine "
+            "(popmesh launch --max-restarts N) for a world that survives a lost rank, or restart the MPI job "
+            "from a checkpoint"
+        )
 
     def finalize(self) -> None:
         if self._heartbeat is not None:

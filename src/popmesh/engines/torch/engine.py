@@ -29,6 +29,17 @@ from popmesh.core.ops import ReduceOp
 from popmesh.engines.base import GroupSpec, SnapshotWindow, Tuning, timeout_message
 from popmesh.engines.interop import numpy_to_torch, torch_to_numpy
 from popmesh.engines.liveness import Heartbeat, start_heartbeat
+from popmesh.engines.torch.generations import (
+    Superseded,
+    await_members,
+    check_in,
+    mark_formed,
+    newcomer_attempt,
+    newcomers,
+    next_attempt,
+    prefix,
+    start_counting,
+)
 from popmesh.engines.torch.rendezvous import join_world, make_store
 from popmesh.engines.torch.send import is_gone
 
@@ -92,11 +103,19 @@ class TorchEngine:
         self._probes: list[Any] = []  # zero-byte sends to live peers stay posted: never freed mid-flight
         self._groups: list[_Handle] = []  # the subgroups this rank is a member of
         self._heartbeat: Heartbeat | None = None
+        self.generation = 0  # which forming of the world this process is in (see reform)
+        self.newcomers: tuple[int, ...] = ()  # ranks that joined the current generation as new processes
         _pick_cuda_device(torch, env)
         if self._owns:
             self._store = make_store(dist, env, timeout)
             self.backend: str = backend or _default_backend(torch)
-            join_world(dist, self._store, env, self.backend, timeout)
+            if env.restart_count > 0 and env.world_size > 1:  # a restarted rank: join the world's next generation
+                self._join_generation(newcomer_attempt(self._store, timeout), timeout, fresh=True)
+            else:
+                join_world(dist, self._store, env, self.backend, timeout)
+                if env.world_size > 1:
+                    start_counting(self._store)
+                    mark_formed(self._store, 0)
         else:
             self.backend = str(dist.get_backend())
         self.rank: int = dist.get_rank()
@@ -221,6 +240,58 @@ class TorchEngine:
         """No one-sided windows on this engine (``one_sided`` is False)."""
         raise ConfigError(f"the {self.name} engine has no one-sided windows: launch under mpiexec or "
                           "popmesh.init(engine='mpi')")
+
+    # ---- a world that re-forms ----------------------------------------------------------------
+    def reform(self, timeout: float) -> tuple[int, ...]:
+        """Leave this generation's process group and form the next one over the same store, with the
+        processes restarted for lost ranks; the ranks that joined as new processes. Every survivor calls
+        this; a restarted process joins from ``__init__``. Subgroups of the old generation are gone."""
+        if not self._owns:
+            raise ConfigError("this world adopted a process group popmesh did not create, so popmesh cannot "
+                              "re-form it: let popmesh.init() create the world")
+        if self.size == 1:
+            return ()
+        self._leave_generation()
+        self._join_generation(next_attempt(self._store, self.generation), timeout, fresh=False)
+        self._heartbeat = start_heartbeat(self.p2p(), self._peer_failed)
+        return self.newcomers
+
+    def _join_generation(self, attempt: int, timeout: float, *, fresh: bool) -> None:
+        """Check in under ``attempt`` and form its process group once every rank is there; a newer attempt
+        (a rank died while this one formed) is joined instead, until ``timeout``."""
+        env, dist = self._env, self._dist
+        deadline = time.monotonic() + timeout
+        while True:
+            check_in(self._store, attempt, env.rank, fresh=fresh)
+            try:
+                await_members(self._store, attempt, env.world_size, deadline)
+                dist.init_process_group(self.backend, store=dist.PrefixStore(prefix(attempt), self._store),
+                                        rank=env.rank, world_size=env.world_size, timeout=timedelta(seconds=timeout))
+                break
+            except Superseded as e:
+                attempt = e.newer
+            except RuntimeError as e:  # a member died while the group formed: the next attempt
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+                if time.monotonic() >= deadline:
+                    raise CommTimeout(f"the world did not re-form within {timeout:g} s: {e}", None) from e
+                attempt = next_attempt(self._store, attempt)
+        mark_formed(self._store, attempt)
+        self.generation = attempt
+        self.newcomers = newcomers(self._store, attempt, env.world_size)
+
+    def _leave_generation(self) -> None:
+        """Stop the heartbeat and the transport, and destroy the process groups, keeping the store."""
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
+        if self._p2p is not None:
+            self._p2p.close()
+            self._p2p = None
+        self._groups.clear()
+        self._probes.clear()
+        if self._dist.is_initialized():
+            self._dist.destroy_process_group()
 
     def finalize(self) -> None:
         if self._heartbeat is not None:

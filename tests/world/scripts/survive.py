@@ -1,0 +1,67 @@
+"""A world that outlives a lost rank: ``survive.py STEPS VICTIM KILL_AT [VICTIM2 KILL_AT2]``.
+
+Each step every rank all-reduces rank+1. VICTIM SIGKILLs itself at step KILL_AT (in its first
+process only; with VICTIM2, that rank's restarted process dies again at KILL_AT2, or with
+KILL_AT2 = -1 VICTIM2's first process dies as it learns of the loss, while the others re-form).
+Survivors catch the PeerFailure, re-form the world with the restarted process, and the lowest
+survivor hands every rank its state; the newcomer takes it in init(). Each rank prints its
+generation, step and whether every sum it saw was the closed form n(n+1)/2. With SURVIVE_OP=ring
+each step is a ring of messages instead (rank r sends r+1 to its right and checks what its left
+sent), so the loss comes mid-message.
+"""
+
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+import popmesh
+
+steps, victim, kill_at = (int(a) for a in sys.argv[1:4])
+again = tuple(int(a) for a in sys.argv[4:6]) or None
+restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+world = popmesh.init()
+expected = world.size * (world.size + 1) / 2
+
+
+def handoff(state: dict) -> dict:
+    """Every rank takes the state of the lowest rank that is not new."""
+    donor = min(r for r in range(world.size) if r not in world.newcomers)
+    print(f"GEN rank={world.rank} gen={world.generation} newcomers={list(world.newcomers)} donor={donor} "
+          f"t={time.time():.3f}", flush=True)
+    return popmesh.broadcast_object(state if world.rank == donor else None, src=donor, timeout=60)
+
+
+state = {"step": 0, "good": True, "reforms": 0}
+if world.newcomers:
+    state = handoff(state)
+while state["step"] < steps:
+    dies = (world.rank == victim and restart == 0 and state["step"] == kill_at) or (
+        again is not None and world.rank == again[0] and again[1] >= 0 and restart == 1 and state["step"] == again[1])
+    if dies:
+        print(f"KILLING rank={world.rank} t={time.time():.3f}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        if os.environ.get("SURVIVE_OP") == "ring":
+            left, right = (world.rank - 1) % world.size, (world.rank + 1) % world.size
+            sending = popmesh.isend(np.array([world.rank + 1.0, state["step"]]), right, tag=7, timeout=60)
+            _, got = popmesh.recv(left, tag=7, timeout=60)
+            sending.wait()
+            total = np.array([expected]) if float(got[0]) == left + 1 and got[1] == state["step"] else got
+        else:
+            total = popmesh.all_reduce(np.array([world.rank + 1.0]), timeout=60)
+    except popmesh.PeerFailure as e:
+        print(f"LOST rank={world.rank} step={state['step']}: {str(e)[:120]}", flush=True)
+        if again is not None and again[1] == -1 and world.rank == again[0] and restart == 0:
+            os.kill(os.getpid(), signal.SIGKILL)  # a second loss while the world re-forms
+        world.reform(timeout=60)
+        state = handoff(state)
+        state["reforms"] += 1
+        continue
+    state["good"] = state["good"] and float(total[0]) == expected
+    state["step"] += 1
+print(f"DONE rank={world.rank} gen={world.generation} step={state['step']} good={state['good']} "
+      f"restart={restart}", flush=True)
+world.finalize()

@@ -1,0 +1,82 @@
+"""A world that outlives a lost rank: `popmesh launch --max-restarts N` restarts the rank, the survivors
+call `world.reform()`, the restarted process joins from `init()`, and the run ends with every rank done
+and every result right (tests/world/scripts/survive.py). Ranks are SIGKILLed mid-collective, mid-message,
+while the world re-forms, and again after their restart; past the budget the world is torn down."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness import mpiexec
+
+pytestmark = pytest.mark.world
+SCRIPT = str(Path(__file__).parent / "scripts" / "survive.py")
+_DONE = re.compile(r"DONE rank=(\d+) gen=(\d+) step=(\d+) good=(\w+) restart=(\d+)")
+
+
+def _launch(*args: str, budget: int = 2, nproc: int = 3, op: str = "all_reduce") -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "SURVIVE_OP": op, "POPMESH_TIMEOUT": "60"}
+    return subprocess.run([sys.executable, "-m", "popmesh", "launch", "-n", str(nproc), "--max-restarts", str(budget),
+                           SCRIPT, *args], capture_output=True, text=True, timeout=100, env=env)
+
+
+def _done(out: str) -> dict[int, tuple[int, int, bool, int]]:
+    """rank -> (generation, steps, every result right, restarts of its process)."""
+    return {int(m[1]): (int(m[2]), int(m[3]), m[4] == "True", int(m[5])) for m in _DONE.finditer(out)}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("victim,op", [(1, "all_reduce"), (0, "all_reduce"), (2, "ring")])
+def test_a_killed_rank_is_restarted_and_the_world_carries_on(victim, op):
+    """Rank 0 too: the store is served by the launcher, not by rank 0."""
+    done = _launch("150", str(victim), "60", op=op)
+    assert done.returncode == 0, done.stderr[-3000:]
+    expected = {r: (1, 150, True, 1 if r == victim else 0) for r in range(3)}
+    assert _done(done.stdout) == expected, done.stdout[-3000:]
+    assert f"rank {victim} was killed by SIGKILL" in done.stderr and "restarted (1 of 2)" in done.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_restarted_rank_that_fails_again_is_restarted_again():
+    done = _launch("150", "1", "40", "1", "90")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _done(done.stdout) == {0: (2, 150, True, 0), 1: (2, 150, True, 2), 2: (2, 150, True, 0)}, done.stdout
+    assert "restarted (2 of 2)" in done.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_second_loss_while_the_world_reforms_is_taken_in():
+    """Rank 2 dies as it learns of rank 1's loss: both come back, in one generation or two."""
+    done = _launch("150", "1", "40", "2", "-1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = _done(done.stdout)
+    assert sorted(result) == [0, 1, 2] and all(steps == 150 and good for _, steps, good, _ in result.values())
+    assert result[1][3] == 1 and result[2][3] == 1 and result[0][3] == 0, done.stdout[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_past_the_budget_the_world_is_torn_down_naming_the_rank_and_its_restarts():
+    done = _launch("150", "1", "40", "1", "90", budget=1)
+    assert done.returncode == 137, done.stderr[-3000:]
+    assert "rank 1 was killed by SIGKILL; its 1 restart(s) are used up" in done.stderr
+    assert "root cause: rank 1 was killed by SIGKILL" in done.stderr
+    assert re.search(r"earlier: rank 1 was killed by SIGKILL at \S+; restarted \(1 of 1\)", done.stderr)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(mpiexec() is None, reason="mpi4py/MPICH not installed")
+def test_mpi_says_plainly_that_it_cannot_reform_or_restart():
+    code = ("import popmesh\nw = popmesh.init()\ntry:\n    w.reform()\n"
+            "except popmesh.ConfigError as e:\n    print('REFUSED', e)")
+    done = subprocess.run([str(mpiexec()), "-n", "1", sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=50)
+    assert "REFUSED an MPI world cannot re-form after a lost rank" in done.stdout, done.stdout + done.stderr
+    refused = subprocess.run([sys.executable, "-m", "popmesh", "launch", "--engine", "mpi", "-n", "2",
+                              "--max-restarts", "1", SCRIPT, "1", "1", "1"], capture_output=True, text=True, timeout=30)
+    assert refused.returncode == 2 and "cannot take a restarted rank back" in refused.stderr
