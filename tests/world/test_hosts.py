@@ -158,3 +158,25 @@ def test_popmesh_launch_runs_an_mpi_world_across_two_hosts(how, tmp_path):
         (code, out), = _finish([proc], timeout=90)
     assert code == 0, out[-3000:]
     _assert_world(out, th)
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_lost_on_one_host_is_restarted_there_and_the_world_reforms_across_hosts():
+    """--max-restarts over two hosts: node 0's launcher serves the store, host b's launcher restarts its
+    rank 3, and the four ranks finish in generation 1 with every sum right."""
+    survive = str(Path(__file__).parent / "scripts" / "survive.py")
+    with TwoHosts(names="unresolved") as th:
+        a = th.hosts[0]
+        procs = [
+            host.start([sys.executable, "-m", "popmesh", "launch", "-n", "2", "--nnodes", "2", "--node-rank", str(i),
+                        "--master-addr", a.addr, "--master-port", "29613", "--max-restarts", "1", survive,
+                        "120", "3", "50"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env())
+            for i, host in enumerate(th.hosts)
+        ]
+        ended = _finish(procs, timeout=100)
+    out = "".join(text for _, text in ended)
+    assert [code for code, _ in ended] == [0, 0], out[-4000:]
+    done = re.findall(r"DONE rank=(\d) gen=(\d+) step=(\d+) good=(\w+) restart=(\d)", out)
+    assert sorted(done) == [("0", "1", "120", "True", "0"), ("1", "1", "120", "True", "0"),
+                            ("2", "1", "120", "True", "0"), ("3", "1", "120", "True", "1")], out[-4000:]
+    assert "rank 3 was killed by SIGKILL" in ended[1][1] and "restarted (1 of 1)" in ended[1][1]
