@@ -34,3 +34,26 @@ def test_demo_writes_sane_files(tmp_path, policy):
         assert event["rank"] in (0, 1) and event["donors"] and event["rank"] not in event["donors"]
         assert abs(sum(event["weights"]) - 1) < 1e-6
     assert "Load imbalance" in done.stdout and "Time per step" in done.stdout
+
+
+@pytest.mark.timeout(240)
+def test_demo_checkpoints_and_resumes_where_it_left_off(tmp_path):
+    """--checkpoint-every writes complete checkpoints; --resume takes every agent back (weights, optimizer,
+    steps, the policy's state) and says where from; the resumed agents go on from those steps."""
+    first_out, second_out = tmp_path / "first", tmp_path / "second"
+    common = [sys.executable, "-m", "popmesh", "demo", "--ranks", "2", "--every", "2", "--warmup", "0", "--no-live",
+              "--policy", "selective", "--checkpoint-every", "3"]
+    first = subprocess.run([*common, "--steps", "4000", "--out", str(first_out)], capture_output=True, text=True,
+                           timeout=150)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    run = next(first_out.iterdir())
+    kept = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert kept == ["ckpt-000000003", "ckpt-000000006"], kept  # 8 iterations of 512 steps; due at 3 and 6
+    assert json.loads((run / "summary.json").read_text())["checkpoints"]["written"] == 2
+    second = subprocess.run([*common, "--steps", "6000", "--out", str(second_out), "--resume", str(run)],
+                            capture_output=True, text=True, timeout=150)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert f"resumed from {run}/checkpoints/ckpt-000000006 (iteration 6, 3,072 steps per agent)" in second.stdout
+    summary = json.loads((next(second_out.iterdir()) / "summary.json").read_text())
+    assert summary["resumed_from"] == f"{run}/checkpoints/ckpt-000000006"
+    assert [a["steps"] for a in summary["agents"]] == [6144, 6144]  # 3,072 resumed + 6 iterations of 512

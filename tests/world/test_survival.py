@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from harness import mpiexec
+from popmesh.population.checkpoint import latest_checkpoint
 
 pytestmark = pytest.mark.world
 SCRIPT = str(Path(__file__).parent / "scripts" / "survive.py")
@@ -80,3 +81,16 @@ def test_mpi_says_plainly_that_it_cannot_reform_or_restart():
     refused = subprocess.run([sys.executable, "-m", "popmesh", "launch", "--engine", "mpi", "-n", "2",
                               "--max-restarts", "1", SCRIPT, "1", "1", "1"], capture_output=True, text=True, timeout=30)
     assert refused.returncode == 2 and "cannot take a restarted rank back" in refused.stderr
+
+
+@pytest.mark.timeout(90)
+def test_a_checkpoint_torn_by_a_killed_rank_is_never_loaded(tmp_path):
+    script = str(Path(__file__).parent / "scripts" / "torn_checkpoint.py")
+    done = subprocess.run([sys.executable, "-m", "popmesh", "launch", "-n", "2", script, str(tmp_path / "ckpt")],
+                          capture_output=True, text=True, timeout=80)
+    assert done.returncode == 137, done.stdout[-2000:] + done.stderr[-2000:]  # rank 1's SIGKILL is the root cause
+    folder = tmp_path / "ckpt"
+    assert latest_checkpoint(folder) == folder / "ckpt-000000001"
+    left = sorted(p.name for p in (folder / "ckpt-000000002").iterdir())
+    assert "COMPLETE.json" not in left and "rank-1.pt" not in left, left  # only rank 1's temporary file is there
+    assert any(name.startswith(".rank-1.pt.") for name in left), left

@@ -31,6 +31,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=defaults.out_dir, help="where runs/<timestamp>/ goes (default ./runs)")
     p.add_argument("--stop-at-target", action="store_true", help="stop as soon as one agent averages 475")
     p.add_argument("--no-live", action="store_true", help="no live view, only the final summary")
+    p.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
+                   help="checkpoint the whole population every K iterations into runs/<ts>/checkpoints")
+    p.add_argument("--resume", default="", metavar="RUN",
+                   help="resume from a run folder's newest complete checkpoint (or from one checkpoint)")
 
 
 def run_command(ns: argparse.Namespace) -> int:
@@ -38,7 +42,8 @@ def run_command(ns: argparse.Namespace) -> int:
 
     config = DemoConfig(ranks=ns.ranks, engine=ns.engine, policy=ns.policy, seed=ns.seed, steps=ns.steps,
                         every=ns.every, strategy=ns.strategy, donors=ns.donors, warmup=ns.warmup, out_dir=ns.out,
-                        live=not ns.no_live, stop_at_target=ns.stop_at_target)
+                        live=not ns.no_live, stop_at_target=ns.stop_at_target,
+                        checkpoint_every=ns.checkpoint_every, resume=ns.resume)
     terminal = config.live and sys.stdout.isatty() and config.engine == "torch"
     result = launch("popmesh.demo.worker", ["--config", json.dumps(config.to_dict())], module=True,
                     nproc=config.ranks, engine=config.engine, quiet_others=True, rank0_terminal=terminal)

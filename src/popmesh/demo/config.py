@@ -35,6 +35,8 @@ class DemoConfig:
     out_dir: str = "runs"
     live: bool = True
     stop_at_target: bool = False
+    checkpoint_every: int = 0  # iterations between population checkpoints (0: none)
+    resume: str = ""  # a run folder (or one of its checkpoints) to resume from
 
     def __post_init__(self) -> None:
         if self.ranks < 1:
@@ -49,6 +51,11 @@ class DemoConfig:
             raise ConfigError(f"--strategy {self.strategy!r}: choose one of {', '.join(STRATEGIES)}")
         if self.donors < 1 or self.warmup < 0:
             raise ConfigError("--donors must be at least 1 and --warmup not negative")
+        if self.checkpoint_every < 0:
+            raise ConfigError(f"--checkpoint-every {self.checkpoint_every}: give 0 (none) or a number of iterations")
+        if self.checkpoint_every and self.stop_at_target:
+            raise ConfigError("--checkpoint-every and --stop-at-target cannot be combined yet: the stop reaches the "
+                              "ranks at different iterations, and a checkpoint needs every rank; drop one of them")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -112,6 +112,31 @@ class CartPoleLearner:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
+    def checkpoint(self, iteration: int, extra: dict[str, Any] | None = None) -> Any:
+        """This agent as a population checkpoint holds it (:class:`popmesh.population.checkpoint.AgentState`)."""
+        from popmesh.population.checkpoint import AgentState, capture_rng
+
+        return AgentState(model=self.model.state_dict(), optimizer=self.optimizer.state_dict(),
+                          hyper=self.hyper.to_dict(), counters={"iteration": iteration, "steps": self.total_steps},
+                          rng=capture_rng(), extra={"recent": list(self.recent), **(extra or {})})
+
+    def restore(self, agent: Any) -> int:
+        """Take back an :class:`AgentState` from :meth:`checkpoint`; the iteration it was taken at. The
+        environments start fresh episodes (their state is not checkpointed), seeded by that iteration."""
+        from popmesh.population.checkpoint import restore_rng
+
+        self.model.load_state_dict(agent.model)
+        self.hyper = Hyper(**agent.hyper)
+        self.optimizer = self.make_optimizer(self.model)
+        self.optimizer.load_state_dict(agent.optimizer)
+        self.total_steps = int(agent.counters["steps"])
+        self.recent.extend(float(r) for r in agent.extra.get("recent", ()))
+        restore_rng(agent.rng)
+        iteration = int(agent.counters["iteration"])
+        self.obs, _ = self.envs.reset(seed=self.seed + 7919 * iteration)
+        self.running = np.zeros(self.hyper.num_envs)
+        return iteration
+
     def mean_return(self) -> float:
         """Mean return of the last 20 finished episodes (NaN before the first one)."""
         return float(np.mean(self.recent)) if self.recent else float("nan")

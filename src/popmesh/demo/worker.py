@@ -10,9 +10,11 @@ import json
 import math
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import popmesh
+from popmesh.core.errors import ConfigError
 from popmesh.demo.config import DemoConfig, rank_hyper, rank_seed
 from popmesh.demo.learner import CartPoleLearner
 from popmesh.demo.outputs import new_run_dir, plot_returns, write_events, write_summary
@@ -21,6 +23,7 @@ from popmesh.demo.view import PopulationView
 from popmesh.observe.reports import Timer, print_report
 from popmesh.observe.timing import report_imbalance, report_timings
 from popmesh.population import AsyncSelectiveAveraging, AverageAll, DonorRule, ReplacementRule, SelectiveAveraging
+from popmesh.population.checkpoint import Checkpointer, latest_checkpoint, load_agent
 
 __all__ = ["make_policy", "run", "main"]
 
@@ -48,6 +51,9 @@ def run(config: DemoConfig) -> dict[str, Any] | None:
     learner = CartPoleLearner(rank_seed(config.seed, world.rank), rank_hyper(config.seed, world.rank),
                               init_seed=config.seed)
     policy = make_policy(config, learner)
+    out = Path(popmesh.broadcast_object(str(new_run_dir(config.out_dir)) if world.is_main else None, src=0))
+    start, resumed_from = _resume(world, config, learner, policy)
+    checkpoints = Checkpointer(out / "checkpoints", config.checkpoint_every, group=world)
     live = config.live and sys.stdout.isatty()  # rank 0 holds the terminal only when the launcher gave it
     view = PopulationView(world.size, config.steps, config.policy, live=live) if world.is_main else None
     reporter = Reporter(world, view, config.target, config.stop_at_target)
@@ -55,22 +61,41 @@ def run(config: DemoConfig) -> dict[str, Any] | None:
         view.start()
     timer = Timer()
     try:
-        _train(world, config, learner, policy, reporter, timer)
+        _train(world, config, learner, policy, reporter, timer, start, checkpoints)
         if hasattr(policy, "shutdown"):
             policy.shutdown()
         reporter.finish()  # before the view's last frame, so it shows every rank's final numbers
     finally:
         if view is not None:
             view.stop()
-    summary = _finish(world, config, learner, reporter, timer)
+    summary = _finish(world, config, learner, reporter, timer, out, resumed_from, checkpoints)
     learner.close()
     world.finalize()
     return summary
 
 
+def _resume(world: Any, config: DemoConfig, learner: CartPoleLearner, policy: Any) -> tuple[int, str | None]:
+    """With ``--resume``: every rank takes its agent (and its policy's state) back from the newest complete
+    checkpoint; the iteration to go on from and where it came from (0, None without ``--resume``)."""
+    if not config.resume:
+        return 0, None
+    root = Path(config.resume)
+    found = latest_checkpoint(root / "checkpoints" if (root / "checkpoints").is_dir() else root)
+    if found is None:
+        raise ConfigError(f"--resume {config.resume}: no complete checkpoint there (a run folder written with "
+                          "--checkpoint-every, or one of its checkpoints)")
+    agent = load_agent(found, world.rank, world.size)
+    iteration = learner.restore(agent)
+    if policy is not None and "policy" in agent.extra and hasattr(policy, "load_state_dict"):
+        policy.load_state_dict(agent.extra["policy"])
+    if world.is_main:
+        print(f"resumed from {found} (iteration {iteration}, {learner.total_steps:,} steps per agent)", flush=True)
+    return iteration, str(found)
+
+
 def _train(world: Any, config: DemoConfig, learner: CartPoleLearner, policy: Any, reporter: Reporter,
-           timer: Timer) -> None:
-    iteration, started = 0, time.monotonic()
+           timer: Timer, start: int = 0, checkpoints: Checkpointer | None = None) -> None:
+    iteration, started, first_steps = start, time.monotonic(), learner.total_steps
     while learner.total_steps < config.steps and not reporter.should_stop():
         learner.iterate(timer)
         metric = learner.mean_return()
@@ -86,10 +111,14 @@ def _train(world: Any, config: DemoConfig, learner: CartPoleLearner, policy: Any
                 event = _event(world.rank, learner, info, metric)
         row = {"rank": world.rank, "iteration": iteration, "steps": learner.total_steps,
                "mean_return": None if math.isnan(metric) else metric, "time": time.time(),
-               "steps_per_s": learner.total_steps / max(time.monotonic() - started, 1e-9),
+               "steps_per_s": (learner.total_steps - first_steps) / max(time.monotonic() - started, 1e-9),
                "lr": learner.optimizer.param_groups[0]["lr"]}
         reporter.record(row, event)
         iteration += 1
+        if checkpoints is not None and checkpoints.due(iteration):
+            with timer.section("checkpoint"):
+                state = policy.state_dict() if hasattr(policy, "state_dict") else {}
+                checkpoints.save(iteration, learner.checkpoint(iteration, {"policy": state}))
 
 
 def _event(rank: int, learner: CartPoleLearner, info: Any, metric: float) -> dict[str, Any]:
@@ -100,7 +129,8 @@ def _event(rank: int, learner: CartPoleLearner, info: Any, metric: float) -> dic
 
 
 def _finish(world: Any, config: DemoConfig, learner: CartPoleLearner, reporter: Reporter,
-            timer: Timer) -> dict[str, Any] | None:
+            timer: Timer, out: Path, resumed_from: str | None = None,
+            checkpoints: Checkpointer | None = None) -> dict[str, Any] | None:
     finals = popmesh.gather_object({"rank": world.rank, "steps": learner.total_steps,
                                     "mean_return": None if math.isnan(learner.mean_return()) else learner.mean_return(),
                                     "lr": learner.learning_rate(), "entropy": learner.hyper.entropy}, dst=0)
@@ -108,9 +138,12 @@ def _finish(world: Any, config: DemoConfig, learner: CartPoleLearner, reporter: 
     imbalance = report_imbalance(timer, group=world, show=False)
     if not world.is_main:
         return None
-    out = new_run_dir(config.out_dir)
     summary = {"config": config.to_dict(), "agents": finals, "reached_target": reporter.reached,
-               "replacements": len(reporter.events), "engine": world.engine_name, "ranks": world.size}
+               "replacements": len(reporter.events), "engine": world.engine_name, "ranks": world.size,
+               "resumed_from": resumed_from}
+    if checkpoints is not None and checkpoints.every:
+        summary["checkpoints"] = {"written": checkpoints.saved, "seconds": round(checkpoints.seconds_spent, 3),
+                                  "every": checkpoints.every, "folder": str(out / "checkpoints")}
     write_events(out / "events.jsonl", reporter.events)
     write_summary(out / "summary.json", summary)
     plot_returns(out / "returns.png", reporter.history, reporter.events, config.target)
@@ -128,6 +161,11 @@ def _print_summary(summary: dict[str, Any], times: Any, imbalance: Any, out: Any
           + (f"rank {reached['rank']} after {reached['agent_steps']:,} steps" if reached else "not reached"))
     print_report(times)
     print_report(imbalance)
+    if summary.get("resumed_from"):
+        print(f"resumed from {summary['resumed_from']}")
+    if "checkpoints" in summary:
+        c = summary["checkpoints"]
+        print(f"checkpoints: {c['written']} written to {c['folder']} ({c['seconds']:.2f} s on rank 0)")
     print(f"\nwrote {out}/returns.png, {out}/events.jsonl, {out}/summary.json")
 
 

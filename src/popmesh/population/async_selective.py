@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import warnings
 import weakref
+from collections.abc import Mapping
 from typing import Any
 
 from popmesh.comm.world import Comm, resolve_group
@@ -34,6 +35,7 @@ from popmesh.population.model_state import layout_of, model_tensors, optimizer_t
 from popmesh.population.options import SelectiveOptions, check_metric
 from popmesh.population.policy import PopulationPolicy
 from popmesh.population.replace import apply_replacement
+from popmesh.population.selection import state_from_json, state_to_json
 
 __all__ = ["AsyncSelectiveAveraging"]
 
@@ -74,6 +76,7 @@ class AsyncSelectiveAveraging(PopulationPolicy):
         self._slot: dict[str, Any] = {"runtime": None, "ranks": None}
         self.every, self.events_path = self.options.every, self.options.events_path
         self._closed = False
+        self._resumed: dict[str, Any] | None = None  # the coordinator's selection state from a checkpoint
         self._finalizer = weakref.finalize(self, _shutdown_at_exit, self._slot)
 
     def _idle(self, group: Comm | None) -> bool:
@@ -113,8 +116,24 @@ class AsyncSelectiveAveraging(PopulationPolicy):
             raise ConfigError(f"coordinator={coordinator} is not a rank of this world of {comm.world.size}")
         timeout = comm.timeout if self.options.timeout is None else float(self.options.timeout)
         runtime = Runtime(comm.world, comm.ranks, coordinator, self.tags, self.options, timeout, self.poll_interval)
+        if runtime.coordinator is not None and self._resumed is not None:
+            runtime.coordinator.state = state_from_json(self._resumed)
         self._slot.update(runtime=runtime, ranks=comm.ranks)
         return runtime
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the coordinator's replacement rules remember, as JSON values (on the coordinator's rank;
+        empty elsewhere): for a checkpoint."""
+        runtime = self._slot["runtime"]
+        if runtime is not None and runtime.coordinator is not None:
+            return {"selection": state_to_json(runtime.coordinator.state)}
+        return {} if self._resumed is None else {"selection": self._resumed}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Take back :meth:`state_dict` before the first call (the coordinator starts from it)."""
+        if self._slot["runtime"] is not None:
+            raise ConfigError("load_state_dict() must come before the policy's first call")
+        self._resumed = state.get("selection")
 
     def _report(self, runtime: Runtime, iteration: int, model: Any, optimizer: Any, metric: float) -> None:
         tensors = model_tensors(model, self.options.include_buffers)

@@ -20,7 +20,7 @@ import numbers
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
@@ -41,6 +41,8 @@ __all__ = [
     "SelectionState",
     "init_state",
     "update_state",
+    "state_to_json",
+    "state_from_json",
     "combine_rules",
     "DonorRule",
     "donors_all_others",
@@ -276,6 +278,23 @@ def init_state(n: int, rule: ReplacementRule, rng: RngLike | None = None) -> Sel
     if rule.age_range is None:
         return SelectionState((None,) * n, None)
     return SelectionState((None,) * n, init_ages(n, rule.age_range, as_generator(rng, "the age rule")))
+
+
+def state_to_json(state: SelectionState) -> dict[str, Any]:
+    """``state`` as JSON values (for checkpoints)."""
+    ages = None if state.ages is None else {k: list(v) if isinstance(v, tuple) else v
+                                           for k, v in state.ages._asdict().items()}
+    return {"last_replaced": list(state.last_replaced), "ages": ages}
+
+
+def state_from_json(data: Mapping[str, Any]) -> SelectionState:
+    """The :class:`SelectionState` that :func:`state_to_json` wrote."""
+    ages = data.get("ages")
+    age_state = None if ages is None else AgeState(
+        tuple(ages["ages"]), tuple(ages["lifetimes"]), tuple(ages["generations"]), (ages["age_range"][0],
+                                                                                     ages["age_range"][1]),
+        int(ages["seed"]))
+    return SelectionState(tuple(data["last_replaced"]), age_state)
 
 
 def update_state(state: SelectionState, replaced: Sequence[int], iteration: int) -> SelectionState:

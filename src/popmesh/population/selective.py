@@ -32,7 +32,7 @@ from popmesh.population.model_state import (
 from popmesh.population.options import SelectiveOptions, check_metric
 from popmesh.population.policy import PopulationPolicy
 from popmesh.population.replace import apply_replacement
-from popmesh.population.selection import SelectionState, update_state
+from popmesh.population.selection import SelectionState, state_from_json, state_to_json, update_state
 
 __all__ = ["SelectiveAveraging", "combination_groups", "gather_metrics"]
 
@@ -103,6 +103,15 @@ class SelectiveAveraging(PopulationPolicy):
         self.options = SelectiveOptions.build(every, options, "SelectiveAveraging")
         self.every, self.events_path = self.options.every, self.options.events_path
         self._states: dict[tuple[int, ...], SelectionState] = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the replacement rules remember (per group), as JSON values: for a checkpoint."""
+        return {"selection": {",".join(map(str, ranks)): state_to_json(state) for ranks, state in self._states.items()}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Take back :meth:`state_dict` (from a checkpoint of the same population)."""
+        self._states = {tuple(int(r) for r in key.split(",")): state_from_json(value)
+                        for key, value in state.get("selection", {}).items()}
 
     def _step(self, comm: Comm, iteration: int, is_due: bool, model: Any, optimizer: Any,
               local_metric: float | None) -> tuple[Any, Any, PolicyInfo]:
