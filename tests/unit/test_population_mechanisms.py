@@ -317,6 +317,16 @@ def test_book_reports_stalled_ranks_but_not_ranks_that_said_bye():
     assert book.stalled(now=11.0, timeout=10.0) is None
 
 
+
+def test_book_does_not_count_a_rank_that_reported_a_later_iteration_as_stalled():
+    """A rank that rejoined with its donor's iteration never reports the earlier ones: not a dead rank."""
+    book = CoordinatorBook(3)
+    for rank in (0, 1):
+        book.record(METRIC, rank, 10, 1.0, 7, now=0.0)
+    assert book.stalled(now=11.0, timeout=10.0) == (10, [2])
+    book.record(METRIC, 2, 20, 1.0, 7, now=11.5)
+    assert book.stalled(now=12.0, timeout=10.0) is None
+
 def test_book_refuses_different_layouts_and_bounds_memory():
     book = CoordinatorBook(2, max_pending=4)
     book.record(METRIC, 0, 0, 1.0, 7)

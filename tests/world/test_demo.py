@@ -57,3 +57,25 @@ def test_demo_checkpoints_and_resumes_where_it_left_off(tmp_path):
     summary = json.loads((next(second_out.iterdir()) / "summary.json").read_text())
     assert summary["resumed_from"] == f"{run}/checkpoints/ckpt-000000006"
     assert [a["steps"] for a in summary["agents"]] == [6144, 6144]  # 3,072 resumed + 6 iterations of 512
+
+
+@pytest.mark.timeout(240)
+def test_demo_population_carries_on_when_a_rank_is_lost(tmp_path):
+    """--kill 1:4 with --max-restarts 1: rank 1 dies at iteration 4, is restarted, rejoins seeded by the
+    best survivors, and every agent reaches the step budget; the loss and the rejoin are in
+    events.jsonl and summary.json; the survivors lost no iteration."""
+    cmd = [sys.executable, "-m", "popmesh", "demo", "--ranks", "3", "--steps", "6000", "--every", "2", "--warmup", "0",
+           "--no-live", "--max-restarts", "1", "--kill", "1:4", "--out", str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=200)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "rank 1 was killed by SIGKILL" in done.stderr and "restarted (1 of 1)" in done.stderr
+    run = next(tmp_path.iterdir())
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["generation"] == 1 and [a["steps"] for a in summary["agents"]] == [6144] * 3
+    (rejoined,) = summary["restarts"]
+    assert rejoined["rank"] == 1 and set(rejoined["donors"]) <= {0, 2} and rejoined["donors"]
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    kinds = [(e["kind"], e["rank"]) for e in events if "kind" in e]
+    assert kinds == [("lost", 1), ("rejoined", 1)], kinds
+    assert summary["replacements"] == len(events) - 2
+    assert "rank 1 was lost and rejoined after" in done.stdout

@@ -33,6 +33,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-live", action="store_true", help="no live view, only the final summary")
     p.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
                    help="checkpoint the whole population every K iterations into runs/<ts>/checkpoints")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                   help="restart a lost rank up to N times; it rejoins, seeded by the best agents")
+    p.add_argument("--kill", default="", metavar="RANK:ITERATION",
+                   help="that rank kills itself once at that iteration (to watch --max-restarts at work)")
     p.add_argument("--resume", default="", metavar="RUN",
                    help="resume from a run folder's newest complete checkpoint (or from one checkpoint)")
 
@@ -43,10 +47,12 @@ def run_command(ns: argparse.Namespace) -> int:
     config = DemoConfig(ranks=ns.ranks, engine=ns.engine, policy=ns.policy, seed=ns.seed, steps=ns.steps,
                         every=ns.every, strategy=ns.strategy, donors=ns.donors, warmup=ns.warmup, out_dir=ns.out,
                         live=not ns.no_live, stop_at_target=ns.stop_at_target,
-                        checkpoint_every=ns.checkpoint_every, resume=ns.resume)
+                        checkpoint_every=ns.checkpoint_every, resume=ns.resume, max_restarts=ns.max_restarts,
+                        kill=ns.kill)
     terminal = config.live and sys.stdout.isatty() and config.engine == "torch"
     result = launch("popmesh.demo.worker", ["--config", json.dumps(config.to_dict())], module=True,
-                    nproc=config.ranks, engine=config.engine, quiet_others=True, rank0_terminal=terminal)
+                    nproc=config.ranks, engine=config.engine, quiet_others=True, rank0_terminal=terminal,
+                    max_restarts=config.max_restarts)
     if result.returncode != 0:
         print(f"popmesh demo: a rank failed (exit {result.returncode}); see the summary above", file=sys.stderr)
     return result.returncode

@@ -37,6 +37,8 @@ class DemoConfig:
     stop_at_target: bool = False
     checkpoint_every: int = 0  # iterations between population checkpoints (0: none)
     resume: str = ""  # a run folder (or one of its checkpoints) to resume from
+    max_restarts: int = 0  # restarts per rank (popmesh launch --max-restarts): a lost agent rejoins
+    kill: str = ""  # "RANK:ITERATION": that rank's first process SIGKILLs itself there (to watch survival)
 
     def __post_init__(self) -> None:
         if self.ranks < 1:
@@ -53,12 +55,27 @@ class DemoConfig:
             raise ConfigError("--donors must be at least 1 and --warmup not negative")
         if self.checkpoint_every < 0:
             raise ConfigError(f"--checkpoint-every {self.checkpoint_every}: give 0 (none) or a number of iterations")
+        if self.max_restarts < 0:
+            raise ConfigError(f"--max-restarts {self.max_restarts}: give 0 or more")
+        if self.max_restarts and self.engine != "torch":
+            raise ConfigError("--max-restarts needs --engine torch: an MPI world cannot take a restarted rank back")
+        if self.kill:
+            self.kill_at()
         if self.checkpoint_every and self.stop_at_target:
             raise ConfigError("--checkpoint-every and --stop-at-target cannot be combined yet: the stop reaches the "
                               "ranks at different iterations, and a checkpoint needs every rank; drop one of them")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def kill_at(self) -> tuple[int, int] | None:
+        """``--kill RANK:ITERATION`` as numbers (None without it)."""
+        if not self.kill:
+            return None
+        rank, _, iteration = self.kill.partition(":")
+        if not (rank.isdigit() and iteration.isdigit()) or int(rank) >= self.ranks:
+            raise ConfigError(f"--kill {self.kill!r}: give RANK:ITERATION with RANK below --ranks, e.g. --kill 1:60")
+        return int(rank), int(iteration)
 
 
 def rank_seed(seed: int, rank: int) -> int:

@@ -61,13 +61,19 @@ def plot_returns(path: Path, history: Sequence[dict[str, Any]], events: Sequence
     for rank in ranks:
         rows = [r for r in history if r["rank"] == rank and r["mean_return"] is not None]
         (line,) = ax.plot([r["steps"] for r in rows], [r["mean_return"] for r in rows], label=f"rank {rank}", lw=1.4)
-        mine = [e for e in events if e["rank"] == rank]
+        mine = [e for e in events if e["rank"] == rank and "kind" not in e]
         ax.plot([e["steps"] for e in mine], [e.get("metric_before") or 0.0 for e in mine], ls="none", marker="v",
                 color=line.get_color(), markeredgecolor="black", ms=7)
+        for event in (e for e in events if e["rank"] == rank and e.get("kind") == "rejoined"):
+            ax.axvline(event["steps"], color=line.get_color(), ls=":", lw=1.2)
+            ax.annotate(f"rank {rank} lost, rejoined", (event["steps"], target), rotation=90, fontsize=7,
+                        va="top", ha="right", color=line.get_color())
     ax.axhline(target, color="green", ls="--", lw=1, label=f"target {target:g}")
     ax.set_xlabel("environment steps (per rank)")
     ax.set_ylabel("mean return, last 20 episodes")
-    ax.set_title("CartPole-v1: one PPO agent per rank; ▼ = replaced by an average of better agents")
+    ax.set_title("CartPole-v1: one PPO agent per rank; ▼ = replaced by an average of better agents"
+                 + ("\n┆ = a rank lost, then rejoined seeded by the best agents"
+                    if any(e.get("kind") == "rejoined" for e in events) else ""), fontsize=10)
     ax.legend(loc="lower right", fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -47,6 +47,22 @@ class Reporter:
         while self._sends and self._sends[0].done():
             self._sends.popleft().wait()
 
+    def reconnect(self) -> None:
+        """After the world re-formed: post this generation's receives; sends of the old one are gone with it."""
+        self._sends.clear()
+        self._stats = messages.irecv(None, STATS_TAG) if self.world.is_main and self.world.size > 1 else None
+        self._stop = messages.irecv(0, STOP_TAG) if not self.world.is_main else None
+
+    def survival(self, event: dict[str, Any]) -> None:
+        """Rank 0: a rank was lost, or rejoined (``event["kind"]``); shown and kept with the events."""
+        self.events.append(event)
+        if self.view is not None:
+            if event["kind"] == "lost":
+                self.view.add_event(f"rank {event['rank']} lost")
+            else:
+                seeded = describe_event(event["rank"], event["donors"], event["weights"], "mean")
+                self.view.add_event(f"rank {event['rank']} rejoined after {event['downtime_s']:.1f} s: {seeded}")
+
     def should_stop(self) -> bool:
         """True once rank 0 has seen the target reached and the run stops there."""
         if self.world.is_main:

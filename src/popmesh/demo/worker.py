@@ -8,13 +8,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import signal
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import popmesh
-from popmesh.core.errors import ConfigError
+from popmesh.core.errors import ConfigError, PeerClosed, PeerFailure, PopmeshError
 from popmesh.demo.config import DemoConfig, rank_hyper, rank_seed
 from popmesh.demo.learner import CartPoleLearner
 from popmesh.demo.outputs import new_run_dir, plot_returns, write_events, write_summary
@@ -24,6 +26,7 @@ from popmesh.observe.reports import Timer, print_report
 from popmesh.observe.timing import report_imbalance, report_timings
 from popmesh.population import AsyncSelectiveAveraging, AverageAll, DonorRule, ReplacementRule, SelectiveAveraging
 from popmesh.population.checkpoint import Checkpointer, latest_checkpoint, load_agent
+from popmesh.population.rejoin import seed_newcomers
 
 __all__ = ["make_policy", "run", "main"]
 
@@ -37,8 +40,8 @@ def make_policy(config: DemoConfig, learner: CartPoleLearner) -> Any:
         return AverageAll(config.every, include_buffers=True)
     if config.policy == "selective":
         return SelectiveAveraging(config.every, **selective)
-    if config.policy == "async":
-        return AsyncSelectiveAveraging(config.every, **selective)
+    if config.policy == "async":  # channel 0 on every rank: a policy rebuilt after a loss meets the newcomer's
+        return AsyncSelectiveAveraging(config.every, channel=0, **selective)
     return None
 
 
@@ -51,17 +54,21 @@ def run(config: DemoConfig) -> dict[str, Any] | None:
     learner = CartPoleLearner(rank_seed(config.seed, world.rank), rank_hyper(config.seed, world.rank),
                               init_seed=config.seed)
     policy = make_policy(config, learner)
-    out = Path(popmesh.broadcast_object(str(new_run_dir(config.out_dir)) if world.is_main else None, src=0))
-    start, resumed_from = _resume(world, config, learner, policy)
-    checkpoints = Checkpointer(out / "checkpoints", config.checkpoint_every, group=world)
     live = config.live and sys.stdout.isatty()  # rank 0 holds the terminal only when the launcher gave it
     view = PopulationView(world.size, config.steps, config.policy, live=live) if world.is_main else None
     reporter = Reporter(world, view, config.target, config.stop_at_target)
+    if world.newcomers:  # this process was restarted for a lost rank: the population seeds it
+        start, out = _seed(world, config, learner, reporter, 0, None, None)
+        resumed_from = None
+    else:
+        out = Path(popmesh.broadcast_object(str(new_run_dir(config.out_dir)) if world.is_main else None, src=0))
+        start, resumed_from = _resume(world, config, learner, policy)
+    checkpoints = Checkpointer(out / "checkpoints", config.checkpoint_every, group=world)
     if view is not None:
         view.start()
     timer = Timer()
     try:
-        _train(world, config, learner, policy, reporter, timer, start, checkpoints)
+        policy = _train(world, config, learner, policy, reporter, timer, out, start, checkpoints)
         if hasattr(policy, "shutdown"):
             policy.shutdown()
         reporter.finish()  # before the view's last frame, so it shows every rank's final numbers
@@ -94,31 +101,99 @@ def _resume(world: Any, config: DemoConfig, learner: CartPoleLearner, policy: An
 
 
 def _train(world: Any, config: DemoConfig, learner: CartPoleLearner, policy: Any, reporter: Reporter,
-           timer: Timer, start: int = 0, checkpoints: Checkpointer | None = None) -> None:
+           timer: Timer, out: Path, start: int = 0, checkpoints: Checkpointer | None = None) -> Any:
+    """The training loop; returns the policy in use at the end (a new one after the world re-formed)."""
     iteration, started, first_steps = start, time.monotonic(), learner.total_steps
+    kill = config.kill_at()
     while learner.total_steps < config.steps and not reporter.should_stop():
-        learner.iterate(timer)
-        metric = learner.mean_return()
-        event = None
-        if policy is not None and iteration >= config.warmup:
-            with timer.section("population"):
-                learner.model, optimizer, info = policy(iteration - config.warmup, learner.model,
-                                                        learner.optimizer, metric)
-            learner.optimizer = optimizer if optimizer is not None else learner.optimizer
-            event = None
-            if info.replaced:
-                learner.adopt_learning_rate()
-                event = _event(world.rank, learner, info, metric)
-        row = {"rank": world.rank, "iteration": iteration, "steps": learner.total_steps,
-               "mean_return": None if math.isnan(metric) else metric, "time": time.time(),
-               "steps_per_s": (learner.total_steps - first_steps) / max(time.monotonic() - started, 1e-9),
-               "lr": learner.optimizer.param_groups[0]["lr"]}
-        reporter.record(row, event)
-        iteration += 1
-        if checkpoints is not None and checkpoints.due(iteration):
-            with timer.section("checkpoint"):
-                state = policy.state_dict() if hasattr(policy, "state_dict") else {}
-                checkpoints.save(iteration, learner.checkpoint(iteration, {"policy": state}))
+        if kill == (world.rank, iteration) and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            os.kill(os.getpid(), signal.SIGKILL)  # --kill: the demonstration's lost rank
+        try:
+            lost = world.failure()  # with no policy traffic, a survivor learns of a loss from the heartbeat
+            if lost is not None:
+                raise lost
+            _iterate(world, config, learner, policy, reporter, timer, iteration, started, first_steps)
+            iteration += 1
+            if checkpoints is not None and checkpoints.due(iteration):
+                with timer.section("checkpoint"):
+                    state = policy.state_dict() if hasattr(policy, "state_dict") else {}
+                    checkpoints.save(iteration, learner.checkpoint(iteration, {"policy": state}))
+        except PeerFailure as e:
+            if not config.max_restarts or isinstance(e, PeerClosed):
+                raise
+            with timer.section("re-forming"):
+                policy = _survive(world, config, learner, policy, reporter, iteration, out)
+    return policy
+
+
+def _iterate(world: Any, config: DemoConfig, learner: CartPoleLearner, policy: Any, reporter: Reporter,
+             timer: Timer, iteration: int, started: float, first_steps: int) -> None:
+    """One iteration: train, let the population policy act, report."""
+    learner.iterate(timer)
+    metric = learner.mean_return()
+    event = None
+    if policy is not None and iteration >= config.warmup:
+        with timer.section("population"):
+            learner.model, optimizer, info = policy(iteration - config.warmup, learner.model,
+                                                    learner.optimizer, metric)
+        learner.optimizer = optimizer if optimizer is not None else learner.optimizer
+        if info.replaced:
+            learner.adopt_learning_rate()
+            event = _event(world.rank, learner, info, metric)
+    row = {"rank": world.rank, "iteration": iteration, "steps": learner.total_steps,
+           "mean_return": None if math.isnan(metric) else metric, "time": time.time(),
+           "steps_per_s": (learner.total_steps - first_steps) / max(time.monotonic() - started, 1e-9),
+           "lr": learner.optimizer.param_groups[0]["lr"]}
+    reporter.record(row, event)
+
+
+def _survive(world: Any, config: DemoConfig, learner: CartPoleLearner, policy: Any, reporter: Reporter,
+             iteration: int, out: Path) -> Any:
+    """A rank was lost: re-form the world with its restarted process, rebuild what lived on the old one
+    (the policy, keeping its state; the reporter's receives), and seed the newcomer from the population.
+    This rank keeps its agent and its iteration; the new policy in use is returned."""
+    lost_at = time.time()
+    state = policy.state_dict() if hasattr(policy, "state_dict") else None
+    if hasattr(policy, "shutdown"):
+        try:
+            policy.shutdown(timeout=5.0)  # its thread already stopped on the loss; this surfaces why
+        except PopmeshError:
+            pass
+    world.reform()
+    policy = make_policy(config, learner)
+    if state and policy is not None and hasattr(policy, "load_state_dict"):
+        policy.load_state_dict(state)
+    reporter.reconnect()
+    _seed(world, config, learner, reporter, iteration, lost_at, out)
+    return policy
+
+
+def _seed(world: Any, config: DemoConfig, learner: CartPoleLearner, reporter: Reporter, iteration: int,
+          lost_at: float | None, out: Path | None) -> tuple[int, Path]:
+    """Every rank, right after the world (re-)formed with newcomers: they take the mean of the best agents
+    (PBT's exploit), the best one's counters and the run's folder; rank 0 records the loss and the
+    rejoin. The iteration this rank goes on from (a newcomer's is its best donor's), and the folder."""
+    seeding = seed_newcomers(learner.model, learner.optimizer, learner.mean_return(),
+                             {"iteration": iteration, "steps": learner.total_steps}, donors=config.donors)
+    if seeding is None:
+        raise ConfigError("the world re-formed without a new process: nothing to seed")
+    donor = seeding.donors[0]
+    lost_at = popmesh.broadcast_object(lost_at, src=donor)  # when a survivor saw the loss
+    out = Path(popmesh.broadcast_object(None if out is None else str(out), src=donor))
+    if world.rank in seeding.newcomers:
+        learner.total_steps = int(seeding.counters["steps"])
+        learner.adopt_learning_rate()
+        iteration = int(seeding.counters["iteration"])
+    if world.is_main:
+        now = time.time()
+        for rank in seeding.newcomers:
+            reporter.survival({"kind": "lost", "rank": rank, "time": lost_at or now, "iteration": iteration,
+                               "steps": int(seeding.counters["steps"])})
+            reporter.survival({"kind": "rejoined", "rank": rank, "time": now, "iteration": iteration,
+                               "steps": int(seeding.counters["steps"]), "donors": list(seeding.donors),
+                               "weights": list(seeding.weights), "generation": world.generation,
+                               "downtime_s": round(now - (lost_at or now), 3)})
+    return iteration, out
 
 
 def _event(rank: int, learner: CartPoleLearner, info: Any, metric: float) -> dict[str, Any]:
@@ -138,9 +213,11 @@ def _finish(world: Any, config: DemoConfig, learner: CartPoleLearner, reporter: 
     imbalance = report_imbalance(timer, group=world, show=False)
     if not world.is_main:
         return None
+    survival = [e for e in reporter.events if "kind" in e]
     summary = {"config": config.to_dict(), "agents": finals, "reached_target": reporter.reached,
-               "replacements": len(reporter.events), "engine": world.engine_name, "ranks": world.size,
-               "resumed_from": resumed_from}
+               "replacements": len(reporter.events) - len(survival), "engine": world.engine_name,
+               "ranks": world.size, "resumed_from": resumed_from, "generation": world.generation,
+               "restarts": [e for e in survival if e["kind"] == "rejoined"]}
     if checkpoints is not None and checkpoints.every:
         summary["checkpoints"] = {"written": checkpoints.saved, "seconds": round(checkpoints.seconds_spent, 3),
                                   "every": checkpoints.every, "folder": str(out / "checkpoints")}
@@ -161,6 +238,9 @@ def _print_summary(summary: dict[str, Any], times: Any, imbalance: Any, out: Any
           + (f"rank {reached['rank']} after {reached['agent_steps']:,} steps" if reached else "not reached"))
     print_report(times)
     print_report(imbalance)
+    for event in summary.get("restarts", ()):
+        print(f"rank {event['rank']} was lost and rejoined after {event['downtime_s']:.1f} s at iteration "
+              f"{event['iteration']}, seeded by mean({', '.join(f'rank {d}' for d in event['donors'])})")
     if summary.get("resumed_from"):
         print(f"resumed from {summary['resumed_from']}")
     if "checkpoints" in summary:

@@ -99,6 +99,7 @@ class CoordinatorBook:
     fingerprints: dict[int, int] = field(default_factory=dict)
     in_flight: dict[int, int] = field(default_factory=dict)  # replaced rank -> decision iteration
     byes: set[int] = field(default_factory=set)
+    latest: dict[int, int] = field(default_factory=dict)  # group rank -> newest iteration it reported
     decided_upto: int = -1
     skipped: int = 0
 
@@ -121,6 +122,7 @@ class CoordinatorBook:
             per_rank = ", ".join(f"group rank {r}: {p:#x}" for r, p in sorted(self.fingerprints.items()))
             raise ConfigError(f"model layouts differ across the group ({per_rank}; now {fingerprint:#x} from "
                               f"group rank {rank}): every agent must have the same architecture")
+        self.latest[rank] = max(self.latest.get(rank, iteration), iteration)
         if iteration <= self.decided_upto:
             return
         self.buckets.setdefault(iteration, {})[rank] = metric
@@ -157,9 +159,12 @@ class CoordinatorBook:
 
     def stalled(self, now: float, timeout: float) -> tuple[int, list[int]] | None:
         """``(iteration, missing group ranks)`` of the oldest incomplete iteration older than ``timeout``
-        seconds, if any: those ranks stopped reporting (died, or are far behind)."""
+        seconds, if any: those ranks stopped reporting (died, or are far behind). A rank that has since
+        reported a later iteration passed this one without it (it started later: a rank that rejoined
+        with its donor's iteration) and is not missing."""
         for it in sorted(self.opened):
-            missing = [r for r in range(self.n) if r not in self.buckets[it] and r not in self.byes]
+            missing = [r for r in range(self.n)
+                       if r not in self.buckets[it] and r not in self.byes and self.latest.get(r, it - 1) < it]
             if now - self.opened[it] > timeout and missing:
                 return it, missing
         return None

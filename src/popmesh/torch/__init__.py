@@ -23,7 +23,7 @@ from typing import Any
 _LAZY = {
     "popmesh.torch.params": ("mean_grads_", "mean_params_", "broadcast_params_"),
     "popmesh.torch.sync": ("GradientSync", "default_cap_bytes"),
-    "popmesh.torch.handover": ("hand_over", "donor_of"),
+    "popmesh.torch.handover": ("hand_over", "donor_of", "broadcast_optimizer_state"),
 }
 _HOME = {name: module for module, names in _LAZY.items() for name in names}
 

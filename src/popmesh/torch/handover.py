@@ -17,7 +17,7 @@ from popmesh.comm.world import Comm, resolve_group
 from popmesh.core.errors import ConfigError
 from popmesh.torch.params import broadcast_params_
 
-__all__ = ["hand_over", "donor_of"]
+__all__ = ["hand_over", "donor_of", "broadcast_optimizer_state"]
 
 
 def donor_of(group: Comm | None = None) -> int:
@@ -44,13 +44,22 @@ def hand_over(module: torch.nn.Module | None = None, optimizer: torch.optim.Opti
     if module is not None:
         broadcast_params_(module, src=src, group=comm, timeout=timeout)
     if optimizer is not None:
-        mine = comm.rank == src
-        meta, tensors = _split(optimizer.state_dict()) if mine else (None, None)
-        meta = broadcast_object(meta, src=src, group=comm, timeout=timeout)
-        tensors = broadcast_object(tensors, src=src, group=comm, timeout=timeout)
-        if not mine:
-            optimizer.load_state_dict(_join(meta, tensors))
+        broadcast_optimizer_state(optimizer, src, group=comm, timeout=timeout)
     return broadcast_object(state if comm.rank == src else None, src=src, group=comm, timeout=timeout)
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, src: int, *, group: Comm | None = None,
+                              timeout: float | None = None, load: bool = True) -> None:
+    """Load rank ``src``'s optimizer state into every rank's ``optimizer`` (same parameters, same kind),
+    without pickle: the tensors as a dict of arrays, the rest as JSON. Every rank of ``group`` calls it;
+    ``load=False`` takes part without loading (a rank that keeps its own state)."""
+    comm = resolve_group(group)
+    mine = comm.rank == src
+    meta, tensors = _split(optimizer.state_dict()) if mine else (None, None)
+    meta = broadcast_object(meta, src=src, group=comm, timeout=timeout)
+    tensors = broadcast_object(tensors, src=src, group=comm, timeout=timeout)
+    if load and not mine:
+        optimizer.load_state_dict(_join(meta, tensors))
 
 
 def _split(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
