@@ -30,6 +30,7 @@ import runpy
 import signal
 import sys
 import threading
+import time
 
 __all__ = ["main", "run", "set_parent_death_signal", "die_with_parent"]
 
@@ -38,7 +39,9 @@ _SKIP_FILES = (os.path.abspath(__file__), runpy.__file__, "<frozen runpy>")
 _EXIT_WATCHDOG_S = 5.0  # after a failure, exit even if a non-daemon thread or atexit hook hangs
 _PR_SET_PDEATHSIG = 1
 PID_NOTE = ".pid"  # beside the error record rank-R.json: "PID HOST" once the rank runs
+WATCHED_NOTE = ".watched"  # the launcher's answer: it holds a pidfd of this rank (or cannot watch it)
 EXIT_NOTE = ".exit"  # "STATUS" once it exits normally
+_WATCH_WAIT_S = 1.0  # how long a rank waits for that answer before it runs unwatched
 _MPI_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
 
 
@@ -168,17 +171,29 @@ def _mpi_notes() -> str | None:
     rank = next((os.environ[v] for v in _MPI_RANK_VARS if os.environ.get(v, "").isdigit()), None)
     if os.environ.get("POPMESH_ENGINE") != "mpi" or not template or rank is None:
         return None
-    _write_note(note_path(template, rank, PID_NOTE), f"{os.getpid()} {os.uname().nodename}")
+    if _write_note(note_path(template, rank, PID_NOTE), f"{os.getpid()} {os.uname().nodename}"):
+        _await_watch(note_path(template, rank, WATCHED_NOTE))
     return note_path(template, rank, EXIT_NOTE)
 
 
-def _write_note(path: str, text: str) -> None:
+def _await_watch(path: str) -> None:
+    """Run the user's code only once the launcher watches this process: a rank killed before that would
+    be found already gone, with no telling when, and could not be told from the ranks torn down after it."""
+    deadline = time.monotonic() + _WATCH_WAIT_S
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.002)
+
+
+def _write_note(path: str, text: str) -> bool:
+    """Write a note whole (the launcher never reads half of one); False where the folder is not there
+    (a rank on another host without a shared file system: nobody reads it there)."""
     try:
         with open(path + ".tmp", "w") as f:
             f.write(text + "\n")
-        os.replace(path + ".tmp", path)  # the launcher never reads half a note
-    except OSError:  # another host's launcher directory (no shared file system): nobody reads it there
-        pass
+        os.replace(path + ".tmp", path)
+    except OSError:
+        return False
+    return True
 
 
 def _status(code: object) -> int:

@@ -3,14 +3,17 @@
 mpiexec reports only its own exit status, and Hydra's "BAD TERMINATION" banner names the first of the
 processes its cleanup killed, not the first to die. So each rank's bootstrap leaves a pid note when it
 starts and an exit note when it exits normally (:mod:`popmesh.launch.bootstrap`); a thread of the
-launcher adopts every pid note of this host as it appears and waits on the pids through pidfds, so it
-sees each process end at once, in order. A rank whose process ended without an exit note (and without
-an error record, which the judge checks) was killed; the first such rank is the root cause. Ranks on
-other hosts are seen only through their error records.
+launcher adopts every pid note of this host as it appears, opens a pidfd for it and answers with a
+``.watched`` note, which the rank waits for (up to a second) before it runs the user's code; so every
+process's end is seen through its pidfd, in order, even on a loaded machine. A rank whose process
+ended without an exit note (and without an error record, which the judge checks) was killed; the
+first such rank is the root cause (ranks seen to end in the same wake-up cannot be told apart: the
+judge says so). Ranks on other hosts are seen only through their error records.
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import select
@@ -18,7 +21,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from popmesh.launch.bootstrap import EXIT_NOTE, PID_NOTE
+from popmesh.launch.bootstrap import EXIT_NOTE, PID_NOTE, WATCHED_NOTE
 from popmesh.launch.plan import error_file_name
 
 __all__ = ["RankEnd", "RankWatch"]
@@ -86,14 +89,15 @@ class RankWatch:
                 pid = int(pid_text)
             except (OSError, ValueError):
                 continue
-            if host != self._host:
-                continue
-            try:
-                self._pidfds[os.pidfd_open(pid)] = (rank, pid, host)
-            except ProcessLookupError:  # already gone
-                self._ended.append(RankEnd(rank, pid, host, time.time()))
-            except OSError:  # no pidfds here: this rank is not watched
-                pass
+            if host == self._host:
+                try:
+                    self._pidfds[os.pidfd_open(pid)] = (rank, pid, host)
+                except ProcessLookupError:  # already gone (it gave up waiting for the answer)
+                    self._ended.append(RankEnd(rank, pid, host, time.time()))
+                except OSError:  # no pidfds here: this rank is not watched
+                    pass
+            with contextlib.suppress(OSError):  # the rank goes on (a rank of another host: unwatched)
+                open(self._note(rank, WATCHED_NOTE), "w").close()
 
     def _collect(self, wait: float) -> None:
         """Record the watched processes that ended, waiting up to ``wait`` seconds for one."""

@@ -281,15 +281,29 @@ class TorchEngine:
         self.newcomers = newcomers(self._store, attempt, env.world_size)
 
     def _leave_generation(self) -> None:
-        """Stop the heartbeat and the transport, and destroy the process groups, keeping the store."""
+        """Stop the heartbeat and the transport, close this rank's connections of the old generation (so
+        survivors still blocked on it there fail now and re-form too, instead of waiting out their
+        timeout), and destroy the process groups, keeping the store."""
         if self._heartbeat is not None:
             self._heartbeat.stop()
             self._heartbeat = None
         if self._p2p is not None:
             self._p2p.close()
             self._p2p = None
+        if "gloo" in self.backend:
+            handles = [(self._dist.group.WORLD, self.rank, self.size)]
+            handles += [(h.pg, h.spec.group_rank(self.rank), len(h.spec.ranks)) for h in self._groups]
+            empty = self._torch.empty(0, dtype=self._torch.uint8)
+            for pg, me, size in handles:
+                if size < 2:
+                    continue
+                try:  # a receive that times out closes every connection of this gloo context
+                    pg.recv([empty], (me + 1) % size, _CLOSE_TAG).wait(_CLOSE_WAIT)
+                except RuntimeError:
+                    pass
         self._groups.clear()
         self._probes.clear()
+        self._finished_works.clear()
         if self._dist.is_initialized():
             self._dist.destroy_process_group()
 
