@@ -119,7 +119,7 @@ def message_bytes(decision: Decision, metrics: list[float]) -> tuple[int, int, i
 
 
 def _size(b: float) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if b >= scale:
             return f"{b / scale:.3g} {unit}"
     return f"{b:.0f} B"
