@@ -1,11 +1,15 @@
-"""all_reduce through popmesh vs the raw engine call, same process, same run: gloo and MPI, 2 ranks.
+"""all_reduce through popmesh vs the raw engine call, same process, same run: gloo and MPI, 2 ranks
+(``--nproc 2,4,8``: each world size in turn; ``--sizes "4 B,1 MB"``: a subset of the sizes).
 
-Targets (issue #2): popmesh <= 1.1x raw for >= 1 MB; <= raw + 20 us for 4 B.
-Run: .venv/bin/python benchmarks/collectives.py   (the driver launches both worlds itself)
+Targets (issue #2): popmesh <= 1.1x raw for >= 1 MB; <= raw + 20 us for 4 B. More ranks than
+cores (a 2-core box at 4 or more) measure oversubscription as much as the algorithm: see
+docs/scaling.md.
+Run: .venv/bin/python benchmarks/collectives.py [--nproc 2,4,8] [--sizes "4 B,1 MB"] [--engines torch,mpi]
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -33,7 +37,8 @@ def worker() -> None:
 
     world = popmesh.init()
     rows = {}
-    for label, numel in SIZES.items():
+    wanted = os.environ.get("BENCH_SIZES", ",".join(SIZES)).split(",")
+    for label, numel in ((k, v) for k, v in SIZES.items() if k in wanted):
         if world.engine_name == "torch":
             import torch
 
@@ -50,14 +55,21 @@ def worker() -> None:
 
 
 def main() -> None:
-    print(f"{'engine':7} {'size':>6} {'raw':>12} {'popmesh':>12} {'ratio':>7} {'overhead':>10}")
-    for engine in ("torch", "mpi"):
-        result = launch_json(os.path.abspath(__file__), 2, engine, "--worker")
-        name = "gloo" if engine == "torch" else "mpich"
-        for label, t in result["rows"].items():
-            raw, ours = t["raw"], t["popmesh"]
-            print(f"{name:7} {label:>6} {raw * 1e6:10.1f}us {ours * 1e6:10.1f}us {ours / raw:6.2f}x "
-                  f"{(ours - raw) * 1e6:+8.1f}us")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", default="2", help="world sizes, comma-separated")
+    parser.add_argument("--sizes", default=",".join(SIZES), help=f"a subset of {list(SIZES)}")
+    parser.add_argument("--engines", default="torch,mpi")
+    opts = parser.parse_args()
+    os.environ["BENCH_SIZES"] = opts.sizes
+    print(f"{'engine':7} {'ranks':>5} {'size':>6} {'raw':>12} {'popmesh':>12} {'ratio':>7} {'overhead':>10}")
+    for engine in opts.engines.split(","):
+        for n in [int(x) for x in opts.nproc.split(",")]:
+            result = launch_json(os.path.abspath(__file__), n, engine, "--worker")
+            name = "gloo" if engine == "torch" else "mpich"
+            for label, t in result["rows"].items():
+                raw, ours = t["raw"], t["popmesh"]
+                print(f"{name:7} {n:5} {label:>6} {raw * 1e6:10.1f}us {ours * 1e6:10.1f}us {ours / raw:6.2f}x "
+                      f"{(ours - raw) * 1e6:+8.1f}us", flush=True)
 
 
 if __name__ == "__main__":

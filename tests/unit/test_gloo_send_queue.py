@@ -7,6 +7,7 @@ is tested in tests/world (test_messages.py).
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -47,3 +48,29 @@ def test_a_send_with_segments_is_never_eager():
     held.release.set()
     op.wait(10)
     assert op.done()
+
+
+def test_eager_sends_wait_once_every_channel_together_holds_64_mib():
+    """The per-channel bound alone let a rank hold 16 MiB per (destination, tag): unbounded in peers
+    and tags. All channels of a rank share one budget."""
+    from popmesh.engines.torch.send import EAGER_TOTAL_NBYTES, SendWorkers
+
+    workers, held = SendWorkers(), HeldWork()
+    boxes = [Outbox(dst=1, tag=tag, workers=workers) for tag in range(5)]
+    ops = []
+    for box in boxes:
+        for _ in range(13):  # 13 MiB per channel: each channel alone stays under its 16 MiB
+            op = TorchSend([held], [np.zeros(1 << 20, np.uint8)], True, box)
+            box.push(op)
+            ops.append(op)
+    assert workers.eager_nbytes() == 65 << 20 > EAGER_TOTAL_NBYTES
+    assert all(box._queued_nbytes <= 16 << 20 for box in boxes)
+    assert not boxes[0].bounded() and not ops[-1].done()  # 65 MiB in all: callers wait
+    held.release.set()
+    ops[-1].wait(10)
+    assert all(op.done() for op in ops)
+    deadline = time.monotonic() + 10
+    while workers.eager_nbytes() and time.monotonic() < deadline:  # the workers reap every REAP_S
+        time.sleep(0.01)
+    assert workers.eager_nbytes() == 0
+    workers.close(5)

@@ -301,3 +301,23 @@ def test_a_specific_receive_lets_other_sources_pass():
     transport = ScriptedArrivals([None, (2, "from 2"), (1, "from 1")])
     only_one, anyone = transport.irecv(1, 0), transport.irecv(None, 0)
     assert anyone.wait(1) == (2, "from 2") and only_one.wait(1) == (1, "from 1")
+
+
+def test_loopback_tables_hold_only_tags_in_use():
+    """Per-tag tables are pruned once a tag has nothing posted or queued (p2p memory stays bounded
+    by what is in flight, not by every tag ever used)."""
+    from popmesh.engines.p2p_base import LoopbackP2P
+
+    p2p = LoopbackP2P()
+    for tag in range(200):
+        p2p.isend(np.full(4, tag, np.uint8), 0, tag)
+    assert p2p.memory() == {"posted_tags": 0, "local_frames": 200}
+    handles = [p2p.irecv(0, tag) for tag in range(200, 300)]  # posted, nothing sent yet
+    assert p2p.memory()["posted_tags"] == 100
+    for tag in range(200):
+        assert p2p.recv(0, tag, timeout=5)[1].tolist() == [tag] * 4
+    for tag in range(200, 300):
+        p2p.isend(b"x", 0, tag)
+    assert all(h.wait(5)[1].tobytes() == b"x" for h in handles)
+    assert p2p.memory() == {"posted_tags": 0, "local_frames": 0}
+    assert p2p._posted == {} and p2p._local == {}

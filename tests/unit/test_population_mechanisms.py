@@ -37,8 +37,10 @@ from popmesh.population.async_protocol import (
     METRIC,
     CoordinatorBook,
     channels,
+    decision_messages,
     involved,
     parse_up,
+    recipients_of,
     up_row,
 )
 from popmesh.population.model_state import (
@@ -261,6 +263,53 @@ def test_each_decision_goes_to_every_rank_it_involves_and_no_other():
     assert involved(decide(metrics, ReplacementRule(ratio=0.25), strategy="best_only")) == [0, 1]
     assert involved(decide(metrics, ReplacementRule(ratio=0.5), strategy="reset_weights")) == [0, 2]
     assert involved(decide(metrics, ReplacementRule(threshold=0.0))) == [], "nobody below the threshold"
+
+
+@pytest.mark.parametrize("donor_rule, strategy", [
+    (DonorRule("all"), "mean"), (DonorRule("best_k", 2), "weighted_mean"), (DonorRule("random", 3), "mean"),
+    (DonorRule("best_k", 2), "best_only"), (DonorRule("all"), "reset_weights"),
+])
+def test_each_rank_gets_its_part_of_a_decision(donor_rule, strategy):
+    """A rank's message holds its own plan and whom it streams to; together they are the decision."""
+    n = 24
+    metrics = [float(x) for x in np.random.default_rng(3).normal(size=n)]
+    metrics[5] = math.nan
+    d = decide(metrics, ReplacementRule(ratio=0.25), donor_rule, strategy, iteration=9, rng=4,
+               optimizer_policy="copy")
+    messages = decision_messages(d, metrics)
+    assert sorted(messages) == involved(d)
+    for g, message in messages.items():
+        message = json.loads(json.dumps(message))
+        part = Decision.from_dict(message["decision"])
+        assert part == d.part(g) and part.iteration == 9 and part.summary == d.summary
+        assert message["recipients"] == list(d.recipients(g)) and "ranks" not in message
+        assert message["metrics"][5] is None and message["metrics"][0] == metrics[0]
+        if g in d.replaced:
+            assert part.replaced == (g,) and part.donors[g] == d.donors[g] and part.weights[g] == d.weights[g]
+            assert part.copy_optimizer_from[g] == d.copy_optimizer_from[g] and part.reasons[g] == d.reasons[g]
+        else:
+            assert part.replaced == () and part.donors == {}
+
+
+def test_a_decision_message_grows_with_the_donors_not_with_the_whole_decision():
+    """Averaging all others: the largest message is O(n) bytes (its donors, or its recipients)."""
+    sizes = {}
+    for n in (64, 256):
+        metrics = [float(x) for x in np.random.default_rng(n).normal(size=n)]
+        d = decide(metrics, ReplacementRule(ratio=0.25), DonorRule("all"), iteration=1)
+        whole = len(json.dumps(d.to_dict()))
+        largest = max(len(json.dumps(m)) for m in decision_messages(d, metrics).values())
+        sizes[n] = whole, largest
+    assert sizes[256][1] < sizes[256][0] / 20, f"a message is not a part: {sizes}"
+    assert sizes[256][1] < 6 * sizes[64][1], f"not linear: {sizes}"
+    assert sizes[256][0] > 12 * sizes[64][0], f"the whole decision is quadratic: {sizes}"
+
+
+def test_recipients_of_merges_donor_sets():
+    d = Decision((0, 3), {0: (1, 2), 3: (2, 4)}, {0: (0.5, 0.5), 3: (0.5, 0.5)}, {0: None, 3: 4}, "mean",
+                 optimizer_policy="copy")
+    assert recipients_of(d) == {1: [0], 2: [0, 3], 4: [3]}
+    assert {g: list(d.recipients(g)) for g in (1, 2, 4)} == recipients_of(d)
 
 
 def _book_with(n, iteration, metrics, book=None, now=0.0):

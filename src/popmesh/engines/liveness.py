@@ -192,6 +192,10 @@ class Heartbeat:
             watch.finished = True  # it closed in order: its bye may have been its last message
         elif gone is not None and watch.predecessor not in watch.failed:
             self._found(watch.predecessor, f"{silence_text(watch.predecessor, 0.0, self.timeout)}: {gone}", 0.0)
+        if self.p2p.holding_back():
+            # this rank holds its cap of unreceived messages and takes no more frames, beats included,
+            # until the program receives: its predecessor is not silent, this rank is not listening
+            watch.beat_from(watch.predecessor, time.monotonic())
         silent = watch.silent(time.monotonic())
         if silent is not None:
             self._found(watch.predecessor, silence_text(watch.predecessor, silent, self.timeout), silent)

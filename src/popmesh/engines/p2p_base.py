@@ -191,6 +191,17 @@ class P2PBase:
         """Release what the transport holds; override where there is something to release."""
         return None
 
+    def holding_back(self) -> bool:
+        """Whether this rank takes no more frames until the program receives some of those it holds
+        (the gloo engine's cap, ``POPMESH_P2P_BUFFER_BYTES``); the heartbeat watch pauses meanwhile."""
+        return False
+
+    def memory(self) -> dict[str, int]:
+        """Sizes of what the transport holds now (tests and docs/messages.md): tags with a posted
+        receive, and frames sent to this rank itself not yet received. Engines add their own."""
+        with self._lock:
+            return {"posted_tags": len(self._posted), "local_frames": sum(len(q) for q in self._local.values())}
+
     def gone(self, rank: int) -> PopmeshError | None:
         """Why nothing more comes from ``rank`` (it closed in order: PeerClosed; it failed), or None."""
         return self._gone.get(rank)
@@ -259,6 +270,8 @@ class P2PBase:
                     owner = next(w for w in waiting if w._item is None and (w.sources is None or item[0] in w.sources))
                     owner._item = item
             posted[:] = [ref for ref in posted if (h := ref()) is not None and h._item is None]
+            if not posted:
+                self._posted.pop(req.tag, None)  # per-tag tables hold only tags in use
             return req._item is not None
 
     def _progress(self) -> None:
@@ -289,6 +302,8 @@ class P2PBase:
                 if ref() is req:
                     posted.remove(ref)
                     break
+            if not posted:
+                self._posted.pop(req.tag, None)
 
     def _deliver_local(self, tag: int, data: np.ndarray) -> None:
         with self._lock:
@@ -298,7 +313,10 @@ class P2PBase:
     def _take_local(self, sources: frozenset[int] | None, tag: int) -> Item | None:
         queue = self._local.get(tag)
         if queue and (sources is None or self.rank in sources):
-            return queue.popleft()
+            item = queue.popleft()
+            if not queue:
+                del self._local[tag]
+            return item
         return None
 
     # ---- checks and errors -------------------------------------------------------------------

@@ -15,7 +15,7 @@ from typing import Any
 from popmesh.comm.messages import RecvHandle, irecv, isend
 from popmesh.comm.world import World
 from popmesh.core.errors import CommTimeout, PeerFailure
-from popmesh.population.async_protocol import Channels, CoordinatorBook, decision_message, involved, parse_up
+from popmesh.population.async_protocol import Channels, CoordinatorBook, decision_messages, parse_up
 from popmesh.population.async_trainer import reap
 from popmesh.population.options import SelectiveOptions
 from popmesh.population.selection import update_state
@@ -69,8 +69,7 @@ class CoordinatorLink:
         self.state = update_state(self.state, decision.replaced, iteration)
         if not decision.replaced:
             return
-        message = decision_message(decision, self.ranks, metrics)
-        for g in involved(decision):
+        for g, message in decision_messages(decision, metrics).items():
             self._tell(message, self.ranks[g])
         self.book.dispatched(decision.replaced, iteration)
         self._dispatched_at = time.monotonic()

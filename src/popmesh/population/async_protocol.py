@@ -9,10 +9,14 @@ Three channels per policy instance, on popmesh-internal tags (:data:`popmesh.com
   acknowledgement usually rides in its next METRIC row; it sends an ACK row of its own only when
   it finished combining after it had already reported a newer iteration (the coordinator may then
   be waiting for it).
-* **down** (coordinator → trainer), JSON: a decision (``Decision.to_dict()`` over group ranks plus
-  the global ``ranks`` and the metrics), ``fin`` (everyone said BYE: stop) or ``abort`` (the
-  coordinator failed: the reason). The coordinator makes each decision once and sends it once to
-  every rank it involves (:func:`involved`: donors and replaced ranks), nobody else.
+* **down** (coordinator → trainer), JSON: a decision, ``fin`` (everyone said BYE: stop) or
+  ``abort`` (the coordinator failed: the reason). The coordinator makes each decision once and
+  sends every rank it involves (:func:`involved`: donors and replaced ranks), nobody else, its own
+  part (:func:`decision_messages`): ``Decision.part(rank).to_dict()`` over group ranks (its own
+  donors and weights if it is replaced), ``recipients`` (the group ranks it streams its weights
+  to) and the metrics (for ``PolicyInfo.metrics``); both sides map group ranks to global ranks
+  with the group they were built with. A message is O(n + donors + recipients) bytes, not the
+  whole decision: averaging all others at 1,024 ranks would be O(n²) per message.
 * **data** (donor → replaced), a dict of arrays: ``meta`` ``[snapshot iteration, decision
   iteration]``, ``p/<dtype>`` flat weights, ``o/<index>/<key>`` optimizer state. A stream names
   its decision only by iteration: a replaced rank whose donors' streams arrive before the
@@ -42,7 +46,8 @@ from popmesh.comm.messages import INTERNAL_TAG_BASE, POPULATION_TAGS, internal_t
 from popmesh.core.errors import ConfigError
 
 __all__ = [
-    "METRIC", "ACK", "BYE", "MAX_INSTANCES", "Channels", "channels", "up_row", "parse_up", "decision_message",
+    "METRIC", "ACK", "BYE", "MAX_INSTANCES", "Channels", "channels", "up_row", "parse_up", "decision_messages",
+    "recipients_of",
     "involved", "metrics_by_rank", "CoordinatorBook",
 ]
 
@@ -82,10 +87,34 @@ def parse_up(row: Any) -> tuple[int, int, float, int, int]:
     return int(a[0]), int(a[1]), float(a[2]), int(a[3]), int(a[4])
 
 
-def decision_message(decision: Any, ranks: Sequence[int], metrics: Sequence[float]) -> dict[str, Any]:
-    """The JSON sent down to the ranks a decision involves (non-finite metrics as null)."""
-    return {"kind": "decision", "decision": decision.to_dict(), "ranks": [int(r) for r in ranks],
-            "metrics": [m if math.isfinite(m) else None for m in metrics]}
+def recipients_of(decision: Any) -> dict[int, list[int]]:
+    """Group rank → the replaced group ranks (ascending) it donates to, for every donor.
+
+    One pass over the distinct donor tuples (:func:`decide` shares one among all replaced ranks
+    of a deterministic rule), not ``decision.recipients(d)`` per donor, which is O(n³) when every
+    rank averages all others."""
+    groups: dict[int, tuple[tuple[int, ...], list[int]]] = {}
+    for r in decision.replaced:
+        donors = decision.donors[r]
+        groups.setdefault(id(donors), (donors, []))[1].append(r)
+    out: dict[int, list[int]] = {}
+    for donors, replaced in groups.values():
+        for d in donors:
+            if d in out:
+                out[d] = sorted(out[d] + replaced)
+            else:
+                out[d] = replaced  # shared, read only
+    return out
+
+
+def decision_messages(decision: Any, metrics: Sequence[float]) -> dict[int, dict[str, Any]]:
+    """Group rank → the JSON sent down to it, for every rank ``decision`` involves (non-finite
+    metrics as null): its part of the decision and whom it streams to, not the whole decision."""
+    finite = [m if math.isfinite(m) else None for m in metrics]
+    recipients = recipients_of(decision)
+    return {g: {"kind": "decision", "decision": decision.part(g).to_dict(), "recipients": recipients.get(g, []),
+                "metrics": finite}
+            for g in sorted(set(recipients) | set(decision.replaced))}
 
 
 @dataclass

@@ -52,6 +52,7 @@ class TrainerLink:
                  latest: Callable[[], Snapshot | None], deliver: Callable[[Pending], None]) -> None:
         self.world, self.me, self.coordinator, self.tags = world, world.rank, coordinator, tags
         self.timeout, self._latest, self._deliver = timeout, latest, deliver
+        self._ranks = list(ranks)  # group rank -> global rank, as on the coordinator
         self._peers = [r for r in ranks if r != self.me]
         self._members = frozenset(ranks) | {coordinator}
         self._down = irecv(coordinator, tags.down, group=world) if coordinator != self.me else None
@@ -144,7 +145,7 @@ class TrainerLink:
     def _job_of(self, message: dict[str, Any]) -> tuple[Job, int]:
         """The decision in ``message`` as a job for this rank (donors empty unless it is replaced by
         donors), and this rank's group rank in it."""
-        decision, ranks = Decision.from_dict(message["decision"]), [int(r) for r in message["ranks"]]
+        decision, ranks = Decision.from_dict(message["decision"]), self._ranks
         me = ranks.index(self.me)
         donors = [ranks[d] for d in decision.donors.get(me, ())]
         source = decision.copy_optimizer_from.get(me)
@@ -155,7 +156,7 @@ class TrainerLink:
         """The coordinator's decision: stream to its recipients as a donor, open the job as a replaced rank."""
         job, me = self._job_of(message)
         decision, ranks = job.decision, job.ranks
-        recipients = [ranks[r] for r in decision.recipients(me)]
+        recipients = [ranks[r] for r in message["recipients"]]  # this rank's part only (decision_messages)
         if recipients:
             snap = self._latest()
             if snap is None:

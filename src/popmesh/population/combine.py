@@ -96,7 +96,7 @@ def averaging_weights(metrics: Sequence[float] | np.ndarray, donors: Sequence[in
     """
     strategy = Strategy.parse(strategy)
     m = as_metrics(metrics)
-    donors = [int(d) for d in donors]
+    donors = list(map(int, donors))
     if strategy is Strategy.RESET:
         if donors:
             raise ConfigError("reset_weights re-initialises the agent and takes no donors; pass donors=()")
@@ -104,17 +104,28 @@ def averaging_weights(metrics: Sequence[float] | np.ndarray, donors: Sequence[in
     if not donors:
         raise ConfigError(f"strategy {strategy.value!r} needs at least one donor; with no valid donor "
                           "there is nothing to average (decide() reports this as no replacement)")
-    if len(set(donors)) != len(donors) or not all(0 <= d < m.size for d in donors):
+    if len(set(donors)) != len(donors) or min(donors) < 0 or max(donors) >= m.size:
         raise ConfigError(f"donors {donors} must be distinct ranks in 0..{m.size - 1}")
-    dm = m[donors]
-    if not np.all(np.isfinite(dm)):
-        raise ConfigError(f"donors {donors} include non-finite metrics {dm.tolist()}; they may not donate")
+    index = np.fromiter(donors, dtype=np.intp, count=len(donors))
+    if not np.all(np.isfinite(m[index])):
+        raise ConfigError(f"donors {donors} include non-finite metrics {m[index].tolist()}; they may not donate")
+    return _weights_of(m, index, strategy)
+
+
+def _weights_of(m: np.ndarray, index: np.ndarray, strategy: Strategy) -> tuple[float, ...]:
+    """:func:`averaging_weights` of checked donors ``index`` (distinct ranks with finite metrics,
+    at least one) for a strategy other than ``reset_weights``; vectorised, for decide() at scale."""
+    count = int(index.size)
     if strategy is Strategy.MEAN:
-        return tuple(1.0 / len(donors) for _ in donors)
+        return (1.0 / count,) * count
+    dm = m[index]
     if strategy is Strategy.WEIGHTED_MEAN:
-        return tuple(float(w) for w in rank_weights(dm))
-    best = max(range(len(donors)), key=lambda i: (dm[i], -donors[i]))
-    return tuple(1.0 if i == best else 0.0 for i in range(len(donors)))
+        return tuple(rank_weights(dm).tolist())
+    tied = np.flatnonzero(dm == dm.max())
+    best = int(tied[np.argmin(index[tied])])  # ties: the lowest rank
+    out = [0.0] * count
+    out[best] = 1.0
+    return tuple(out)
 
 
 def _check_weights(weights: Sequence[float], count: int) -> np.ndarray:
@@ -214,7 +225,7 @@ def optimizer_action(policy: str | OptimizerPolicy, replaced: int, donors: Seque
     ties go to the lowest rank.
     """
     policy = OptimizerPolicy.parse(policy)
-    donors = [int(d) for d in donors]
+    donors = list(map(int, donors))
     if len(weights) != len(donors):
         raise ConfigError(f"{len(weights)} weights for {len(donors)} donors of rank {replaced}")
     if replaced in donors:
@@ -226,4 +237,5 @@ def optimizer_action(policy: str | OptimizerPolicy, replaced: int, donors: Seque
         scores = [m[d] if math.isfinite(m[d]) else -math.inf for d in donors]
     else:
         scores = [float(w) for w in weights]
-    return max(donors, key=lambda d: (scores[donors.index(d)], -d))
+    best = max(range(len(donors)), key=lambda i: (scores[i], -donors[i]))
+    return donors[best]

@@ -18,7 +18,7 @@ from popmesh.population.combine import (
     DEFAULT_OPTIMIZER_POLICY,
     OptimizerPolicy,
     Strategy,
-    averaging_weights,
+    _weights_of,
     optimizer_action,
 )
 from popmesh.population.selection import (
@@ -30,6 +30,7 @@ from popmesh.population.selection import (
     as_metrics,
     combine_rules,
     donors_from_pool,
+    draw_donors,
     valid_donors,
 )
 
@@ -44,6 +45,29 @@ def _int_keys(d: Mapping[Any, Any], what: str) -> dict[int, Any]:
         return {int(k): v for k, v in d.items()}
     except (TypeError, ValueError) as e:
         raise ConfigError(f"Decision.{what} keys must be ranks (ints), got {list(d)}") from e
+
+
+def _shared(d: dict[int, Any], fn: Any) -> dict[int, Any]:
+    """``{k: fn(v)}``, calling ``fn`` once per distinct value object: :func:`decide` gives every
+    replaced rank of a deterministic rule the same donor tuple, so normalising a decision that
+    averages all others costs O(n), not O(n²). The values stay alive in ``d`` meanwhile, so an id
+    names one object throughout."""
+    done: dict[int, Any] = {}
+    out = {}
+    for k, v in d.items():
+        key = id(v)
+        if key not in done:
+            done[key] = fn(v)
+        out[k] = done[key]
+    return out
+
+
+def _int_tuple(v: Any) -> tuple[int, ...]:
+    return tuple(int(x) for x in v)
+
+
+def _float_tuple(v: Any) -> tuple[float, ...]:
+    return tuple(float(x) for x in v)
 
 
 @dataclass(frozen=True)
@@ -74,8 +98,8 @@ class Decision:
         put = object.__setattr__
         put(self, "replaced", tuple(sorted(int(r) for r in self.replaced)))
         donors, weights = _int_keys(self.donors, "donors"), _int_keys(self.weights, "weights")
-        put(self, "donors", {r: tuple(int(d) for d in v) for r, v in donors.items()})
-        put(self, "weights", {r: tuple(float(w) for w in v) for r, v in weights.items()})
+        put(self, "donors", _shared(donors, _int_tuple))
+        put(self, "weights", _shared(weights, _float_tuple))
         put(self, "copy_optimizer_from", {r: None if v is None else int(v) for r, v in
                                           _int_keys(self.copy_optimizer_from, "copy_optimizer_from").items()})
         put(self, "reasons", {r: str(v) for r, v in _int_keys(self.reasons, "reasons").items()})
@@ -84,26 +108,47 @@ class Decision:
         put(self, "optimizer_policy", OptimizerPolicy.parse(self.optimizer_policy).value)
         self._check()
 
+    @classmethod
+    def _normalised(cls, **fields: Any) -> Decision:
+        """A Decision from fields that already have their final types (ascending int tuples, int
+        keys, str values, parsed names), as :func:`decide` builds them: checked like any other, but
+        without the per-entry conversions of ``__init__``, which cost more than the decision."""
+        decision = cls.__new__(cls)
+        for name, value in fields.items():
+            object.__setattr__(decision, name, value)
+        decision._check()
+        return decision
+
     def _check(self) -> None:
         rep = set(self.replaced)
         if len(rep) != len(self.replaced):
             raise ConfigError(f"Decision.replaced has duplicates: {self.replaced}")
         for name in ("donors", "weights", "copy_optimizer_from"):
-            if set(getattr(self, name)) != rep:
+            if getattr(self, name).keys() != rep:
                 raise ConfigError(f"Decision.{name} must have exactly one entry per replaced rank "
                                   f"{sorted(rep)}, got {sorted(getattr(self, name))}")
-        if rep & set(self.skipped):
+        if not rep.isdisjoint(self.skipped):
             raise ConfigError(f"ranks {sorted(rep & set(self.skipped))} are both replaced and skipped")
-        for r in self.replaced:
-            donors, weights = self.donors[r], self.weights[r]
-            if len(donors) != len(weights) or rep & set(donors):
+        for r in self._distinct_plans():
+            donors, weights, source = self.donors[r], self.weights[r], self.copy_optimizer_from[r]
+            if len(donors) != len(weights) or not rep.isdisjoint(donors):
                 raise ConfigError(f"rank {r}: donors {donors} must not be replaced and need one weight each, "
                                   f"got weights {weights}")
             if donors and (min(weights) < 0 or abs(sum(weights) - 1.0) > 1e-6):
                 raise ConfigError(f"rank {r}: weights {weights} must be non-negative and sum to 1")
-            if self.copy_optimizer_from[r] is not None and self.copy_optimizer_from[r] not in donors:
-                raise ConfigError(f"rank {r} copies optimizer state from {self.copy_optimizer_from[r]}, "
+            if source is not None and source not in donors:
+                raise ConfigError(f"rank {r} copies optimizer state from {source}, "
                                   f"which is not one of its donors {donors}")
+
+    def _distinct_plans(self) -> tuple[int, ...]:
+        """The replaced ranks whose plan needs checking: only the first when every replaced rank
+        shares one donor tuple, one weight tuple and one optimizer source (what :func:`decide`
+        builds for a deterministic rule), else all. Counted with C-level maps, not a Python loop."""
+        rs = self.replaced
+        if (rs and len(set(map(id, self.donors.values()))) == 1 and len(set(map(id, self.weights.values()))) == 1
+                and len(set(self.copy_optimizer_from.values())) == 1):
+            return rs[:1]
+        return rs
 
     @property
     def donor_ranks(self) -> tuple[int, ...]:
@@ -113,6 +158,18 @@ class Decision:
     def recipients(self, rank: int) -> tuple[int, ...]:
         """The replaced ranks that need ``rank``'s weights (empty if ``rank`` donates to nobody)."""
         return tuple(r for r in self.replaced if rank in self.donors[r])
+
+    def part(self, rank: int) -> Decision:
+        """What ``rank`` needs to know of its own replacement: this decision reduced to ``rank``'s
+        plan if it is replaced (else to no replacement), with the same strategy, iteration and
+        summary. The asynchronous coordinator sends each rank its part, so a message stays O(donors)
+        instead of O(replaced × donors) (see docs/scaling.md)."""
+        mine = (rank,) if rank in self.donors else ()
+        return Decision(mine, {r: self.donors[r] for r in mine}, {r: self.weights[r] for r in mine},
+                        {r: self.copy_optimizer_from[r] for r in mine}, self.strategy, self.optimizer_policy,
+                        reasons={r: self.reasons[r] for r in mine if r in self.reasons},
+                        skipped={r: self.skipped[r] for r in (rank,) if r in self.skipped},
+                        iteration=self.iteration, summary=self.summary)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict (rank keys become strings); :meth:`from_dict` inverts it."""
@@ -143,27 +200,45 @@ class Decision:
 
 
 _Plan = tuple[tuple[int, ...], tuple[float, ...], int | None]
+_NO_PLAN: _Plan = ((), (), None)
 
 
-def _plan_one(m: np.ndarray, r: int, pool: list[int], donor_rule: DonorRule, strategy: Strategy,
-              policy: OptimizerPolicy, gen: np.random.Generator | None,
-              weights_of: dict[tuple[int, ...], tuple[float, ...]]) -> _Plan:
-    """Donors, weights and optimizer source of replaced rank ``r``; empty donors when none is valid.
-    ``pool``: the valid donors, best first; ``weights_of`` caches weights per donor set (most replaced
-    ranks of a decision share theirs)."""
-    if strategy is Strategy.RESET:
-        return (), (), None
-    donors = donors_from_pool(pool, donor_rule, gen)
+def _plan(m: np.ndarray, r: int, donors: list[int], strategy: Strategy, policy: OptimizerPolicy) -> _Plan:
+    """Donors, weights and optimizer source of replaced rank ``r`` (empty when there is no donor).
+    Only the donor set matters: the pool holds no replaced rank, so every replaced rank with the
+    same donors gets the same plan."""
     if not donors:
-        return (), (), None
-    key = tuple(donors)
-    if key not in weights_of:
-        weights_of[key] = tuple(averaging_weights(m, donors, strategy))
-    weights: tuple[float, ...] = weights_of[key]
+        return _NO_PLAN
+    # the pool's donors are distinct ranks with finite metrics: no need to check them again
+    weights = _weights_of(m, np.fromiter(donors, dtype=np.intp, count=len(donors)), strategy)
     if strategy is Strategy.BEST_ONLY:
         donors = [d for d, w in zip(donors, weights) if w > 0]
         weights = (1.0,)
-    return tuple(donors), tuple(weights), optimizer_action(policy, r, donors, weights, metrics=m)
+    source = optimizer_action(policy, r, donors, weights, metrics=m) if policy is OptimizerPolicy.COPY else None
+    return tuple(donors), weights, source
+
+
+def _plans(m: np.ndarray, selected: list[int], pool: list[int], donor_rule: DonorRule, strategy: Strategy,
+           policy: OptimizerPolicy, gen: np.random.Generator | None) -> list[_Plan]:
+    """One plan per selected rank. Deterministic rules give every replaced rank the same donor set,
+    planned once and shared (the same tuples), so a decision costs O(n log n) whatever the rule;
+    random donors are drawn per rank, in ascending rank order, from one sorted pool."""
+    if strategy is Strategy.RESET:
+        return [_NO_PLAN] * len(selected)
+    if not selected:
+        return []
+    if donor_rule.kind != "random":
+        return [_plan(m, selected[0], donors_from_pool(pool, donor_rule), strategy, policy)] * len(selected)
+    assert donor_rule.k is not None  # DonorRule checked k for "random"
+    ordered, cache = sorted(pool), {}
+    out = []
+    for r in selected:
+        donors = draw_donors(ordered, donor_rule.k, gen)
+        key = tuple(donors)
+        if key not in cache:
+            cache[key] = _plan(m, r, donors, strategy, policy)
+        out.append(cache[key])
+    return out
 
 
 def decide(metrics: Sequence[float] | np.ndarray, rule: ReplacementRule, donor_rule: DonorRule | None = None,
@@ -187,17 +262,17 @@ def decide(metrics: Sequence[float] | np.ndarray, rule: ReplacementRule, donor_r
     selected, why = combine_rules(m, rule, iteration=iteration, state=state)
     replaced, donors, weights, copy_from, skipped = [], {}, {}, {}, {}
     pool = valid_donors(m, selected)
-    weights_of: dict[tuple[int, ...], tuple[float, ...]] = {}
-    for r in selected:
-        ds, ws, opt = _plan_one(m, r, pool, donor_rule, strategy, policy, gen, weights_of)
+    for r, (ds, ws, opt) in zip(selected, _plans(m, selected, pool, donor_rule, strategy, policy, gen)):
         if not ds and strategy is not Strategy.RESET:
             skipped[r] = _NO_DONOR
             continue
         replaced.append(r)
         donors[r], weights[r], copy_from[r] = ds, ws, opt
-    return Decision(tuple(replaced), donors, weights, copy_from, strategy.value, policy.value,
-                    reasons={r: why[r] for r in replaced}, skipped=skipped, iteration=iteration,
-                    summary=_summary(len(m), replaced, skipped, strategy))
+    return Decision._normalised(
+        replaced=tuple(replaced), donors=donors, weights=weights, copy_optimizer_from=copy_from,
+        strategy=strategy.value, optimizer_policy=policy.value,
+        reasons=why if not skipped else {r: why[r] for r in replaced}, skipped=skipped, iteration=iteration,
+        summary=_summary(len(m), replaced, skipped, strategy))
 
 
 def _summary(n: int, replaced: list[int], skipped: dict[int, str], strategy: Strategy) -> str:

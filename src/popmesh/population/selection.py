@@ -51,6 +51,7 @@ __all__ = [
     "select_donors",
     "valid_donors",
     "donors_from_pool",
+    "draw_donors",
 ]
 
 RngLike = int | np.random.Generator
@@ -78,9 +79,12 @@ def _sort_key(m: np.ndarray) -> np.ndarray:
 
 def order_worst_first(metrics: Sequence[float] | np.ndarray) -> list[int]:
     """All ranks from worst to best (non-finite first; equal metrics: higher rank first)."""
-    m = as_metrics(metrics)
-    ranks = np.arange(m.size)
-    return [int(r) for r in np.lexsort((-ranks, _sort_key(m)))]
+    return _worst_first(as_metrics(metrics)).tolist()
+
+
+def _worst_first(m: np.ndarray) -> np.ndarray:
+    """:func:`order_worst_first` of an array :func:`as_metrics` returned, as an int array."""
+    return np.lexsort((-np.arange(m.size), _sort_key(m)))
 
 
 def as_generator(rng: RngLike | None, what: str) -> np.random.Generator:
@@ -93,9 +97,9 @@ def as_generator(rng: RngLike | None, what: str) -> np.random.Generator:
 
 
 def _check_ranks(ranks: Sequence[int], n: int, what: str) -> frozenset[int]:
-    out = frozenset(int(r) for r in ranks)
-    bad = sorted(r for r in out if not 0 <= r < n)
-    if bad:
+    out = frozenset(map(int, ranks))
+    if out and (min(out) < 0 or max(out) >= n):
+        bad = sorted(r for r in out if not 0 <= r < n)
         raise ConfigError(f"{what} names ranks {bad} outside the population 0..{n - 1}")
     return out
 
@@ -111,7 +115,7 @@ def worst_by_ratio(metrics: Sequence[float] | np.ndarray, ratio: float) -> list[
     _check_fraction(ratio, "ratio")
     n = m.size
     k = min(max(1, math.floor(n * ratio + _RATIO_SLACK)), n - 1)
-    return sorted(order_worst_first(m)[:k])
+    return np.sort(_worst_first(m)[:k]).tolist()
 
 
 def _is_real(value: object) -> bool:
@@ -152,10 +156,11 @@ def below_threshold(metrics: Sequence[float] | np.ndarray, threshold: float,
     last = _last_replaced(last_replaced, m.size)
     if cooldown > 0 and iteration is None and any(t is not None for t in last):
         raise ConfigError("below_threshold with a cooldown needs iteration= the current iteration")
-    below = _sort_key(m) < threshold
-    # with a cooldown, iteration is None only when no agent was ever replaced (checked above)
-    chosen = [r for r, t in enumerate(last)
-              if below[r] and (t is None or cooldown == 0 or iteration is None or iteration - t >= cooldown)]
+    below: list[int] = np.flatnonzero(_sort_key(m) < threshold).tolist()
+    if cooldown == 0 or iteration is None:  # iteration is None only when nobody was replaced (above)
+        chosen = below
+    else:
+        chosen = [r for r in below if (t := last[r]) is None or iteration - t >= cooldown]
     if len(chosen) == m.size:
         chosen.remove(order_worst_first(m)[-1])
     return chosen
@@ -323,13 +328,14 @@ def combine_rules(metrics: Sequence[float] | np.ndarray, rule: ReplacementRule, 
     if state is not None and len(state.last_replaced) != n:
         raise ConfigError(f"state tracks {len(state.last_replaced)} agents but metrics has {n}")
     picks: list[dict[int, str]] = []
+    values = m.tolist()
     if rule.ratio is not None:
         worst = worst_by_ratio(m, rule.ratio)
-        picks.append({r: f"metric {_fmt(m[r])} among the worst {len(worst)} of {n}" for r in worst})
+        picks.append(_metric_reasons(values, worst, f" among the worst {len(worst)} of {n}"))
     if rule.threshold is not None:
         last = None if state is None else state.last_replaced
         low = below_threshold(m, rule.threshold, last, iteration, rule.cooldown)
-        picks.append({r: f"metric {_fmt(m[r])} below threshold {rule.threshold:.4g}" for r in low})
+        picks.append(_metric_reasons(values, low, f" below threshold {rule.threshold:.4g}"))
     if rule.age_range is not None:
         if state is None or state.ages is None:
             raise ConfigError("the age rule needs state=init_state(n, rule, rng) carried between decisions")
@@ -338,8 +344,18 @@ def combine_rules(metrics: Sequence[float] | np.ndarray, rule: ReplacementRule, 
     chosen = set(picks[0]).union(*picks[1:]) if rule.mode == "any" else set(picks[0]).intersection(*picks[1:])
     if len(chosen) == n:
         chosen.discard(order_worst_first(m)[-1])
-    reasons = {r: "; ".join(p[r] for p in picks if r in p) for r in sorted(chosen)}
-    return sorted(chosen), reasons
+    ranks = sorted(chosen)
+    if len(picks) == 1:
+        return ranks, {r: picks[0][r] for r in ranks}
+    return ranks, {r: "; ".join(p[r] for p in picks if r in p) for r in ranks}
+
+
+def _metric_reasons(values: list[float], ranks: list[int], tail: str) -> dict[int, str]:
+    """``"metric <value><tail>"`` per rank. %-formatting Python floats is the fastest way to
+    write a few hundred reasons (it gives the same text as ``f"{x:.4g}"``)."""
+    pattern = "metric %.4g" + tail.replace("%", "%%")
+    return {r: pattern % values[r] if math.isfinite(values[r]) else f"metric {_fmt(values[r])}{tail}"
+            for r in ranks}
 
 
 @dataclass(frozen=True)
@@ -367,7 +383,10 @@ def _candidates(metrics: Sequence[float] | np.ndarray, replaced: Sequence[int]) 
     """Valid donors from best to worst: finite metric and not being replaced."""
     m = as_metrics(metrics)
     gone = _check_ranks(replaced, m.size, "replaced")
-    return [r for r in reversed(order_worst_first(m)) if r not in gone and math.isfinite(m[r])]
+    usable = np.isfinite(m)
+    usable[np.fromiter(gone, dtype=np.intp, count=len(gone))] = False
+    best_first = _worst_first(m)[::-1]
+    return best_first[usable[best_first]].tolist()
 
 
 def donors_all_others(metrics: Sequence[float] | np.ndarray, replaced: Sequence[int]) -> list[int]:
@@ -401,10 +420,16 @@ def donors_from_pool(pool: Sequence[int], rule: DonorRule, rng: RngLike | None =
     assert rule.k is not None  # DonorRule checked k for every kind but "all"
     if rule.kind == "best_k":
         return sorted(pool[:rule.k])
-    ordered = sorted(pool)
-    if len(ordered) <= rule.k:
-        return ordered
-    picked = as_generator(rng, "donors_random").choice(len(ordered), size=rule.k, replace=False)
+    return draw_donors(sorted(pool), rule.k, rng)
+
+
+def draw_donors(ordered: Sequence[int], k: int, rng: RngLike | None) -> list[int]:
+    """``k`` of ``ordered`` (ascending valid donors) drawn uniformly without replacement, ascending;
+    all of them, drawing nothing, when there are at most ``k``. :func:`decide` sorts the pool once
+    and draws for each replaced rank from the same Generator, in ascending rank order."""
+    if len(ordered) <= k:
+        return list(ordered)
+    picked = as_generator(rng, "donors_random").choice(len(ordered), size=k, replace=False)
     return sorted(ordered[int(i)] for i in picked)
 
 

@@ -41,6 +41,7 @@ __all__ = ["MpiP2P"]
 
 EXIT_GRACE_S = 30.0  # how long closing waits for sends still in flight
 _KEPT_FOREVER: list[Any] = []  # buffers of sends that never completed: MPI may still read them
+_IN_FLIGHT_KEPT = 256  # held sends before the completed ones behind an old one are dropped
 _FAST_SPIN_S = 0.05  # base.poll_until's spin, before the general path backs off to sleeping
 
 
@@ -100,6 +101,7 @@ class MpiP2P(P2PBase):
                               "use another MPI build or the torch engine")
         self._status = self.mpi.Status()
         self._in_flight: deque[_MpiSend] = deque()  # every send until it completes, whoever holds its handle
+        self._in_flight_limit = _IN_FLIGHT_KEPT
         self._closed = False
         atexit.register(self.close)
         self._partials: dict[int, list[_Partial]] = {}
@@ -200,7 +202,18 @@ class MpiP2P(P2PBase):
             in_flight = self._in_flight
             while in_flight and in_flight[0].done():
                 in_flight.popleft()
+            if len(in_flight) >= self._in_flight_limit:  # an old send still waits: drop the completed behind it
+                self._in_flight = in_flight = deque(held for held in in_flight if not held.done())
+                self._in_flight_limit = max(_IN_FLIGHT_KEPT, 2 * len(in_flight))
             in_flight.append(op)
+
+    def memory(self) -> dict[str, int]:
+        """:meth:`P2PBase.memory` plus half-received frames and the sends held until MPI completes
+        them. Messages not yet received wait in MPI itself (see docs/messages.md), not here."""
+        with self._lock:
+            return {**super().memory(), "partial_tags": len(self._partials),
+                    "partial_frames": sum(len(p) for p in self._partials.values()),
+                    "held_sends": len(self._in_flight)}
 
     def _poll(self, req: RecvRequest) -> bool:
         """Fast path of the matching in :meth:`P2PBase._poll` for the common case: ``req`` is the only
@@ -225,10 +238,18 @@ class MpiP2P(P2PBase):
                 return super()._poll(req)
             req._item = (partial.src, partial.data)
             posted.clear()
+            del self._posted[tag]  # per-tag tables hold only tags in use
             return True
 
     def _fetch(self, sources: frozenset[int] | None, tag: int) -> Item | None:
         partials = self._partials.setdefault(tag, [])
+        try:
+            return self._fetch_from(partials, sources, tag)
+        finally:
+            if not partials:
+                self._partials.pop(tag, None)  # per-tag tables hold only tags in use
+
+    def _fetch_from(self, partials: list[_Partial], sources: frozenset[int] | None, tag: int) -> Item | None:
         blocked: set[int] = set()
         for partial in partials:
             if (sources is not None and partial.src not in sources) or partial.src in blocked:

@@ -59,7 +59,7 @@ from popmesh.engines.envelope import (
 from popmesh.engines.p2p_base import BufferPool, Item, P2PBase, RecvRequest
 from popmesh.engines.torch.send import LONG, Outbox, SendWorkers, TorchSend, failure, is_gone, tensor
 
-__all__ = ["TorchP2P", "EXIT_GRACE_S", "GOODBYE_GRACE_S", "PEER_PUMPS_MAX"]
+__all__ = ["TorchP2P", "EXIT_GRACE_S", "GOODBYE_GRACE_S", "PEER_PUMPS_MAX", "BUFFER_NBYTES", "buffer_cap"]
 
 _TAG_BASE = 1 << 20  # kept away from the small tags a program may use with dist.send itself
 _ENV_TAG, _SEG_TAG, _PING_TAG = _TAG_BASE, _TAG_BASE + 1, _TAG_BASE - 1
@@ -79,6 +79,11 @@ PEER_PUMPS_MAX = 8  # worlds with more peers receive on one any-source pump (see
 GLOO_ENVELOPE_NBYTES = 1 << 19
 GLOO_INLINE_NBYTES = GLOO_ENVELOPE_NBYTES - HEADER_NBYTES - 8 * MAX_SEGMENTS
 HANDOVER_NBYTES = 1 << 16
+# Bytes held for receives not yet made, past which the pumps take no more frames (see buffer_cap).
+BUFFER_NBYTES = 256 << 20
+_OUTBOXES_KEPT = 64  # send channels kept before idle ones are pruned
+_PRUNE_EVERY_S = 1.0  # ... and at most this long after the last pruning
+_ROOM_POLL_S = 0.05  # how often a held-back pump looks again (it is also woken when room is made)
 
 
 class _Pump:
@@ -105,7 +110,7 @@ class _Pump:
         A failure to post (the peer's connection closed) is left to the pump thread, which meets the
         same error on its own receive and records why the peer is gone.
         """
-        if self._spare and not self.ended:
+        if self._spare and not self.ended and self.owner._has_room():
             with self._lock:
                 try:
                     while self._spare and not self.ended:
@@ -119,6 +124,13 @@ class _Pump:
         self._posted.append((work, self._spare.pop()))
 
     def _next(self) -> tuple[Any, np.ndarray]:
+        """The next posted receive; posts one when none is, once the owner holds fewer than its cap
+        of bytes for receives not yet made (back-pressure: gloo moves a frame only into a posted
+        receive, so the sender's send waits meanwhile)."""
+        with self._lock:
+            if self._posted:
+                return self._posted.popleft()
+        self.owner._wait_for_room()
         with self._lock:
             if not self._posted:
                 self._post()
@@ -184,6 +196,9 @@ class _Pump:
                 buf = owner._envelopes.take(GLOO_ENVELOPE_NBYTES)
             with self._lock:
                 self._spare.append(buf)
+            if item is not None and not owner._has_room():  # hand it over before holding back
+                owner._deliver(envelope.tag, item)  # type: ignore[union-attr]
+                item = None
             try:
                 work, buf = self._next()
             except (RuntimeError, ConfigError) as e:
@@ -254,11 +269,24 @@ class _AnyPump(_Pump):
         return True
 
 
+def buffer_cap() -> int:
+    """Bytes of messages a rank holds for receives not yet made (``POPMESH_P2P_BUFFER_BYTES``,
+    default :data:`BUFFER_NBYTES`); past it the pumps stop taking frames until the program receives.
+    0 holds at most the frame each pump has in hand."""
+    return int(read_number("POPMESH_P2P_BUFFER_BYTES", BUFFER_NBYTES, whole=True,
+                           hint="give a whole number of bytes (0 or more)"))
+
+
 def peer_pumps_max() -> int:
     """Most peers that get a pump each: :data:`PEER_PUMPS_MAX`, or ``POPMESH_GLOO_PEER_PUMPS`` (0: always
     one any-source pump, the fewest threads)."""
     return int(read_number("POPMESH_GLOO_PEER_PUMPS", PEER_PUMPS_MAX, whole=True,
                            hint="give a whole number of peers (0 or more)"))
+
+
+def _nbytes(item: Item) -> int:
+    data = item[1]
+    return int(data.nbytes) if isinstance(data, np.ndarray) else 0
 
 
 def _hands_over(envelope: Any) -> bool:
@@ -277,9 +305,14 @@ class TorchP2P(P2PBase):
         super().__init__(engine.rank, engine.size)
         self._group = dist.group
         self._waiters: list[threading.Lock] = []  # receivers blocked in _block, released on delivery
-        self._inbox: dict[int, deque[Item]] = {}
+        self._inbox: dict[int, deque[Item]] = {}  # tag -> frames no receive has taken yet (pruned when empty)
+        self._held = 0  # bytes in _inbox
+        self._cap = buffer_cap()
+        self._room = threading.Condition(self._lock)  # a held-back pump waits here for receives
         self._pumps: dict[int, _Pump] = {}  # peer -> the pump that receives from it
-        self._outboxes: dict[tuple[int, int], Outbox] = {}
+        self._outboxes: dict[tuple[int, int], Outbox] = {}  # pruned of idle channels (_prune_outboxes)
+        self._outbox_limit = _OUTBOXES_KEPT
+        self._next_prune = 0.0  # a new channel after this prunes the idle ones too
         self._workers = SendWorkers()
         # One lock per destination keeps a frame's envelope and segments together in that peer's
         # stream; a gloo send of a large segment can block for milliseconds (a full socket), and a
@@ -345,6 +378,7 @@ class TorchP2P(P2PBase):
             if self._closed:
                 return
             self._closed = True
+            self._room.notify_all()  # a held-back pump goes on, to meet the goodbyes
         busy = self.flush(EXIT_GRACE_S)
         if busy:
             sys.stderr.write(f"popmesh: rank {self.rank} closes with sends still pending to (rank, tag) {busy}: "
@@ -403,15 +437,30 @@ class TorchP2P(P2PBase):
         with self._lock:
             box = self._outboxes.get((dst, tag))
             if box is None:
+                if len(self._outboxes) >= self._outbox_limit or time.monotonic() >= self._next_prune:
+                    self._prune_outboxes()
                 box = self._outboxes[(dst, tag)] = Outbox(dst, tag, self._workers)
             return box
+
+    def _prune_outboxes(self) -> None:
+        """Forget the channels with nothing in flight and no error to report (a new send makes its
+        channel afresh, in order since nothing of the old one is left); amortised O(1) per send."""
+        self._outboxes = {key: box for key, box in self._outboxes.items() if box.backlog() or box.error is not None}
+        self._outbox_limit = max(_OUTBOXES_KEPT, 2 * len(self._outboxes))
+        self._next_prune = time.monotonic() + _PRUNE_EVERY_S
+        self._pings = [work for work in self._pings if not work.is_completed()]
 
     # ---- receiving ---------------------------------------------------------------------------
     def _fetch(self, sources: frozenset[int] | None, tag: int) -> Item | None:
         queue = self._inbox.get(tag)
         for i, item in enumerate(queue or ()):
             if sources is None or item[0] in sources:
-                del queue[i]  # type: ignore[union-attr]
+                assert queue is not None
+                del queue[i]
+                if not queue:
+                    del self._inbox[tag]
+                self._held -= _nbytes(item)
+                self._room.notify_all()
                 return item
         gone = self._gone_error(sources)
         if gone is not None:  # nothing can arrive any more
@@ -453,7 +502,30 @@ class TorchP2P(P2PBase):
     def _deliver(self, tag: int, item: Item) -> None:
         with self._lock:
             self._inbox.setdefault(tag, deque()).append(item)
+            self._held += _nbytes(item)
         self._notify()
+
+    def _has_room(self) -> bool:
+        """Whether the pumps may take another frame: fewer bytes held than the cap."""
+        return self._held <= self._cap or self._closed
+
+    def _wait_for_room(self) -> None:
+        """Block a pump while this rank holds its cap of bytes for receives not yet made."""
+        with self._room:
+            while not self._has_room():
+                self._room.wait(_ROOM_POLL_S)
+
+    def holding_back(self) -> bool:
+        """Whether the pumps take nothing more until the program receives (the cap is reached)."""
+        return not self._has_room()
+
+    def memory(self) -> dict[str, int]:
+        """:meth:`P2PBase.memory` plus bytes and frames taken but not yet received, the tags they
+        sit on, send channels with a table, and bytes queued for sending."""
+        with self._lock:
+            return {**super().memory(), "held_bytes": self._held, "cap": self._cap,
+                    "held_frames": sum(len(q) for q in self._inbox.values()), "inbox_tags": len(self._inbox),
+                    "send_channels": len(self._outboxes), "queued_send_bytes": self._workers.eager_nbytes()}
 
     def fail_peer(self, rank: int, error: PopmeshError) -> None:
         """Declare ``rank`` failed and close gloo's connection to it, so that anything waiting on it in

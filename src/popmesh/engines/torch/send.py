@@ -24,7 +24,8 @@ import numpy as np
 
 from popmesh.core.errors import CommTimeout, PeerFailure, PopmeshError
 
-__all__ = ["LONG", "REAP_S", "SEND_THREADS", "TorchSend", "Outbox", "SendWorkers", "failure", "is_gone", "tensor"]
+__all__ = ["LONG", "REAP_S", "SEND_THREADS", "EAGER_TOTAL_NBYTES", "TorchSend", "Outbox", "SendWorkers", "failure",
+           "is_gone", "tensor"]
 
 LONG = timedelta(days=30)  # gloo closes the connection when a wait expires: never let one expire
 REAP_S = 0.05
@@ -32,6 +33,7 @@ SEND_THREADS = 4  # completion workers per rank, whatever the number of peers an
 _IDLE_S = 5.0
 _EAGER_BACKLOG = 256
 _EAGER_NBYTES = 16 << 20  # what 256 envelopes of 64 KiB held before gloo inlined larger frames
+EAGER_TOTAL_NBYTES = 64 << 20  # queued send bytes per rank, all channels together, past which sends wait
 _ZERO_COPY_MIN = 1 << 16
 _GONE = ("connection closed", "connection reset", "broken pipe", "socket closed", "connection refused",
          "pair closure", "closed by peer")
@@ -131,7 +133,8 @@ class Outbox:
     def bounded(self) -> bool:
         """The queued eager sends are few and small enough to let their callers go on (at most
         :data:`_EAGER_BACKLOG` frames and :data:`_EAGER_NBYTES` bytes held for gloo)."""
-        return len(self._ops) <= _EAGER_BACKLOG and self._queued_nbytes <= _EAGER_NBYTES
+        return (len(self._ops) <= _EAGER_BACKLOG and self._queued_nbytes <= _EAGER_NBYTES
+                and self.workers.eager_nbytes() <= EAGER_TOTAL_NBYTES)
 
     def push(self, op: TorchSend) -> None:
         self.workers.push(self, op)
@@ -141,7 +144,8 @@ class Outbox:
         self.workers.hurry(self)
 
     def _urgent(self) -> bool:
-        return self._awaited > 0 or len(self._ops) > _EAGER_BACKLOG // 2 or self._queued_nbytes > _EAGER_NBYTES // 2
+        return (self._awaited > 0 or len(self._ops) > _EAGER_BACKLOG // 2 or self._queued_nbytes > _EAGER_NBYTES // 2
+                or self.workers.eager_nbytes() > EAGER_TOTAL_NBYTES // 2)
 
     def _ready(self, now: float) -> bool:
         return bool(self._ops) and not self._serving and (self._urgent() or now >= self._due)
@@ -163,6 +167,7 @@ class SendWorkers:
         self._idle = 0
         self._wakeup = 0.0  # when the idle workers wake up next by themselves
         self._closed = False
+        self._queued = 0  # bytes queued on every channel together (bounded: see Outbox.bounded)
 
     def push(self, box: Outbox, op: TorchSend) -> None:
         with self._cond:
@@ -171,8 +176,13 @@ class SendWorkers:
                 self._boxes.append(box)
             box._ops.append(op)
             box._queued_nbytes += op.nbytes
+            self._queued += op.nbytes
             box._awaited += not op.eager
             self._wake(box)
+
+    def eager_nbytes(self) -> int:
+        """Bytes queued on every channel together (read without the lock: a snapshot)."""
+        return self._queued
 
     def hurry(self, box: Outbox) -> None:
         with self._cond:
@@ -233,6 +243,7 @@ class SendWorkers:
             with self._cond:
                 box._ops.popleft()
                 box._queued_nbytes -= op.nbytes
+                self._queued -= op.nbytes
                 box._awaited = max(0, box._awaited - (not op.eager)) if box._ops else 0
                 if op.error is not None and op.eager:
                     box.error = op.error
