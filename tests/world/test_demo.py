@@ -68,10 +68,10 @@ def test_demo_population_carries_on_when_a_rank_is_lost(tmp_path):
            "--no-live", "--max-restarts", "1", "--kill", "1:4", "--out", str(tmp_path)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=200)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "rank 1 was killed by SIGKILL" in done.stderr and "restarted (1 of 1)" in done.stderr
+    assert "rank 1 was killed by SIGKILL" in done.stderr and "restarted (1 of 1)" in done.stderr, done.stderr[-3000:]
     run = next(tmp_path.iterdir())
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["generation"] == 1 and [a["steps"] for a in summary["agents"]] == [6144] * 3
+    assert summary["generation"] == 1 and [a["steps"] for a in summary["agents"]] == [6144] * 3, done.stderr[-3000:]
     (rejoined,) = summary["restarts"]
     assert rejoined["rank"] == 1 and set(rejoined["donors"]) <= {0, 2} and rejoined["donors"]
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
