@@ -1,10 +1,11 @@
-"""The always-on check of sized collectives: a guard all-reduce beside (or before) the payload.
+"""The always-on check of sized collectives: a one-word guard all-reduce beside (or before) the payload.
 
 See :mod:`popmesh.comm.signature` for why it is sound. A call whose signature is the group's
-prediction pays the guard concurrently with its payload; a call that is not (the first of a kind,
-a change of pattern, a mismatch) pays it as one latency round first. Either way a mismatch raises
-:class:`CollectiveMismatch` on every rank, listing each rank's call where every rank is still at
-this call, and no engine ever pairs payloads of different forms.
+prediction runs its guard beside its payload where the engine overlaps collectives (and always for
+asynchronous calls, whose point is to return at once); any other call waits for its guard first.
+A mismatch raises :class:`CollectiveMismatch` on every rank, listing each rank's call (exchanged as
+point-to-point messages, which need no agreement on what comes next), and no engine ever pairs
+payloads of different forms.
 """
 
 from __future__ import annotations
@@ -14,38 +15,29 @@ from typing import Any
 
 import numpy as np
 
-from popmesh.comm.agreement import agree
-from popmesh.comm.signature import (
-    Form,
-    History,
-    Verdict,
-    digest,
-    expected_guard,
-    forget,
-    guard_vector,
-    predict,
-    read_guard,
-    record,
-)
+from popmesh.comm.messages import internal_tag, isend, recv
+from popmesh.comm.signature import Form, History, agrees, digest, expected_sum, forget, guard_word, record
 from popmesh.core.arrays import is_torch
-from popmesh.core.errors import CollectiveMismatch, CommTimeout
+from popmesh.core.errors import CollectiveMismatch, CommTimeout, PopmeshError
 from popmesh.core.handles import Pending
 from popmesh.core.ops import ReduceOp
 
-__all__ = ["checked", "start_checked", "Body", "StartBody"]
+__all__ = ["checked", "start_checked", "signature_of", "Body", "StartBody", "MISMATCH_TAG"]
 
 Body = Callable[[list[Any], float], Any]  # issues the payload and waits for it; returns the result
 StartBody = Callable[[list[Any]], Pending]  # issues the payload and returns at once
 
+MISMATCH_TAG = internal_tag(128)  # each rank's description of a mismatched call
 _SIGNATURES: dict[Any, tuple[int, str]] = {}  # a call's key -> (signature, description)
-_SIGNATURE_LIMIT = 1 << 16
+_EXPECTED: dict[tuple[int, int], int] = {}
+_CACHE_LIMIT = 1 << 16
 
 
 def signature_of(key: Any, describe: Callable[[], str]) -> tuple[int, str]:
     """A call's signature and description, computed once per distinct ``key``."""
     known = _SIGNATURES.get(key)
     if known is None:
-        if len(_SIGNATURES) >= _SIGNATURE_LIMIT:
+        if len(_SIGNATURES) >= _CACHE_LIMIT:
             _SIGNATURES.clear()
         text = describe()
         known = _SIGNATURES[key] = (digest(text), text)
@@ -57,30 +49,28 @@ def checked(comm: Any, key: Any, describe: Callable[[], str], arrays: list[Any],
     """Run ``body(arrays, timeout)`` on every rank of ``comm`` once the call is known to match."""
     history: History = comm.history
     sig, text = _prologue(history, key, describe, what)
-    predicted = predict(history)
-    hit = sig == predicted
-    vector = guard_vector(sig, hit, predicted, True)
-    words = np.array(vector, dtype=np.int64)
-    guard = comm.world.engine.all_reduce_start(words, ReduceOp.SUM, comm.handle)
+    predicted = history.after.get(history.last, 0)  # predict(history), inline: small calls' latency lives here
+    engine = comm.world.engine
+    hit = sig == predicted and engine.tuning.overlaps_collectives
+    size = comm.size
+    word = np.array([guard_word(sig)], dtype=np.int64)
+    guard = engine.all_reduce_start(word, ReduceOp.SUM, comm.handle)
     if hit:
         try:
             result = body(arrays, timeout)
         except CommTimeout as e:
-            _explain_timeout(history, guard, words, vector, comm.size, text, what, e)
+            if guard.done() and not agrees(int(word[0]), sig, size):
+                raise _mismatch(comm, history, hit, predicted, text, what, timeout) from e
             raise
         guard.wait(timeout)
-        if words.tolist() == expected_guard(vector, comm.size):
+        if int(word[0]) == _expected(sig, size):
             history.last = sig  # a hit: the rest of the history is already so
             return result
-    else:
-        guard.wait(timeout)
-    verdict = read_guard(words.tolist(), vector, comm.size)
-    if not verdict.same:
-        _mismatch(comm, history, verdict, hit, text, what, timeout)
-    if not hit:
-        result = body(arrays, timeout)
-    if not verdict.in_step:
-        forget(history)
+        raise _mismatch(comm, history, hit, predicted, text, what, timeout)
+    guard.wait(timeout)
+    if not agrees(int(word[0]), sig, size):
+        raise _mismatch(comm, history, hit, predicted, text, what, timeout)
+    result = body(arrays, timeout)
     record(history, sig, lambda: _form_of(arrays, body))
     return result
 
@@ -91,20 +81,15 @@ def start_checked(comm: Any, key: Any, describe: Callable[[], str], arrays: list
     guard is checked when the work is waited for), a miss waits for the guard first."""
     history: History = comm.history
     sig, text = _prologue(history, key, describe, what)
-    predicted = predict(history)
-    hit = sig == predicted
-    vector = guard_vector(sig, hit, predicted, False)
-    words = np.array(vector, dtype=np.int64)
-    guard = comm.world.engine.all_reduce_start(words, ReduceOp.SUM, comm.handle)
-    if hit:
+    predicted = history.after.get(history.last, 0)
+    word = np.array([guard_word(sig)], dtype=np.int64)
+    guard = comm.world.engine.all_reduce_start(word, ReduceOp.SUM, comm.handle)
+    if sig == predicted:
         history.last = sig  # what the history will be once the guard agrees; later calls predict from it
-        return _Guarded(comm, guard, words, vector, start(arrays), text, what)
+        return _Guarded(comm, guard, word, sig, predicted, start(arrays), text, what)
     guard.wait(timeout)
-    verdict = read_guard(words.tolist(), vector, comm.size)
-    if not verdict.same:
-        _mismatch(comm, history, verdict, hit, text, what, timeout)
-    if not verdict.in_step:
-        forget(history)
+    if not agrees(int(word[0]), sig, comm.size):
+        raise _mismatch(comm, history, False, predicted, text, what, timeout)
     record(history, sig, lambda: _form_of(arrays, lambda a, t: start(a).wait(t)))
     return start(arrays)
 
@@ -112,10 +97,11 @@ def start_checked(comm: Any, key: Any, describe: Callable[[], str], arrays: list
 class _Guarded:
     """A payload in flight beside its guard: the result counts only once the guard agrees."""
 
-    def __init__(self, comm: Any, guard: Pending, words: np.ndarray, vector: list[int], body: Pending,
+    def __init__(self, comm: Any, guard: Pending, word: np.ndarray, sig: int, predicted: int, body: Pending,
                  text: str, what: str) -> None:
-        self._comm, self._guard, self._words, self._vector, self._body = comm, guard, words, vector, body
-        self._text, self._what = text, what
+        self._comm, self._guard, self._word, self._body = comm, guard, word, body
+        self._sig, self._predicted, self._text, self._what = sig, predicted, text, what
+        self._number = comm.history.issued
         self._checked = False
 
     def done(self) -> bool:
@@ -124,12 +110,13 @@ class _Guarded:
     def wait(self, timeout: float) -> Any:
         if not self._checked:
             self._guard.wait(timeout)
-            got = self._words.tolist()
-            if got != expected_guard(self._vector, self._comm.size):
-                verdict = read_guard(got, self._vector, self._comm.size)
-                if not verdict.same:
-                    self._body.wait(timeout)  # the other ranks complete it with zeros
-                    _mismatch(self._comm, self._comm.history, verdict, True, self._text, self._what, timeout)
+            if not agrees(int(self._word[0]), self._sig, self._comm.size):
+                self._body.wait(timeout)  # the other ranks complete it with zeros
+                history: History = self._comm.history
+                if history.issued != self._number:  # later calls went out predicted from this one
+                    history.broken = (f"a mismatch ({self._text} on this rank) was found while later calls of "
+                                      "the group were in flight")
+                raise _mismatch(self._comm, history, True, self._predicted, self._text, self._what, timeout)
             self._checked = True
         return self._body.wait(timeout)
 
@@ -137,39 +124,53 @@ class _Guarded:
 def _prologue(history: History, key: Any, describe: Callable[[], str], what: str) -> tuple[int, str]:
     if history.broken is not None:
         raise CollectiveMismatch(f"{what}: this group cannot be used any more: {history.broken}")
-    return signature_of(key, describe)
+    history.issued += 1
+    known = _SIGNATURES.get(key)
+    return known if known is not None else signature_of(key, describe)
 
 
-def _mismatch(comm: Any, history: History, verdict: Verdict, hit: bool, text: str, what: str,
-              timeout: float) -> None:
-    """The guard found ranks with different calls: complete the payloads in flight, then raise on
-    every rank (listing each rank's call when every rank can still exchange it)."""
-    if not hit and verdict.any_hit:
-        if not verdict.same_prediction:
-            history.broken = (f"ranks called different collectives (this rank: {text}) while their call "
-                              "histories disagreed, after an earlier mismatch with asynchronous calls in flight")
-            raise CollectiveMismatch(f"{what}: {history.broken}")
-        _complete_with_zeros(history.forms[predict(history)], timeout)
+def _expected(sig: int, size: int) -> int:
+    known = _EXPECTED.get((sig, size))
+    if known is None:
+        if len(_EXPECTED) >= _CACHE_LIMIT:
+            _EXPECTED.clear()
+        known = _EXPECTED[(sig, size)] = expected_sum(sig, size)
+    return known
+
+
+def _mismatch(comm: Any, history: History, issued: bool, predicted: int, text: str, what: str,
+              timeout: float) -> CollectiveMismatch:
+    """The guard found ranks with different calls. Every rank that has not issued a payload for this
+    call issues the predicted one with zeros (a rank that hit issued it already), so the group is
+    left clean; then the ranks exchange their calls' descriptions for the error every rank raises."""
+    if not issued and predicted:
+        _complete_with_zeros(history.forms[predicted], timeout)
     forget(history)
-    if verdict.describable:
-        agree(comm, text, what, timeout)  # raises, naming every rank's call
-    raise CollectiveMismatch(
-        f"{what}: ranks called different collectives or passed different shapes or dtypes (this rank: "
-        f"{text}); nothing was reduced or moved. Every rank of the group must call the same collective "
-        "with the same structure, shapes and dtypes (POPMESH_CHECK=1 lists each rank's call)."
+    per_rank = _exchange_descriptions(comm, text, timeout)
+    listing = "; ".join(f"rank {r}: {t}" for r, t in per_rank.items())
+    return CollectiveMismatch(
+        f"{what}: ranks called different collectives or passed different shapes or dtypes ({listing}); "
+        "nothing was returned. Every rank of the group must call the same collective with the same "
+        "structure, shapes and dtypes.",
+        per_rank,
     )
 
 
-def _explain_timeout(history: History, guard: Pending, words: np.ndarray, vector: list[int], size: int,
-                     text: str, what: str, error: CommTimeout) -> None:
-    """A hit's payload timed out: if the guard shows a mismatch no rank could complete, say so."""
-    if not guard.done():
-        return
-    verdict = read_guard(words.tolist(), vector, size)
-    if not verdict.same:
-        history.broken = (f"ranks called different collectives (this rank: {text}) and the payloads in flight "
-                          "could not be completed")
-        raise CollectiveMismatch(f"{what}: {history.broken}") from error
+def _exchange_descriptions(comm: Any, text: str, timeout: float) -> dict[int, str]:
+    """Every member's description, as messages: ranks that overlapped an asynchronous call may
+    already have later collectives in flight, so no further collective can be trusted to pair."""
+    me = comm.rank
+    others = [r for r in comm.ranks if r != me]
+    sends = [isend(text, r, MISMATCH_TAG, timeout=timeout) for r in others]
+    texts = {me: text}
+    try:
+        for r in others:
+            texts[r] = str(recv(r, MISMATCH_TAG, timeout=timeout)[1])
+        for handle in sends:
+            handle.wait()
+    except PopmeshError as e:  # a rank that never got here: say what is known
+        texts.update({r: f"(no description: {type(e).__name__})" for r in others if r not in texts})
+    return {r: texts[r] for r in comm.ranks}
 
 
 def _form_of(arrays: list[Any], run: Body) -> Form:
