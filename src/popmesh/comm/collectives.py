@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from popmesh.comm.agreement import agree, describe_leaves, exchange_all_shapes, exchange_shapes
-from popmesh.comm.fusion import apply_fused, fresh_copy, is_contiguous, write_back
+from popmesh.comm.fusion import apply_fused, fresh_copy, fuse_groups, is_contiguous, write_back
 from popmesh.comm.guard import Body, checked
 from popmesh.comm.reduction import engine_view, finish_, lowering_of
 from popmesh.comm.world import Comm, resolve_group
@@ -64,7 +64,11 @@ def _check(comm: Comm, what: str, tree: Any, arrays: list[Any], timeout: float, 
 
 
 def _describe(what: str, extra: str, tree: Any, arrays: list[Any]) -> str:
-    return f"{what}({extra}) {tree.describe()} {describe_leaves(arrays)}"
+    """The call as text; leaves fused into more than one engine call (numpy beside torch, several
+    dtypes) say how, since that decides the engine calls (two ranks must make the same ones)."""
+    groups = fuse_groups(arrays) if len(arrays) > 1 else []
+    plan = " fused " + "|".join(",".join(map(str, g)) for g in groups) if len(groups) > 1 else ""
+    return f"{what}({extra}) {tree.describe()} {describe_leaves(arrays)}{plan}"
 
 
 def _run_checked(comm: Comm, what: str, extra: Any, tree: Any, arrays: list[Any], body: Body, timeout: float) -> Any:

@@ -105,6 +105,9 @@ def reduce_scatter_and_nested(w):
     expect_mismatch(lambda: popmesh.reduce_scatter(x), f"float32[{2 * n}]", f"float32[{4 * n}]", ranks=range(n))
     tree = {"a": np.ones(3, dtype=np.float32), "b": np.ones(2, dtype=np.int32 if odd(w) else np.int64)}
     expect_mismatch(lambda: popmesh.all_reduce(tree), "int32[2]", "int64[2]", ranks=range(n))
+    # the same dtypes and shapes, but a torch leaf beside a numpy one is fused apart: other engine calls
+    mixed = {"a": np.ones(3, dtype=np.float32), "b": torch.ones(2) if odd(w) else np.ones(2, dtype=np.float32)}
+    expect_mismatch(lambda: popmesh.all_reduce(mixed), "fused 0|1", ranks=range(n))
     out = popmesh.reduce_scatter(np.full(2 * n, w.rank + 1.0))
     assert out.shape == (2,) and np.all(out == total(n)), out
 
