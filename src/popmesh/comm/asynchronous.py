@@ -2,7 +2,9 @@
 
 ``all_reduce_async_(x)`` reduces one array or tensor in place; ``all_reduce_async(x)`` leaves ``x``
 alone and ``wait()`` returns the result. Several may be in flight at once (bucketed gradient sync
-issues one per bucket); wait for them in the order they were started.
+issues one per bucket); wait for them in the order they were started. Like the blocking form, a call
+that does not match the other ranks' raises CollectiveMismatch on every rank (at the start, or at
+``wait()`` when the call repeats a verified pattern and its guard ran beside it).
 """
 
 from __future__ import annotations
@@ -11,12 +13,14 @@ from typing import Any
 
 import numpy as np
 
+from popmesh.comm.agreement import agree, describe_leaves
 from popmesh.comm.collectives import _setup
 from popmesh.comm.fusion import fresh_copy, is_contiguous, write_back
+from popmesh.comm.guard import start_checked
 from popmesh.comm.reduction import engine_view, finish_, lowering_of
 from popmesh.comm.world import Comm
 from popmesh.core.arrays import is_torch
-from popmesh.core.handles import Completed, Handle
+from popmesh.core.handles import Completed, Handle, Pending
 from popmesh.core.ops import ReduceOp
 
 __all__ = ["AsyncHandle", "all_reduce_async", "all_reduce_async_"]
@@ -47,7 +51,18 @@ def _start(x: Any, op: Any, group: Comm | None, timeout: float | None, *, in_pla
     buf = x if in_place and is_contiguous(x) else fresh_copy(x)
     if comm.size == 1:
         return AsyncHandle(Completed(), seconds, lambda _: x if in_place else buf)
-    pending = comm.world.engine.all_reduce_start(engine_view(buf, lowering), lowering.engine_op, comm.handle)
+    engine = comm.world.engine
+
+    def start(bufs: list[Any]) -> Pending:
+        return engine.all_reduce_start(engine_view(bufs[0], lowering), lowering.engine_op, comm.handle)
+
+    if comm.check:
+        agree(comm, f"all_reduce({reduce_op.value}) * {describe_leaves([x])}", "all_reduce", seconds)
+        pending = start([buf])
+    else:  # the same signature as the blocking form's: the engine call is the same
+        pending = start_checked(comm, ("all_reduce", reduce_op, x.dtype, x.shape),
+                                lambda: f"all_reduce({reduce_op.value}) * {describe_leaves([x])}", [buf], start,
+                                seconds, "all_reduce")
 
     def finish(_: Any) -> Any:
         finish_(buf, lowering, comm.size)

@@ -2,8 +2,10 @@
 
 Every function takes ``group=`` (a World or Group; default: the current world) and ``timeout=``
 (seconds; default: the world's). Every rank of the group must call the same collective with the same
-structure, shapes and dtypes; check mode (``POPMESH_CHECK=1`` / ``init(check=True)``) verifies that
-first and raises :class:`CollectiveMismatch` on every rank, listing each rank's values. Returning
+structure, shapes and dtypes. The reductions and broadcast verify that with a small guard all-reduce
+(:mod:`popmesh.comm.guard`, beside the payload once a call repeats) and the gathers compare shapes, so
+a mismatch raises :class:`CollectiveMismatch` on every rank instead of a wrong answer; check mode
+(``POPMESH_CHECK=1`` / ``init(check=True)``) verifies every call first, listing each rank's values. Returning
 versions leave the input untouched; ``_`` versions write into it. dtype and device are kept. In a
 group of one every collective returns its input.
 """
@@ -15,7 +17,8 @@ from typing import Any
 import numpy as np
 
 from popmesh.comm.agreement import agree, describe_leaves, exchange_all_shapes, exchange_shapes
-from popmesh.comm.fusion import apply_fused, fresh_copy, is_contiguous, write_back
+from popmesh.comm.fusion import apply_fused, fresh_copy, fuse_groups, is_contiguous, write_back
+from popmesh.comm.guard import Body, checked
 from popmesh.comm.reduction import engine_view, finish_, lowering_of
 from popmesh.comm.world import Comm, resolve_group
 from popmesh.core.arrays import flatten, is_torch, restore_scalar, to_array, unflatten
@@ -57,7 +60,27 @@ def _leaves(x: Any, what: str, *, mutable: bool = False) -> tuple[list[Any], lis
 
 def _check(comm: Comm, what: str, tree: Any, arrays: list[Any], timeout: float, extra: str = "") -> None:
     if comm.check:
-        agree(comm, f"{what}({extra}) {tree.describe()} {describe_leaves(arrays)}", what, timeout)
+        agree(comm, _describe(what, extra, tree, arrays), what, timeout)
+
+
+def _describe(what: str, extra: str, tree: Any, arrays: list[Any]) -> str:
+    """The call as text; leaves fused into more than one engine call (numpy beside torch, several
+    dtypes) say how, since that decides the engine calls (two ranks must make the same ones)."""
+    groups = fuse_groups(arrays) if len(arrays) > 1 else []
+    plan = " fused " + "|".join(",".join(map(str, g)) for g in groups) if len(groups) > 1 else ""
+    return f"{what}({extra}) {tree.describe()} {describe_leaves(arrays)}{plan}"
+
+
+def _run_checked(comm: Comm, what: str, extra: Any, tree: Any, arrays: list[Any], body: Body, timeout: float) -> Any:
+    """``body(arrays, timeout)`` once every rank is known to make the same call: check mode's full
+    agreement, or else the always-on guard. ``body`` must not hold on to the caller's data (a rank
+    may run it again on zeros to complete a mismatched payload)."""
+    text = str(getattr(extra, "value", extra))
+    if comm.check:
+        agree(comm, _describe(what, text, tree, arrays), what, timeout)
+        return body(arrays, timeout)
+    key = (what, extra, tree, tuple((a.dtype, tuple(a.shape)) for a in arrays))
+    return checked(comm, key, lambda: _describe(what, text, tree, arrays), arrays, body, timeout, what)
 
 
 def _rebuild(tree: Any, leaves: list[Any], results: list[Any]) -> Any:
@@ -89,8 +112,11 @@ def _all_reduce(x: Any, op: Any, group: Comm | None, timeout: float | None, *, i
         lowering_of(a, reduce_op)
     if comm.size == 1:
         return x
-    _check(comm, "all_reduce", tree, arrays, seconds, reduce_op.value)
-    results = apply_fused(arrays, lambda buf: _reduce_(buf, reduce_op, comm, seconds), in_place=in_place)
+
+    def body(bufs: list[Any], t: float) -> list[Any]:
+        return apply_fused(bufs, lambda buf: _reduce_(buf, reduce_op, comm, t), in_place=in_place)
+
+    results = _run_checked(comm, "all_reduce", reduce_op, tree, arrays, body, seconds)
     return x if in_place else _rebuild(tree, leaves, results)
 
 
@@ -101,8 +127,19 @@ def _all_reduce_array(x: Any, op: ReduceOp, comm: Comm, seconds: float, in_place
         return x
     if comm.check:
         agree(comm, f"all_reduce({op.value}) * {describe_leaves([x])}", "all_reduce", seconds)
+        return _reduce_array(x, op, lowering, comm, seconds, in_place)
+
+    def body(bufs: list[Any], t: float) -> Any:
+        return _reduce_array(bufs[0], op, lowering, comm, t, in_place)
+
+    key = ("all_reduce", op, x.dtype, x.shape)
+    return checked(comm, key, lambda: f"all_reduce({op.value}) * {describe_leaves([x])}", [x], body, seconds,
+                   "all_reduce")
+
+
+def _reduce_array(x: Any, op: ReduceOp, lowering: Lowering, comm: Comm, timeout: float, in_place: bool) -> Any:
     buf = x if in_place and is_contiguous(x) else fresh_copy(x)
-    _reduce_(buf, op, comm, seconds, lowering)
+    _reduce_(buf, op, comm, timeout, lowering)
     if in_place and buf is not x:
         write_back(x, buf)
     return x if in_place else buf
@@ -131,8 +168,11 @@ def reduce_scatter(x: Any, op: Any = "sum", *, group: Comm | None = None, timeou
             )
     if comm.size == 1:
         return x
-    _check(comm, "reduce_scatter", tree, arrays, seconds, reduce_op.value)
-    return _rebuild(tree, leaves, [_reduce_scatter_leaf(a, reduce_op, comm, seconds) for a in arrays])
+
+    def body(bufs: list[Any], t: float) -> list[Any]:
+        return [_reduce_scatter_leaf(a, reduce_op, comm, t) for a in bufs]
+
+    return _rebuild(tree, leaves, _run_checked(comm, "reduce_scatter", reduce_op, tree, arrays, body, seconds))
 
 
 def _reduce_scatter_leaf(a: Any, op: ReduceOp, comm: Comm, timeout: float) -> Any:
@@ -252,9 +292,12 @@ def _broadcast(x: Any, src: int, group: Comm | None, timeout: float | None, *, i
     leaves, arrays, tree = _leaves(x, "broadcast_", mutable=in_place)
     if comm.size == 1:
         return x
-    _check(comm, "broadcast", tree, arrays, seconds, f"src={src}")
     engine = comm.world.engine
-    results = apply_fused(arrays, lambda buf: engine.broadcast_(buf, root, comm.handle, seconds), in_place=in_place)
+
+    def body(bufs: list[Any], t: float) -> list[Any]:
+        return apply_fused(bufs, lambda buf: engine.broadcast_(buf, root, comm.handle, t), in_place=in_place)
+
+    results = _run_checked(comm, "broadcast", f"src={src}", tree, arrays, body, seconds)
     return x if in_place else _rebuild(tree, leaves, results)
 
 

@@ -12,6 +12,7 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 from popmesh.comm.agreement import exchange_texts
+from popmesh.comm.signature import History
 from popmesh.core.errors import ConfigError, NotInGroup, PeerFailure, know_hosts
 from popmesh.core.launch_env import detect_engine, read_check, read_timeout
 from popmesh.core.timeouts import check_timeout, resolve_timeout
@@ -33,6 +34,7 @@ class Comm:
         self._world = world
         self.spec = spec
         self.handle = handle
+        self.history = History()  # the verified sized collectives on this group (popmesh.comm.guard)
 
     @property
     def world(self) -> World:
@@ -150,6 +152,7 @@ class World(Comm):
         fresh = self.engine.reform(seconds)
         self._next_gid = 1
         self.handle = self.engine.make_group(self.spec, seconds)
+        self.history = History()  # the mismatch guard's predictions start over: a newcomer has no history
         self.hostnames = self._gather_hostnames()
         know_hosts(self.hostnames)
         return fresh

@@ -202,6 +202,8 @@ class MpiEngine:
 
     def _reducible(self, buf: Any) -> tuple[np.ndarray, Callable[[np.ndarray], None]]:
         """A numpy array MPI can reduce, and how to write the result back into ``buf``."""
+        if type(buf) is np.ndarray and buf.dtype.itemsize != 2:
+            return buf, _noop  # the common case, decided without numpy's slow dtype.name (the guard's words)
         if is_torch(buf):
             if buf.dtype.is_floating_point and buf.element_size() == 2:
                 return buf.detach().float().cpu().numpy(), lambda a: buf.copy_(_torch_from(a, buf))

@@ -77,10 +77,12 @@ class TorchEngine:
 
     name = "torch"
     one_sided = False
-    tuning = Tuning(cpu_bucket_cap_bytes=16 << 20, max_in_flight=0)
+    tuning = Tuning(cpu_bucket_cap_bytes=16 << 20, max_in_flight=0, overlaps_collectives=False)
     """gloo, measured on a 2-vCPU box with 2 ranks and a 40 MB model (benchmarks/grad_sync.py --sweep,
     docs/performance.md): 16 MiB buckets, all in flight, came closest to one flat call; below 4 MiB
-    its ~0.3 ms per call shows, and its background threads gain from having every bucket queued."""
+    its ~0.3 ms per call shows, and its background threads gain from having every bucket queued.
+    A one-element all-reduce issued beside a 4 B one took 3x as long as one issued before it, so the
+    mismatch guard of a blocking call runs first (benchmarks/collectives.py)."""
 
     def __init__(self, env: TorchEnv, timeout: float, backend: str | None = None) -> None:
         import torch

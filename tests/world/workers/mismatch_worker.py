@@ -1,0 +1,185 @@
+"""Mismatched collectives without check mode: every rank raises CollectiveMismatch, fast, and the
+group keeps working for correct calls afterwards. The last rank is the odd one out; the others
+contribute r + 1, so the correct calls around each mismatch have closed forms."""
+
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import popmesh
+from popmesh import CollectiveMismatch
+from popmesh.comm.signature import predict
+from worldlib import check, need_ranks
+
+try:
+    import torch
+except ImportError:  # pragma: no cover - torch is part of the test environment
+    torch = None
+
+FAST_S = 5.0  # far below the world's 30 s timeout: a mismatch is found, not waited out
+
+
+def total(n):
+    return n * (n + 1) // 2
+
+
+def odd(w):
+    return w.rank == w.size - 1
+
+
+def expect_mismatch(call, *texts, ranks):
+    """``call()`` must raise CollectiveMismatch within FAST_S, naming ``texts`` and listing every rank
+    of ``ranks``."""
+    start = time.perf_counter()
+    try:
+        call()
+    except CollectiveMismatch as e:
+        elapsed = time.perf_counter() - start
+        assert elapsed < FAST_S, f"the mismatch took {elapsed:.1f} s to surface"
+        for text in texts:
+            assert text in str(e), (text, str(e))
+        assert e.per_rank is not None and set(e.per_rank) == set(ranks), (e.per_rank, ranks)
+        return e
+    raise AssertionError(f"expected CollectiveMismatch from {call}")
+
+
+def still_works(w, group=None):
+    """A correct call after the mismatch: the group is clean (nothing left in flight)."""
+    members = list(group.ranks) if group is not None else list(range(w.size))
+    out = popmesh.all_reduce(np.full(3, w.rank + 1.0), group=group)
+    assert np.all(out == sum(m + 1 for m in members)), out
+
+
+@check
+def same_bytes_different_dtypes(w):
+    need_ranks(w, 2)
+    x = np.full(4, w.rank + 1, dtype=np.int32 if odd(w) else np.float32)
+    expect_mismatch(lambda: popmesh.all_reduce(x), "float32[4]", "int32[4]", ranks=range(w.size))
+    t = torch.full((4,), w.rank + 1, dtype=torch.int32 if odd(w) else torch.float32)
+    expect_mismatch(lambda: popmesh.all_reduce_(t), "float32[4]", "int32[4]", ranks=range(w.size))
+    assert torch.all(t == w.rank + 1), "a mismatched in-place call must leave its input alone"
+    still_works(w)
+
+
+@check
+def different_shapes(w):
+    """gloo aborted the process here (its size enforce); MPI returned partly reduced arrays."""
+    need_ranks(w, 2)
+    x = np.ones(5 if odd(w) else 4, dtype=np.float32)
+    expect_mismatch(lambda: popmesh.all_reduce(x), "float32[4]", "float32[5]", ranks=range(w.size))
+    expect_mismatch(lambda: popmesh.all_reduce(np.ones((2, 2) if odd(w) else 4)), "float64[4]", "float64[2,2]",
+                    ranks=range(w.size))
+    still_works(w)
+
+
+@check
+def tenfold_size(w):
+    """MPI returned at once on one rank and timed out on the other, blaming a rank that did arrive."""
+    need_ranks(w, 2)
+    x = np.ones(10_000 if odd(w) else 1000, dtype=np.float32)
+    expect_mismatch(lambda: popmesh.all_reduce(x), "float32[1000]", "float32[10000]", ranks=range(w.size))
+    still_works(w)
+
+
+@check
+def broadcast_into_other_dtype_or_shape(w):
+    need_ranks(w, 2)
+    src = np.arange(4, dtype=np.float32) + 7
+    into = np.zeros(4, dtype=np.int32) if odd(w) else src.copy()
+    expect_mismatch(lambda: popmesh.broadcast_(into, src=0), "float32[4]", "int32[4]", ranks=range(w.size))
+    assert not odd(w) or np.all(into == 0), "the receiving buffer must be left alone"
+    shaped = src.reshape(2, 2).copy() if odd(w) else src.copy()
+    expect_mismatch(lambda: popmesh.broadcast(shaped, src=0), "float32[4]", "float32[2,2]", ranks=range(w.size))
+    assert np.all(popmesh.broadcast(np.full(4, float(w.rank)), src=w.size - 1) == w.size - 1)
+
+
+@check
+def reduce_scatter_and_nested(w):
+    need_ranks(w, 2)
+    n = w.size
+    x = np.ones(4 * n if odd(w) else 2 * n, dtype=np.float32)
+    expect_mismatch(lambda: popmesh.reduce_scatter(x), f"float32[{2 * n}]", f"float32[{4 * n}]", ranks=range(n))
+    tree = {"a": np.ones(3, dtype=np.float32), "b": np.ones(2, dtype=np.int32 if odd(w) else np.int64)}
+    expect_mismatch(lambda: popmesh.all_reduce(tree), "int32[2]", "int64[2]", ranks=range(n))
+    # the same dtypes and shapes, but a torch leaf beside a numpy one is fused apart: other engine calls
+    mixed = {"a": np.ones(3, dtype=np.float32), "b": torch.ones(2) if odd(w) else np.ones(2, dtype=np.float32)}
+    expect_mismatch(lambda: popmesh.all_reduce(mixed), "fused 0|1", ranks=range(n))
+    out = popmesh.reduce_scatter(np.full(2 * n, w.rank + 1.0))
+    assert out.shape == (2,) and np.all(out == total(n)), out
+
+
+@check
+def different_collectives(w):
+    need_ranks(w, 2)
+    x = np.ones(4, dtype=np.float32)
+    call = (lambda: popmesh.broadcast(x, src=0)) if odd(w) else (lambda: popmesh.all_reduce(x))
+    expect_mismatch(call, "all_reduce(sum)", "broadcast(src=0)", ranks=range(w.size))
+    call = (lambda: popmesh.all_reduce(x, "max")) if odd(w) else (lambda: popmesh.all_reduce(x))
+    expect_mismatch(call, "all_reduce(sum)", "all_reduce(max)", ranks=range(w.size))
+    still_works(w)
+
+
+@check
+def mismatch_after_many_hits(w):
+    """A long run of identical calls (each predicted, its guard beside the payload), then one rank
+    changes dtype, then shape: found all the same, and the run goes on correctly."""
+    need_ranks(w, 2)
+    n, r = w.size, w.rank
+    for round_ in range(3):
+        for _ in range(50):
+            out = popmesh.all_reduce(np.full(4, r + 1.0, dtype=np.float32))
+            assert np.all(out == total(n)) and out.dtype == np.float32, out
+            nested = popmesh.all_reduce({"g": np.full(2, r + 1.0), "k": np.full(1, r + 1, dtype=np.int64)}, "avg")
+            assert np.all(nested["g"] == (n + 1) / 2) and nested["k"][0] == total(n) // n, nested
+        assert predict(w.history) != 0, "the flat call after the nested one must be predicted (a hit)"
+        wrong = [np.float64, np.float32, np.float32][round_]
+        shape = [4, 5, 40][round_]
+        x = np.full(shape if odd(w) else 4, r + 1.0, dtype=wrong if odd(w) else np.float32)
+        expect_mismatch(lambda x=x: popmesh.all_reduce(x), "float32[4]", ranks=range(n))
+        assert w.history.last == 0, "after a mismatch every rank starts its history again"
+
+
+@check
+def async_mismatch(w):
+    """Asynchronous all-reduces: a mismatch at the first call (found when it starts) and after a run of
+    predicted calls (the ranks that overlapped find it at wait(); the odd rank when it starts)."""
+    need_ranks(w, 2)
+    n, r = w.size, w.rank
+
+    def start_and_wait(x):
+        return popmesh.all_reduce_async(x).wait()
+
+    group = w.new_group(list(range(n)))  # a fresh history: the first call there has no prediction
+    first = np.ones(3 if odd(w) else 2, dtype=np.float32)
+    expect_mismatch(lambda: popmesh.all_reduce_async(first, group=group).wait(), "float32[2]", "float32[3]",
+                    ranks=range(n))
+    for _ in range(30):
+        handles = [popmesh.all_reduce_async_(torch.full((8,), r + 1.0)) for _ in range(3)]
+        assert all(torch.all(h.wait() == total(n)) for h in handles)
+    x = torch.full((8,), r + 1.0, dtype=torch.float64 if odd(w) else torch.float32)
+    expect_mismatch(lambda: start_and_wait(x), "float32[8]", "float64[8]", ranks=range(n))
+    still_works(w)
+    assert torch.all(popmesh.all_reduce_async(torch.full((8,), r + 1.0)).wait() == total(n))
+
+
+@check
+def subgroup_mismatch(w):
+    """Histories are per group: a run on the world does not predict a subgroup's calls, and a
+    mismatch on a subgroup leaves the world's run alone."""
+    need_ranks(w, 2)
+    members = [0, w.size - 1]
+    g = w.new_group(members)
+    for _ in range(20):
+        popmesh.all_reduce(np.ones(4, dtype=np.float32))
+        if g.is_member:
+            out = popmesh.all_reduce(np.full(4, w.rank + 1.0, dtype=np.float32), group=g)
+            assert np.all(out == sum(m + 1 for m in members)), out
+    if g.is_member:
+        x = np.ones(6 if odd(w) else 4, dtype=np.float32)
+        expect_mismatch(lambda: popmesh.all_reduce(x, group=g), "float32[4]", "float32[6]", ranks=members)
+        still_works(w, g)
+    still_works(w)
