@@ -42,13 +42,13 @@ class Tuning:
 
     ``cpu_bucket_cap_bytes``: gradient-bucket size for CPU tensors (None: DDP's 25 MiB).
     ``max_in_flight``: how many bucket reductions may run at once (0: all).
-    ``overlaps_collectives``: whether a small collective issued beside another on the same group
-    costs less than one issued before it (the mismatch guard of popmesh.comm.guard asks).
+    ``overlap_from_bytes``: from which payload size a small collective issued beside another on the
+    same group costs less than one issued before it (the mismatch guard of popmesh.comm.guard asks).
     """
 
     cpu_bucket_cap_bytes: int | None = None
     max_in_flight: int = 0
-    overlaps_collectives: bool = True
+    overlap_from_bytes: int = 0
 
 
 @dataclass
