@@ -25,7 +25,7 @@ from typing import Any, Protocol
 from popmesh.core.errors import CommTimeout
 
 __all__ = ["ATTEMPT", "FORMED", "KeyStore", "Superseded", "prefix", "start_counting", "next_attempt",
-           "newcomer_attempt", "check_in", "await_members", "mark_formed", "newcomers"]
+           "newcomer_attempt", "check_in", "await_members", "mark_formed", "newcomers", "await_key"]
 
 ATTEMPT = "popmesh/attempt"
 FORMED = "popmesh/formed"
@@ -64,7 +64,8 @@ def next_attempt(store: KeyStore, after: int) -> int:
 
 def newcomer_attempt(store: KeyStore, timeout: float) -> int:
     """The attempt a restarted process joins: one past the newest formed world (or newer, if started)."""
-    formed = int(_await(store, FORMED, time.monotonic() + timeout, "no world has formed yet to rejoin"))
+    formed = int(await_key(store, FORMED, time.monotonic() + timeout, "cannot rejoin the world: no world has formed "
+                           "yet to rejoin"))
     return next_attempt(store, formed)
 
 
@@ -101,11 +102,12 @@ def newcomers(store: KeyStore, attempt: int, size: int) -> tuple[int, ...]:
     return tuple(r for r, value in enumerate(found) if bytes(value) == b"fresh")
 
 
-def _await(store: Any, key: str, deadline: float, what: str) -> str:
+def await_key(store: Any, key: str, deadline: float, failure: str) -> str:
+    """The text under ``key`` once it is set; CommTimeout saying ``failure`` at ``deadline``."""
     pause = 0.005
     while not store.check([key]):
         if time.monotonic() >= deadline:
-            raise CommTimeout(f"cannot rejoin the world: {what}", None)
+            raise CommTimeout(failure, None)
         time.sleep(pause)
         pause = min(2 * pause, 0.1)
     return bytes(store.get(key)).decode()

@@ -35,6 +35,7 @@ from popmesh.core.interfaces import (
     source_address,
 )
 from popmesh.core.launch_env import TorchEnv
+from popmesh.engines.torch.generations import await_key
 
 __all__ = ["PROBE_S", "IFNAME_VARS", "spans_hosts", "pin_interface", "probe_ring"]
 
@@ -87,7 +88,8 @@ def probe_ring(store: Any, env: TorchEnv, backend: str, choice: Choice | None, t
         with _Answerer(address, f"popmesh {env.rank} {os.urandom(8).hex()}") as answerer:
             store.set(_KEY + str(env.rank), f"{address} {answerer.port} {answerer.token} {socket.gethostname()} {how}")
             nxt = (env.rank + 1) % env.world_size
-            entry = _await_key(store, _KEY + str(nxt), deadline, f"rank {nxt} never published its address")
+            entry = await_key(store, _KEY + str(nxt), deadline,
+                              f"the world did not form: rank {nxt} never published its address in time")
             problem = _reach(env.rank, nxt, entry, backend)
             if problem is not None:
                 raise ConfigError(problem)
@@ -188,16 +190,6 @@ def _reach(rank: int, nxt: int, entry: str, backend: str) -> str | None:
             f"rank must reach every other rank at that address: set {variable} on every host to the interface of "
             f"the network between them, or give MASTER_ADDR (--master-addr) an address of node 0 that every node "
             f"routes to over that network")
-
-
-def _await_key(store: Any, key: str, deadline: float, what: str) -> str:
-    pause = 0.005
-    while not store.check([key]):
-        if time.monotonic() >= deadline:
-            raise CommTimeout(f"the world did not form: {what} in time", None)
-        time.sleep(pause)
-        pause = min(2 * pause, 0.1)
-    return bytes(store.get(key)).decode()
 
 
 def _await_verdict(store: Any, deadline: float) -> None:
