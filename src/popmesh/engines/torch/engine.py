@@ -40,6 +40,7 @@ from popmesh.engines.torch.generations import (
     prefix,
     start_counting,
 )
+from popmesh.engines.torch.network import pin_interface
 from popmesh.engines.torch.rendezvous import join_world, make_store
 from popmesh.engines.torch.send import is_gone
 
@@ -113,6 +114,7 @@ class TorchEngine:
             self._store = make_store(dist, env, timeout)
             self.backend: str = backend or _default_backend(torch)
             if env.restart_count > 0 and env.world_size > 1:  # a restarted rank: join the world's next generation
+                pin_interface(env)  # as join_world does: on another host, gloo must listen where the others reach
                 self._join_generation(newcomer_attempt(self._store, timeout), timeout, fresh=True)
             else:
                 join_world(dist, self._store, env, self.backend, timeout)
@@ -298,12 +300,11 @@ class TorchEngine:
             handles += [(h.pg, h.spec.group_rank(self.rank), len(h.spec.ranks)) for h in self._groups]
             empty = self._torch.empty(0, dtype=self._torch.uint8)
             for pg, me, size in handles:
-                if size < 2:
-                    continue
-                try:  # a receive that times out closes every connection of this gloo context
-                    pg.recv([empty], (me + 1) % size, _CLOSE_TAG).wait(_CLOSE_WAIT)
-                except RuntimeError:
-                    pass
+                for peer in (p for p in range(size) if p != me):
+                    try:  # a receive that times out closes every connection of this gloo context
+                        pg.recv([empty], peer, _CLOSE_TAG).wait(_CLOSE_WAIT)
+                    except RuntimeError:
+                        pass  # timed out (all closed now: the next fail at once), or that peer was gone already
         self._groups.clear()
         self._probes.clear()
         self._finished_works.clear()
