@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from popmesh.comm.agreement import agree, describe_leaves
-from popmesh.comm.collectives import _setup
+from popmesh.comm.agreement import agree
+from popmesh.comm.collectives import _setup, describe_one
 from popmesh.comm.fusion import fresh_copy, is_contiguous, write_back
 from popmesh.comm.guard import start_checked
 from popmesh.comm.reduction import engine_view, finish_, lowering_of
@@ -57,11 +57,11 @@ def _start(x: Any, op: Any, group: Comm | None, timeout: float | None, *, in_pla
         return engine.all_reduce_start(engine_view(bufs[0], lowering), lowering.engine_op, comm.handle)
 
     if comm.check:
-        agree(comm, f"all_reduce({reduce_op.value}) * {describe_leaves([x])}", "all_reduce", seconds)
+        agree(comm, describe_one(reduce_op, x), "all_reduce", seconds)
         pending = start([buf])
     else:  # the same signature as the blocking form's: the engine call is the same
         pending = start_checked(comm, ("all_reduce", reduce_op, x.dtype, x.shape),
-                                lambda: f"all_reduce({reduce_op.value}) * {describe_leaves([x])}", [buf], start,
+                                lambda: describe_one(reduce_op, x), [buf], start,
                                 seconds, "all_reduce")
 
     def finish(_: Any) -> Any:

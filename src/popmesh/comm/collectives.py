@@ -126,15 +126,21 @@ def _all_reduce_array(x: Any, op: ReduceOp, comm: Comm, seconds: float, in_place
     if comm.size == 1:
         return x
     if comm.check:
-        agree(comm, f"all_reduce({op.value}) * {describe_leaves([x])}", "all_reduce", seconds)
+        agree(comm, describe_one(op, x), "all_reduce", seconds)
         return _reduce_array(x, op, lowering, comm, seconds, in_place)
 
     def body(bufs: list[Any], t: float) -> Any:
         return _reduce_array(bufs[0], op, lowering, comm, t, in_place)
 
     key = ("all_reduce", op, x.dtype, x.shape)
-    return checked(comm, key, lambda: f"all_reduce({op.value}) * {describe_leaves([x])}", [x], body, seconds,
+    return checked(comm, key, lambda: describe_one(op, x), [x], body, seconds,
                    "all_reduce")
+
+
+def describe_one(op: ReduceOp, x: Any) -> str:
+    """An all_reduce of one array or tensor as text (the same whether blocking or asynchronous: the
+    engine call is the same, so is its signature)."""
+    return f"all_reduce({op.value}) * {describe_leaves([x])}"
 
 
 def _reduce_array(x: Any, op: ReduceOp, lowering: Lowering, comm: Comm, timeout: float, in_place: bool) -> Any:

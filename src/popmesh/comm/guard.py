@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from popmesh.comm.messages import internal_tag, isend, recv
-from popmesh.comm.signature import Form, History, agrees, digest, expected_sum, forget, guard_word, record
+from popmesh.comm.signature import Form, History, agrees, digest, forget, guard_word, predict, record
 from popmesh.core.arrays import is_torch
 from popmesh.core.errors import CollectiveMismatch, CommTimeout, PopmeshError
 from popmesh.core.handles import Pending
@@ -29,7 +29,6 @@ StartBody = Callable[[list[Any]], Pending]  # issues the payload and returns at 
 
 MISMATCH_TAG = internal_tag(128)  # each rank's description of a mismatched call
 _SIGNATURES: dict[Any, tuple[int, str]] = {}  # a call's key -> (signature, description)
-_EXPECTED: dict[tuple[int, int], int] = {}
 _CACHE_LIMIT = 1 << 16
 
 
@@ -64,7 +63,7 @@ def checked(comm: Any, key: Any, describe: Callable[[], str], arrays: list[Any],
                 raise _mismatch(comm, history, hit, predicted, text, what, timeout) from e
             raise
         guard.wait(timeout)
-        if int(word[0]) == _expected(sig, size):
+        if agrees(int(word[0]), sig, size):
             history.last = sig  # a hit: the rest of the history is already so
             return result
         raise _mismatch(comm, history, hit, predicted, text, what, timeout)
@@ -82,7 +81,7 @@ def start_checked(comm: Any, key: Any, describe: Callable[[], str], arrays: list
     guard is checked when the work is waited for), a miss waits for the guard first."""
     history: History = comm.history
     sig, text = _prologue(history, key, describe, what)
-    predicted = history.after.get(history.last, 0)
+    predicted = predict(history)
     word = np.array([guard_word(sig)], dtype=np.int64)
     guard = comm.world.engine.all_reduce_start(word, ReduceOp.SUM, comm.handle)
     if sig == predicted:
@@ -126,17 +125,7 @@ def _prologue(history: History, key: Any, describe: Callable[[], str], what: str
     if history.broken is not None:
         raise CollectiveMismatch(f"{what}: this group cannot be used any more: {history.broken}")
     history.issued += 1
-    known = _SIGNATURES.get(key)
-    return known if known is not None else signature_of(key, describe)
-
-
-def _expected(sig: int, size: int) -> int:
-    known = _EXPECTED.get((sig, size))
-    if known is None:
-        if len(_EXPECTED) >= _CACHE_LIMIT:
-            _EXPECTED.clear()
-        known = _EXPECTED[(sig, size)] = expected_sum(sig, size)
-    return known
+    return signature_of(key, describe)
 
 
 def _mismatch(comm: Any, history: History, issued: bool, predicted: int, text: str, what: str,

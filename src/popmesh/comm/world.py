@@ -148,7 +148,6 @@ class World(Comm):
         (``broadcast``, ``send``). Groups made with ``new_group`` before belong to the old generation:
         make them again, in the same order on every rank. torch engine only (MPI: ConfigError)."""
         seconds = resolve_timeout(timeout, self.default_timeout, "timeout", "reform")
-        self.require_member("reform")
         fresh = self.engine.reform(seconds)
         self._next_gid = 1
         self.handle = self.engine.make_group(self.spec, seconds)

@@ -89,6 +89,7 @@ class Checkpointer:
         self._group = group
         self.seconds_spent = 0.0  # time in save(), on this rank
         self.saved = 0
+        self._complete: set[Path] = set()  # checkpoints known complete (written here, or checked once)
 
     def due(self, iteration: int) -> bool:
         """Whether :meth:`save` should run at ``iteration`` (every ``every``-th, not the first)."""
@@ -112,6 +113,7 @@ class Checkpointer:
                         "time": time.time(), "policy_state": policy_state}
             _atomic_write(path / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
             _fsync_dir(path)
+            self._complete.add(path)  # its files' sizes and hashes are the ones just gathered
             self._prune()
         barrier(group=comm, timeout=timeout)
         self.saved += 1
@@ -119,9 +121,12 @@ class Checkpointer:
         return path
 
     def _prune(self) -> None:
-        complete = [p for p in _candidates(self.directory) if _valid(p) is not None]
+        """Remove the complete checkpoints beyond the newest ``keep`` (each folder is hashed once)."""
+        complete = [p for p in _candidates(self.directory) if p in self._complete or _valid(p) is not None]
+        self._complete.update(complete)
         for old in complete[self.keep:]:
             shutil.rmtree(old, ignore_errors=True)
+            self._complete.discard(old)
 
 
 def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:

@@ -289,12 +289,8 @@ class TorchEngine:
         """Stop the heartbeat and the transport, close this rank's connections of the old generation (so
         survivors still blocked on it there fail now and re-form too, instead of waiting out their
         timeout), and destroy the process groups, keeping the store."""
-        if self._heartbeat is not None:
-            self._heartbeat.stop()
-            self._heartbeat = None
-        if self._p2p is not None:
-            self._p2p.close()
-            self._p2p = None
+        self._stop_transport()
+        self._heartbeat = self._p2p = None  # the next generation makes its own
         if "gloo" in self.backend:
             handles = [(self._dist.group.WORLD, self.rank, self.size)]
             handles += [(h.pg, h.spec.group_rank(self.rank), len(h.spec.ranks)) for h in self._groups]
@@ -311,11 +307,16 @@ class TorchEngine:
         if self._dist.is_initialized():
             self._dist.destroy_process_group()
 
-    def finalize(self) -> None:
+    def _stop_transport(self) -> None:
+        """Stop the heartbeat (it says bye first: its successor stops watching), then the point-to-point
+        transport (before the group goes: no receive may be left waiting on it)."""
         if self._heartbeat is not None:
-            self._heartbeat.stop()  # says bye first: its successor stops watching
+            self._heartbeat.stop()
         if self._p2p is not None:
-            self._p2p.close()  # before the group goes: no receive may be left waiting on it
+            self._p2p.close()
+
+    def finalize(self) -> None:
+        self._stop_transport()
         if self._owns and self._dist.is_initialized():
             self._dist.destroy_process_group()
         self._store = None
