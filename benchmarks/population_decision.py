@@ -34,6 +34,7 @@ from popmesh.population.selection import (
     as_generator,
     combine_rules,
     donors_from_pool,
+    draw_donor_rows,
     init_state,
     update_state,
     valid_donors,
@@ -58,8 +59,9 @@ def per_rank_reference(metrics: Any, rule: ReplacementRule, donor_rule: DonorRul
     selected, why = combine_rules(m, rule, iteration=iteration, state=state)
     pool = valid_donors(m, selected)
     replaced, donors, weights, source, skipped = [], {}, {}, {}, {}
-    for r in selected:
-        ds = donors_from_pool(pool, donor_rule, gen)
+    drawn = draw_donor_rows(sorted(pool), donor_rule.k or 0, len(selected), gen).tolist() if gen else []
+    for i, r in enumerate(selected):
+        ds = drawn[i] if gen else donors_from_pool(pool, donor_rule)
         if not ds:
             skipped[r] = "no valid donor: every other agent is being replaced or has a non-finite metric"
             continue

@@ -341,3 +341,22 @@ def test_local_only_client_and_misuse():
         ReplayBufferClient(0, mode="eager")
     with pytest.raises(ConfigError):
         ReplayBufferClient(None).get_metadata()
+
+
+def test_a_batch_sent_again_after_a_reform_is_answered_again_but_stored_once():
+    """A client resends the DATA whose score it never saw (seq unchanged): the manager replies with the
+    same score, marked repeated, and neither stores nor counts the rows twice; a newer seq is stored."""
+    manager = ReplayBufferManager([0], capacity=100, scoring_function=novelty_score("states"))
+    batch = {"states": np.ones((3, 2), np.float32), "log_rewards": np.zeros(3)}
+
+    def data(seq):
+        return Message(MessageType.DATA, {"rows": 3, "seq": seq, "client": "a"}, batch)
+
+    first = manager.handle(0, data(1))[0].message.data
+    again = manager.handle(0, data(1))[0].message.data
+    assert again == {**first, "repeated": True} and len(manager.store) == 3 and manager.stats.rows_from[0] == 3
+    assert manager.stats.repeated == 1
+    assert "repeated" not in manager.handle(0, data(2))[0].message.data and len(manager.store) == 6
+    assert manager.handle(0, data(1))[0].message.data["repeated"]  # anything older is a repeat too
+    other = Message(MessageType.DATA, {"rows": 3, "seq": 1, "client": "b"}, batch)  # another client of rank 0
+    assert "repeated" not in manager.handle(0, other)[0].message.data and len(manager.store) == 9

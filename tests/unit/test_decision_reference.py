@@ -56,15 +56,26 @@ def _rank_weights(values: list[float]) -> list[float]:
     return [r / sum(ranks) for r in ranks]
 
 
+def _floyd_draws(ordered: list[int], k: int, count: int, seed: int) -> list[list[int]]:
+    """Random donors as documented: Floyd's algorithm for every replaced rank at once, one
+    ``integers(0, j + 1, size=count)`` per j in n-k..n-1; a position a rank already holds becomes j."""
+    gen, rows = np.random.default_rng(seed), [[] for _ in range(count)]
+    for j in range(len(ordered) - k, len(ordered)):
+        for row, t in zip(rows, gen.integers(0, j + 1, size=count).tolist()):
+            row.append(j if t in row else t)
+    return [sorted(ordered[t] for t in row) for row in rows]
+
+
 def reference(m: list[float], rule: ReplacementRule, donor_rule: DonorRule, strategy: str, policy: str,
               it: int, state: SelectionState, seed: int) -> dict[str, object]:
     why = _selected(m, rule, it, state)
     score = [x if math.isfinite(x) else -INF for x in m]
     pool = [r for r in sorted(range(len(m)), key=lambda r: (-score[r], r))
             if r not in why and math.isfinite(m[r])]
-    gen = np.random.default_rng(seed)
     out: dict[str, dict[int, object]] = {"donors": {}, "weights": {}, "copy": {}, "skipped": {}}
-    for r in why:
+    drawn = _floyd_draws(sorted(pool), donor_rule.k or 0, len(why), seed) if (
+        donor_rule.kind == "random" and len(pool) > (donor_rule.k or 0)) else []
+    for i, r in enumerate(why):
         if strategy == "reset_weights":
             out["donors"][r], out["weights"][r], out["copy"][r] = (), (), None
             continue
@@ -75,8 +86,7 @@ def reference(m: list[float], rule: ReplacementRule, donor_rule: DonorRule, stra
         elif len(pool) <= (donor_rule.k or 0):
             donors = sorted(pool)
         else:
-            ordered = sorted(pool)
-            donors = sorted(ordered[int(i)] for i in gen.choice(len(ordered), size=donor_rule.k, replace=False))
+            donors = drawn[i]
         if not donors:
             out["skipped"][r] = "no valid donor: every other agent is being replaced or has a non-finite metric"
             continue

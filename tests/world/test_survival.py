@@ -5,6 +5,7 @@ while the world re-forms, and again after their restart; past the budget the wor
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -94,3 +95,22 @@ def test_a_checkpoint_torn_by_a_killed_rank_is_never_loaded(tmp_path):
     left = sorted(p.name for p in (folder / "ckpt-000000002").iterdir())
     assert "COMPLETE.json" not in left and "rank-1.pt" not in left, left  # only rank 1's temporary file is there
     assert any(name.startswith(".rank-1.pt.") for name in left), left
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["sync", "async-comm"])
+def test_the_buffer_service_carries_on_through_a_lost_agent(mode):
+    """The manager keeps its store through the re-form; the surviving agent's batches are all stored,
+    each once; the restarted agent is served again from its first batch."""
+    script = str(Path(__file__).parent / "scripts" / "buffer_survive.py")
+    done = subprocess.run([sys.executable, "-m", "popmesh", "launch", "-n", "3", "--max-restarts", "1", script, mode],
+                          capture_output=True, text=True, timeout=100, env={**os.environ, "POPMESH_TIMEOUT": "60"})
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    report = json.loads(done.stdout.split("MANAGER ", 1)[1].splitlines()[0])
+    stats, distinct = report["stats"], {tuple(x) for x in report["distinct"]}
+    survivor, victim = 0, 1  # two agents on one host: ranks 0 and 1; the manager is rank 2
+    assert stats["lost"] == {str(victim): 1}, stats
+    assert stats["rows_from"][str(survivor)] == 24 * 4, stats          # nothing the survivor sent is lost or doubled
+    assert {(survivor, i) for i in range(24)} <= distinct and {(victim, i) for i in range(24)} <= distinct
+    assert stats["rows_from"][str(victim)] >= 24 * 4, stats             # its first process's batches, then all again
+    assert "generation=1" in done.stdout, done.stdout[-2000:]

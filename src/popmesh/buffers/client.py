@@ -20,10 +20,16 @@ failing scoring function, a rank the manager does not serve) raises :class:`Serv
 call that collects its answer: in ``sync`` mode the ``add`` that sent it; in the async modes the
 next ``add`` (which still sends its own batch first) or ``drain`` (which still sends EXIT first).
 The client stays usable, and the refused rows stay in the local buffer.
+
+A lost manager or coordinator is a PeerFailure that says so, naming the rank. Where the launcher
+restarts lost ranks, a script that calls ``world.reform()`` after a PeerFailure then calls
+:meth:`ReplayBufferClient.reconnect`: the batch whose score had not arrived is sent again (the
+manager stores it once, whatever it had received), so nothing this agent sent is lost.
 """
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 from popmesh.buffers.baselines import keep_mask
@@ -43,7 +49,7 @@ from popmesh.buffers.protocol import (
 from popmesh.buffers.store import LocalStore, concat_batches, select_rows, to_numpy
 from popmesh.comm import messages
 from popmesh.comm.world import Comm, resolve_group
-from popmesh.core.errors import ConfigError, PopmeshError
+from popmesh.core.errors import ConfigError, PeerFailure, PopmeshError
 from popmesh.core.timeouts import check_timeout
 
 __all__ = ["ReplayBufferClient", "MODES"]
@@ -78,6 +84,9 @@ class ReplayBufferClient:
         self._reply: messages.RecvHandle | None = None
         self._sending: messages.SendHandle | None = None
         self._drained = False
+        self._seq = 0  # DATA sent so far: the manager answers a resent one again but stores it once
+        self._id = uuid.uuid4().hex[:16]  # which client of this rank the seqs count for
+        self._unanswered: tuple[dict[str, Any], int] | None = None  # the DATA whose SCORE has not arrived
 
     @classmethod
     def from_context(cls, ctx: Any, **options: Any) -> ReplayBufferClient:
@@ -105,8 +114,8 @@ class ReplayBufferClient:
         if self.mode == "sync":
             return self._collect() if self._send(outgoing, blocking=True) else None
         if self._sending is not None:
-            self._sending.wait(self.timeout)
-            self._sending = None
+            sending, self._sending = self._sending, None
+            self._manager_wait(lambda: sending.wait(self.timeout))
         refused: ServiceError | None = None
         try:
             previous = self._collect() if self._reply is not None else None
@@ -133,24 +142,54 @@ class ReplayBufferClient:
         self.skipped += 1
         return None
 
-    def _send(self, batch: dict[str, Any] | None, blocking: bool) -> bool:
+    def _send(self, batch: dict[str, Any] | None, blocking: bool, seq: int | None = None) -> bool:
         if batch is None:
             return False
         assert self.manager_rank is not None
+        if seq is None:
+            self._seq += 1
+            self.sent += 1
+        self._unanswered = (batch, self._seq if seq is None else seq)
         self._reply = messages.irecv(self.manager_rank, SCORE_TAG, group=self.group, timeout=self.timeout)
-        message = Message(MessageType.DATA, {"rows": batch_size(batch)}, batch)
-        handle = send_outgoing(Outgoing(self.manager_rank, REQUEST_TAG, message), self.group, self.timeout)
+        message = Message(MessageType.DATA, {"rows": batch_size(batch), "seq": self._unanswered[1],
+                                             "client": self._id}, batch)
+        rank = self.manager_rank
+        handle = self._manager_wait(lambda: send_outgoing(Outgoing(rank, REQUEST_TAG, message), self.group,
+                                                          self.timeout))
         if blocking:
-            handle.wait(self.timeout)
+            self._manager_wait(lambda: handle.wait(self.timeout))
         else:
             self._sending = handle
-        self.sent += 1
         return True
+
+    def _manager_wait(self, wait: Any) -> Any:
+        """``wait()``, with the loss of the manager said as such."""
+        try:
+            return wait()
+        except PeerFailure as e:
+            if self.manager_rank not in e.ranks:
+                raise
+            raise PeerFailure(f"the replay-buffer manager (rank {self.manager_rank}) was lost: {e}. The batches it "
+                              "stored are gone with it; this agent's unanswered batch is kept (after world.reform(), "
+                              "reconnect() sends it again)", e.ranks, exact=e.exact) from e
+
+    def reconnect(self) -> dict[str, Any] | None:
+        """After ``world.reform()``: drop this client's traffic of the old generation and send again the
+        batch whose score had not arrived (the manager stores it once). In ``sync`` mode its score is
+        returned; in the async modes the next ``add`` collects it, as before."""
+        self._reply = self._sending = None
+        if self._unanswered is None or self._drained:
+            return None
+        batch, seq = self._unanswered
+        self._send(batch, blocking=self.mode != "async-comm", seq=seq)
+        return self._collect() if self.mode == "sync" else None
 
     def _collect(self, timeout: float | None = None) -> dict[str, Any]:
         assert self._reply is not None
         reply, self._reply = self._reply, None
-        message = _expect(reply.wait(timeout or self.timeout), MessageType.SCORE, "DATA")
+        received = self._manager_wait(lambda: reply.wait(timeout or self.timeout))
+        self._unanswered = None
+        message = _expect(received, MessageType.SCORE, "DATA")
         self.baseline = message.data.get("baseline")
         self.last_score = message.data
         return message.data
@@ -159,17 +198,29 @@ class ReplayBufferClient:
         """Ask the manager for its METADATA (a blocking round trip on the metadata channel)."""
         rank = self._require(self.manager_rank, "manager")
         reply = messages.irecv(rank, METADATA_TAG, group=self.group, timeout=timeout or self.timeout)
-        send_outgoing(Outgoing(rank, REQUEST_TAG, Message(MessageType.GET_METADATA)), self.group,
-                      timeout or self.timeout).wait()
-        return _expect(reply.wait(), MessageType.METADATA, "GET_METADATA").data
+
+        def ask() -> tuple[int, Any]:
+            send_outgoing(Outgoing(rank, REQUEST_TAG, Message(MessageType.GET_METADATA)), self.group,
+                          timeout or self.timeout).wait()
+            return reply.wait()
+
+        received = self._manager_wait(ask)
+        return _expect(received, MessageType.METADATA, "GET_METADATA").data
 
     def population_stats(self, timeout: float | None = None) -> dict[str, Any]:
         """Ask the coordinator for POPULATION_STATS (before the managers have exited)."""
         rank = self._require(self.coordinator_rank, "coordinator")
         reply = messages.irecv(rank, STATS_TAG, group=self.group, timeout=timeout or self.timeout)
-        send_outgoing(Outgoing(rank, COORDINATOR_TAG, Message(MessageType.GET_POPULATION_STATS)), self.group,
-                      timeout or self.timeout).wait()
-        return _expect(reply.wait(), MessageType.POPULATION_STATS, "GET_POPULATION_STATS").data
+        try:
+            send_outgoing(Outgoing(rank, COORDINATOR_TAG, Message(MessageType.GET_POPULATION_STATS)), self.group,
+                          timeout or self.timeout).wait()
+            received = reply.wait()
+        except PeerFailure as e:
+            if rank not in e.ranks:
+                raise
+            raise PeerFailure(f"the replay-buffer coordinator (rank {rank}) was lost: {e}", e.ranks,
+                              exact=e.exact) from e
+        return _expect(received, MessageType.POPULATION_STATS, "GET_POPULATION_STATS").data
 
     def drain(self, timeout: float | None = None) -> dict[str, Any] | None:
         """Finish the outstanding send and score, then send EXIT; returns the last score. Idempotent.
@@ -180,16 +231,17 @@ class ReplayBufferClient:
             return self.last_score
         seconds = timeout or self.timeout
         if self._sending is not None:
-            self._sending.wait(seconds)
-            self._sending = None
+            sending, self._sending = self._sending, None
+            self._manager_wait(lambda: sending.wait(seconds))
         refused: ServiceError | None = None
         if self._reply is not None:
             try:
                 self._collect(seconds)
             except ServiceError as e:  # the last batch was refused: still leave, so the manager can finish
                 refused = e
-        send_outgoing(Outgoing(self.manager_rank, REQUEST_TAG, Message(MessageType.EXIT)), self.group,
-                      seconds).wait(seconds)
+        rank = self.manager_rank
+        self._manager_wait(lambda: send_outgoing(Outgoing(rank, REQUEST_TAG, Message(MessageType.EXIT)), self.group,
+                                                 seconds).wait(seconds))
         self._drained = True
         if refused is not None:
             raise refused

@@ -8,6 +8,11 @@ it changes. Trainers ask for GET_POPULATION_STATS. The loop returns once every m
 EXIT (each is answered with EXIT_ACK, after every BASELINE_SYNC sent to it). torchgfn left this loop
 to downstream code; this is popmesh's version of it.
 
+A lost rank does not end the loop: where the launcher restarts lost ranks the coordinator re-forms
+the world and a restarted manager is coordinated again (its store starts empty); otherwise a lost
+manager is logged by rank, dropped from the baseline and listed in ``lost_managers`` of the stats,
+and the others are coordinated on.
+
 Cross-rank contract: run :meth:`Coordinator.run` on the coordinator rank while the managers run;
 trainers ask for population stats before they drain (the coordinator leaves after the managers).
 """
@@ -20,7 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from popmesh.buffers.baselines import reduce_baselines
-from popmesh.buffers.manager import Outgoing, send_outgoing
+from popmesh.buffers.manager import Outgoing, next_message, send_outgoing
 from popmesh.buffers.protocol import (
     COORDINATOR_TAG,
     REQUEST_TAG,
@@ -32,7 +37,7 @@ from popmesh.buffers.protocol import (
 )
 from popmesh.comm import messages
 from popmesh.comm.world import Comm, resolve_group
-from popmesh.core.errors import CommTimeout, ConfigError
+from popmesh.core.errors import CommTimeout, ConfigError, PeerFailure
 from popmesh.core.timeouts import check_timeout, resolve_timeout
 
 __all__ = ["Coordinator"]
@@ -56,6 +61,8 @@ class Coordinator:
         self.baselines: dict[int, float | None] = {}
         self.global_baseline: float | None = None
         self.exited: set[int] = set()
+        self.lost: set[int] = set()  # managers lost for good (no restart to wait for)
+        self.roles: Any = None  # the Roles it was made from, if any (rebuilt after a re-form)
         self.messages: Counter[str] = Counter()
         self.errors = 0
 
@@ -65,19 +72,22 @@ class Coordinator:
         if not ctx.is_coordinator_rank():
             raise ConfigError(f"rank {ctx.my_rank} is not the coordinator (rank {ctx.coordinator_rank})")
         options.setdefault("group", ctx.world)
-        return cls(list(ctx.layout.buffer_ranks), **options)
+        coordinator = cls(list(ctx.layout.buffer_ranks), **options)
+        coordinator.roles = ctx  # after a re-form its groups are made again (Roles.rebuild), as every rank does
+        return coordinator
 
     @property
     def done(self) -> bool:
-        """True once every manager has sent EXIT."""
-        return self.exited >= set(self.managers)
+        """True once every manager has sent EXIT (or was lost, where lost ranks are not restarted)."""
+        return self.exited | self.lost >= set(self.managers)
 
     def population_stats(self) -> dict[str, Any]:
         """Fields of a POPULATION_STATS reply."""
         return {"modes_found": len(self.modes), "modes_by_rank": {str(r): n for r, n in self.modes_by_rank.items()},
                 "global_baseline": self.global_baseline,
                 "manager_baselines": {str(r): b for r, b in self.baselines.items()},
-                "active_managers": [r for r in self.managers if r not in self.exited]}
+                "active_managers": [r for r in self.managers if r not in self.exited | self.lost],
+                "lost_managers": sorted(self.lost)}
 
     def handle(self, src: int, message: Message) -> list[Outgoing]:
         """Apply one message from global rank ``src``; returns the messages to send."""
@@ -111,7 +121,7 @@ class Coordinator:
             return []
         self.global_baseline = value
         sync = Message(MessageType.BASELINE_SYNC, {"global_baseline": value})
-        return [Outgoing(m, REQUEST_TAG, sync) for m in self.managers if m not in self.exited]
+        return [Outgoing(m, REQUEST_TAG, sync) for m in self.managers if m not in self.exited | self.lost]
 
     def _error(self, src: int, text: str) -> list[Outgoing]:
         self.errors += 1
@@ -127,21 +137,49 @@ class Coordinator:
         """
         comm = resolve_group(self.group)
         limit = resolve_timeout(idle_timeout, comm.timeout, "idle_timeout", "Coordinator.run")
-        pending: list[messages.SendHandle] = []
+        pending: list[tuple[int, messages.SendHandle]] = []
         while not self.done:
             try:
-                src, payload = messages.recv(None, COORDINATOR_TAG, group=self.group, timeout=limit)
+                src, payload = next_message(comm, self.group, limit, COORDINATOR_TAG)
                 outgoing = self.handle(src, from_payload(payload))
             except messages.FrameError as e:
                 outgoing = self._error(e.src, f"undecodable message from rank {e.src}: {e}")
             except ProtocolError as e:
                 outgoing = self._error(src, f"malformed message from rank {src}: {e}")
             except CommTimeout as e:
-                waiting = sorted(set(self.managers) - self.exited)
+                waiting = sorted(set(self.managers) - self.exited - self.lost)
                 raise CommTimeout(f"coordinator {comm.rank} heard nothing for {limit:g} s; managers {waiting} have "
                                   "not exited", tuple(waiting)) from e
-            pending += [send_outgoing(out, self.group, self.timeout) for out in outgoing]
-            pending = [h for h in pending if not h.done()]
-        for handle in pending:
+            except PeerFailure as e:
+                pending = self._after_loss(comm, e, pending)
+                continue
+            pending += [(out.dst, send_outgoing(out, self.group, self.timeout)) for out in outgoing]
+            pending = [(dst, h) for dst, h in pending if not h.done()]
+        for _, handle in pending:
             handle.wait(self.timeout)
         return self.population_stats()
+
+    def _after_loss(self, comm: Comm, error: PeerFailure,
+                    pending: list[tuple[int, messages.SendHandle]]) -> list[tuple[int, messages.SendHandle]]:
+        """A rank was lost: re-form where the launcher restarts it, else drop a lost manager (named in
+        the log and in ``lost_managers``) and go on; the sends still pending to live ranks."""
+        lost = set(error.ranks)
+        managers = lost & set(self.managers)
+        if comm.world.restarts_lost_ranks:
+            logger.warning("replay-buffer coordinator: rank(s) %s lost; re-forming the world", sorted(lost))
+            fresh = comm.world.reform()
+            if self.roles is not None:
+                self.roles.rebuild()
+            for rank in set(fresh) & set(self.managers):  # a restarted manager starts empty
+                self.exited.discard(rank)
+                self.baselines.pop(rank, None)
+            return []
+        if not error.exact:
+            raise error
+        for rank in sorted(managers - self.lost - self.exited):
+            logger.warning("replay-buffer coordinator: manager %s was lost (%s); the batches it stored are gone, "
+                           "coordinating the others on", rank, error)
+            self.baselines.pop(rank, None)
+        self.lost |= managers
+        return [(dst, h) for dst, h in pending if dst not in lost]
+

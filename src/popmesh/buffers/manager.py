@@ -15,6 +15,14 @@ is answered with an ERROR reply naming the cause, logged and counted, and leaves
 was: a refused batch is neither scored, stored nor counted. ERROR goes where the sender waits for
 the answer: METADATA_TAG for GET_METADATA, SCORE_TAG for everything else.
 
+A lost agent does not end the loop either (a PeerFailure naming served agents only). Where the
+launcher restarts lost ranks (``popmesh launch --max-restarts N``: ``World.restarts_lost_ranks``)
+the manager re-forms the world with the survivors and keeps its store; the restarted agent is
+served again from its first batch. Otherwise the agent is counted lost (``ManagerStats.lost``) and
+the others are served on. Each DATA carries its client's id and sequence number, so a batch a client
+sends again after a re-form (it never saw the answer) is answered again but stored once. The loss of the
+coordinator ends the loop with a PeerFailure that says so.
+
 Cross-rank contract: run :meth:`ReplayBufferManager.run` on the manager rank while its agents use
 :class:`~popmesh.buffers.client.ReplayBufferClient`; every served agent must eventually call
 ``drain()`` (which sends EXIT).
@@ -24,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -48,13 +57,15 @@ from popmesh.buffers.protocol import (
 from popmesh.buffers.store import LocalStore, to_numpy
 from popmesh.comm import messages
 from popmesh.comm.world import Comm, resolve_group
-from popmesh.core.errors import CommTimeout, ConfigError, PopmeshError
+from popmesh.core.errors import CommTimeout, ConfigError, PeerFailure, PopmeshError
 from popmesh.core.timeouts import check_timeout, resolve_timeout
 
-__all__ = ["ReplayBufferManager", "ManagerStats", "Outgoing", "ScoringFunction", "novelty_score", "send_outgoing"]
+__all__ = ["ReplayBufferManager", "ManagerStats", "Outgoing", "ScoringFunction", "next_message", "novelty_score",
+           "send_outgoing"]
 
 logger = logging.getLogger(__name__)
 _AGENT_REQUESTS = (MessageType.DATA, MessageType.GET_METADATA, MessageType.EXIT)
+LOSS_POLL_S = 1.0  # a waiting manager asks the heartbeat about lost ranks this often
 ScoringFunction = Callable[[dict[str, Any], LocalStore], "float | Mapping[str, Any]"]
 
 
@@ -68,15 +79,18 @@ class Outgoing(NamedTuple):
 
 @dataclass
 class ManagerStats:
-    """What a manager saw: messages per type, DATA rows per sender, error replies sent."""
+    """What a manager saw: messages per type, DATA rows per sender, error replies sent, served agents
+    lost (rank -> times) and batches sent again after a re-form (answered, not stored twice)."""
 
     messages: Counter[str] = field(default_factory=Counter)  # MessageType value -> count
     rows_from: Counter[int] = field(default_factory=Counter)  # sender rank -> DATA rows
     errors: int = 0
+    lost: Counter[int] = field(default_factory=Counter)  # served rank -> times it was lost
+    repeated: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {"messages": dict(self.messages), "rows_from": {str(k): v for k, v in self.rows_from.items()},
-                "errors": self.errors}
+                "errors": self.errors, "lost": {str(k): v for k, v in self.lost.items()}, "repeated": self.repeated}
 
 
 def novelty_score(key: str = "states", block_rows: int = 4096) -> ScoringFunction:
@@ -140,6 +154,9 @@ class ReplayBufferManager:
         self.timeout = None if timeout is None else check_timeout(timeout, what="ReplayBufferManager")
         self.stats = ManagerStats()
         self.exited: set[int] = set()
+        self.gone: set[int] = set()  # served agents lost for good (no restart to wait for)
+        self._answered: dict[int, tuple[tuple[Any, Any], dict[str, Any]]] = {}  # rank -> (client, seq), SCORE
+        self.roles: Any = None  # the Roles it was made from, if any (rebuilt after a re-form)
         self._ema: float | None = None
         self._synced: float | None = None
         self._data_seen = 0
@@ -152,12 +169,14 @@ class ReplayBufferManager:
                               f"run a manager on {sorted(ctx.buffer_rank_set)}")
         options.setdefault("coordinator_rank", ctx.coordinator_rank)
         options.setdefault("group", ctx.world)
-        return cls(ctx.assigned_training_ranks, **options)
+        manager = cls(ctx.assigned_training_ranks, **options)
+        manager.roles = ctx  # after a re-form its groups are made again (Roles.rebuild), as every rank does
+        return manager
 
     @property
     def done(self) -> bool:
-        """True once every served agent has sent EXIT."""
-        return self.exited >= self.served
+        """True once every served agent has sent EXIT (or was lost, where lost ranks are not restarted)."""
+        return self.exited | self.gone >= self.served
 
     @property
     def local_baseline(self) -> float | None:
@@ -196,7 +215,9 @@ class ReplayBufferManager:
                                           f"serves ranks {sorted(self.served)}): send to the manager assigned to "
                                           "it (Roles.assigned_buffer)", kind)]
         if kind is MessageType.DATA and message.batch is not None:
-            return self._on_data(src, message.batch)
+            sent = (message.data.get("client"), message.data.get("seq"))
+            repeat = self._repeat(src, sent)
+            return repeat if repeat is not None else self._on_data(src, message.batch, sent)
         if kind is MessageType.GET_METADATA:
             return [Outgoing(src, METADATA_TAG, Message(MessageType.METADATA, self.metadata()))]
         if kind is MessageType.BASELINE_SYNC and src == self.coordinator_rank:
@@ -227,7 +248,17 @@ class ReplayBufferManager:
             data.update(self.metadata_function(self.store))
         return data
 
-    def _on_data(self, src: int, batch: dict[str, Any]) -> list[Outgoing]:
+    def _repeat(self, src: int, sent: tuple[Any, Any]) -> list[Outgoing] | None:
+        """The SCORE again for a DATA already stored: the same client of ``src`` sent a seq it sent
+        before (a client resends its last batch after a re-form)."""
+        last = self._answered.get(src)
+        client, seq = sent
+        if last is None or not isinstance(seq, int) or client != last[0][0] or seq > last[0][1]:
+            return None
+        self.stats.repeated += 1
+        return [Outgoing(src, SCORE_TAG, Message(MessageType.SCORE, {**last[1], "repeated": True}))]
+
+    def _on_data(self, src: int, batch: dict[str, Any], sent: tuple[Any, Any] = (None, None)) -> list[Outgoing]:
         """Score ``batch`` and check everything about it first; only then store and count it."""
         rows = batch_size(batch)
         if self.store_locally:
@@ -243,6 +274,8 @@ class ReplayBufferManager:
         self.stats.rows_from[src] += rows
         self._data_seen += 1
         reply = {**extra, "score": score, "baseline": self.baseline, "stored": len(self.store), "rows": rows}
+        if isinstance(sent[1], int):
+            self._answered[src] = (sent, reply)
         out = [Outgoing(src, SCORE_TAG, Message(MessageType.SCORE, reply)), *reports]
         if self.coordinator_rank is not None and self._data_seen % self.report_every == 0:
             out.append(Outgoing(self.coordinator_rank, COORDINATOR_TAG,
@@ -266,18 +299,51 @@ class ReplayBufferManager:
         """
         comm = resolve_group(self.group)
         limit = resolve_timeout(idle_timeout, comm.timeout, "idle_timeout", "ReplayBufferManager.run")
-        pending: list[messages.SendHandle] = []
+        pending: list[tuple[int, messages.SendHandle]] = []
         while not self.done:
-            for out in self._serve_one(comm, limit):
-                pending.append(send_outgoing(out, self.group, self.timeout))
-            pending = [h for h in pending if not h.done()]
+            try:
+                outs = self._serve_one(comm, limit)
+            except PeerFailure as e:
+                pending = self._after_loss(comm, e, pending)
+                continue
+            pending += [(out.dst, send_outgoing(out, self.group, self.timeout)) for out in outs]
+            pending = [(dst, h) for dst, h in pending if not h.done()]
         if self.coordinator_rank is not None:
-            pending.append(send_outgoing(Outgoing(self.coordinator_rank, COORDINATOR_TAG, Message(MessageType.EXIT)),
-                                         self.group, self.timeout))
+            pending.append((self.coordinator_rank, send_outgoing(Outgoing(
+                self.coordinator_rank, COORDINATOR_TAG, Message(MessageType.EXIT)), self.group, self.timeout)))
             self._await_exit_ack(limit)
-        for handle in pending:
+        for _, handle in pending:
             handle.wait(self.timeout)
         return self.stats
+
+    def _after_loss(self, comm: Comm, error: PeerFailure,
+                    pending: list[tuple[int, messages.SendHandle]]) -> list[tuple[int, messages.SendHandle]]:
+        """A rank was lost while the manager waited for requests. Served agents are a hole, not the
+        end: re-form where the launcher restarts them, else serve the others on. The sends still
+        pending (to live ranks) after this, or ``error`` again if the manager cannot go on."""
+        lost = set(error.ranks)
+        if self.coordinator_rank in lost:
+            raise PeerFailure(f"replay-buffer manager {comm.rank}: its coordinator (rank {self.coordinator_rank}) "
+                              f"was lost: {error}", error.ranks, exact=error.exact) from error
+        world = comm.world
+        if world.restarts_lost_ranks:
+            for rank in sorted(lost & self.served):
+                self.stats.lost[rank] += 1
+            logger.warning("replay-buffer manager %s: rank(s) %s lost; re-forming the world", comm.rank, sorted(lost))
+            fresh = world.reform()
+            if self.roles is not None:
+                self.roles.rebuild()
+            for rank in set(fresh) & self.served:  # a restarted agent starts over: new process, new seqs
+                self.exited.discard(rank)
+                self._answered.pop(rank, None)
+            return []  # the old generation's sends went with it
+        if not error.exact or not lost <= self.served:
+            raise error
+        for rank in sorted(lost - self.gone - self.exited):
+            self.stats.lost[rank] += 1
+            logger.warning("replay-buffer manager %s: agent %s lost; serving the others on", comm.rank, rank)
+        self.gone |= lost
+        return [(dst, h) for dst, h in pending if dst not in lost]
 
     def _await_exit_ack(self, limit: float) -> None:
         """Read the coordinator's last messages (baseline syncs) up to its EXIT_ACK, so none is left in flight."""
@@ -291,7 +357,7 @@ class ReplayBufferManager:
 
     def _serve_one(self, comm: Comm, limit: float) -> list[Outgoing]:
         try:
-            src, payload = messages.recv(None, REQUEST_TAG, group=self.group, timeout=limit)
+            src, payload = next_message(comm, self.group, limit)
         except messages.FrameError as e:
             return [self.error_reply(e.src, f"undecodable request from rank {e.src}: {e}")]
         except CommTimeout as e:
@@ -303,6 +369,23 @@ class ReplayBufferManager:
         except ProtocolError as e:
             return [self.error_reply(src, f"malformed request from rank {src}: {e}")]
         return self.handle(src, message)
+
+
+def next_message(comm: Comm, group: Comm | None, limit: float, tag: int = REQUEST_TAG) -> tuple[int, Any]:
+    """The next message on ``tag`` from any rank (a service's requests), waited for in slices of
+    :data:`LOSS_POLL_S` between which the heartbeat is asked about lost ranks (PeerFailure), so a
+    loss is seen within seconds even where no lost rank was talking to this service. CommTimeout
+    after ``limit`` seconds of silence."""
+    deadline = time.monotonic() + limit
+    while True:
+        try:
+            return messages.recv(None, tag, group=group, timeout=min(LOSS_POLL_S, limit))
+        except CommTimeout:
+            lost = comm.world.failure()
+            if lost is not None:
+                raise lost from None
+            if time.monotonic() >= deadline:
+                raise
 
 
 def _split_score(result: Any) -> tuple[float, dict[str, Any]]:

@@ -14,7 +14,7 @@ from typing import Any
 from popmesh.comm.agreement import exchange_texts
 from popmesh.comm.signature import History
 from popmesh.core.errors import ConfigError, NotInGroup, PeerFailure, know_hosts
-from popmesh.core.launch_env import detect_engine, read_check, read_timeout
+from popmesh.core.launch_env import detect_engine, launcher_restarts, read_check, read_timeout
 from popmesh.core.timeouts import check_timeout, resolve_timeout
 from popmesh.engines import Engine, GroupSpec, create_engine
 
@@ -139,6 +139,12 @@ class World(Comm):
         """The ranks that joined the current generation as new processes (restarted for lost ranks);
         () in the world as first formed. A newcomer sees its own rank here: it has state to receive."""
         return self.engine.newcomers
+
+    @property
+    def restarts_lost_ranks(self) -> bool:
+        """True when a lost rank comes back (``popmesh launch --max-restarts N`` with N > 0, torch
+        engine): survivors should :meth:`reform` rather than stop. Services use it to choose."""
+        return self.engine_name == "torch" and launcher_restarts() > 0
 
     def reform(self, timeout: float | None = None) -> tuple[int, ...]:
         """After a lost rank (a PeerFailure, ``failure()``), form the world again with the process the

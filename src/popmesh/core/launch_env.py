@@ -162,6 +162,14 @@ def launcher_world_size(environ: Mapping[str, str] | None = None) -> tuple[str, 
     return ("SLURM_NTASKS", task.world_size) if task is not None else None
 
 
+def launcher_restarts(environ: Mapping[str, str] | None = None) -> int:
+    """The per-rank restart budget ``popmesh launch --max-restarts N`` gave this process (0 without one,
+    and under other launchers: torchrun restarts the whole world, so nobody re-forms)."""
+    environ = os.environ if environ is None else environ
+    raw = environ.get("TORCHELASTIC_MAX_RESTARTS", "").strip()
+    return int(raw) if raw.isdecimal() and environ.get("POPMESH_ENGINE") == "torch" else 0
+
+
 def read_number(name: str, default: float, *, hint: str, whole: bool = False,
                 environ: Mapping[str, str] | None = None) -> float:
     """Setting ``name`` from the environment: a finite number ≥ 0 (``whole``: an integer), ``default``

@@ -61,9 +61,6 @@ class DemoConfig:
             raise ConfigError("--max-restarts needs --engine torch: an MPI world cannot take a restarted rank back")
         if self.kill:
             self.kill_at()
-        if self.checkpoint_every and self.stop_at_target:
-            raise ConfigError("--checkpoint-every and --stop-at-target cannot be combined yet: the stop reaches the "
-                              "ranks at different iterations, and a checkpoint needs every rank; drop one of them")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

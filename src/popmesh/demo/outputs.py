@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["new_run_dir", "steps_to_target", "write_events", "write_summary", "plot_returns"]
+__all__ = ["new_run_dir", "steps_to_target", "write_jsonl", "write_summary", "plot_returns"]
 
 
 def new_run_dir(root: str | Path) -> Path:
@@ -37,11 +37,11 @@ def steps_to_target(history: Sequence[dict[str, Any]], target: float) -> int | N
     return None
 
 
-def write_events(path: Path, events: Sequence[dict[str, Any]]) -> None:
-    """One JSON object per line, in time order."""
+def write_jsonl(path: Path, records: Sequence[dict[str, Any]]) -> None:
+    """One JSON object per line, in time order (events, or the history's rows)."""
     with open(path, "w") as f:
-        for event in sorted(events, key=lambda e: e.get("time", 0.0)):
-            f.write(json.dumps(event) + "\n")
+        for record in sorted(records, key=lambda e: e.get("time", 0.0)):
+            f.write(json.dumps(record) + "\n")
 
 
 def write_summary(path: Path, summary: dict[str, Any]) -> None:

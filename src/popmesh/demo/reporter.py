@@ -3,7 +3,10 @@
 Every rank sends a small JSON row per iteration to rank 0 with a non-blocking ``isend`` on the
 demo's own tag; rank 0 drains whatever has arrived between its own iterations, feeds the live view,
 and keeps the history and replacement events for the files written at the end. When rank 0 sees the
-target reached (and the run asked to stop there) it tells everyone on a second tag.
+target reached (and the run asked to stop there) it tells everyone on a second tag; with checkpoints
+the ranks instead agree at each checkpoint (a broadcast from rank 0), so they all stop right after
+writing the same one (a checkpoint needs every rank: a rank that stopped earlier would leave the
+others waiting in it).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from collections import deque
 from typing import Any
 
 from popmesh.comm import messages
+from popmesh.comm.collectives import broadcast_object
 from popmesh.comm.world import World
 from popmesh.demo.view import PopulationView, describe_event
 
@@ -26,8 +30,11 @@ STOP_TAG = 902
 class Reporter:
     """Rank 0 collects rows and events; other ranks stream theirs."""
 
-    def __init__(self, world: World, view: PopulationView | None, target: float, stop_at_target: bool) -> None:
+    def __init__(self, world: World, view: PopulationView | None, target: float, stop_at_target: bool,
+                 at_checkpoints: bool = False) -> None:
         self.world, self.view, self.target, self.stop_at_target = world, view, target, stop_at_target
+        self.at_checkpoints = at_checkpoints
+        self._agreed = False
         self.history: list[dict[str, Any]] = []
         self.events: list[dict[str, Any]] = []
         self.reached: dict[str, Any] | None = None
@@ -64,10 +71,18 @@ class Reporter:
                 self.view.add_event(f"rank {event['rank']} rejoined after {event['downtime_s']:.1f} s: {seeded}")
 
     def should_stop(self) -> bool:
-        """True once rank 0 has seen the target reached and the run stops there."""
+        """True once rank 0 has seen the target reached and the run stops there (with checkpoints:
+        once :meth:`agree_at_checkpoint` said so)."""
+        if self.at_checkpoints:
+            return self._agreed
         if self.world.is_main:
             return self._stop_sent
         return self._stop is not None and self._stop.done()
+
+    def agree_at_checkpoint(self) -> None:
+        """Every rank, right after a checkpoint: stop here if rank 0 has seen the target reached."""
+        if self.stop_at_target and self.at_checkpoints:
+            self._agreed = bool(broadcast_object(self._stop_sent, src=0, group=self.world))
 
     def drain(self) -> None:
         """Rank 0: take in every message that has arrived, without blocking."""
@@ -114,6 +129,7 @@ class Reporter:
             if self.view is not None:
                 self.view.add_event(f"rank {row['rank']} reached {self.target:g} after {row['steps']:,} steps")
             if self.stop_at_target and not self._stop_sent:
-                for rank in range(1, self.world.size):
+                told = [] if self.at_checkpoints else range(1, self.world.size)  # else: agreed at the next checkpoint
+                for rank in told:
                     self._sends.append(messages.isend({"stop": True}, rank, STOP_TAG))
                 self._stop_sent = True

@@ -19,7 +19,7 @@ import popmesh
 from popmesh.core.errors import ConfigError, PeerClosed, PeerFailure, PopmeshError
 from popmesh.demo.config import DemoConfig, rank_hyper, rank_seed
 from popmesh.demo.learner import CartPoleLearner
-from popmesh.demo.outputs import new_run_dir, plot_returns, write_events, write_summary
+from popmesh.demo.outputs import new_run_dir, plot_returns, write_jsonl, write_summary
 from popmesh.demo.reporter import Reporter
 from popmesh.demo.view import PopulationView
 from popmesh.observe.reports import Timer, print_report
@@ -56,7 +56,7 @@ def run(config: DemoConfig) -> dict[str, Any] | None:
     policy = make_policy(config, learner)
     live = config.live and sys.stdout.isatty()  # rank 0 holds the terminal only when the launcher gave it
     view = PopulationView(world.size, config.steps, config.policy, live=live) if world.is_main else None
-    reporter = Reporter(world, view, config.target, config.stop_at_target)
+    reporter = Reporter(world, view, config.target, config.stop_at_target, at_checkpoints=config.checkpoint_every > 0)
     if world.newcomers:  # this process was restarted for a lost rank: the population seeds it
         start, out = _seed(world, config, learner, reporter, 0, None, None)
         resumed_from = None
@@ -118,6 +118,7 @@ def _train(world: Any, config: DemoConfig, learner: CartPoleLearner, policy: Any
                 with timer.section("checkpoint"):
                     state = policy.state_dict() if hasattr(policy, "state_dict") else {}
                     checkpoints.save(iteration, learner.checkpoint(iteration, {"policy": state}))
+                reporter.agree_at_checkpoint()
         except PeerFailure as e:
             if not config.max_restarts or isinstance(e, PeerClosed):
                 raise
@@ -221,7 +222,8 @@ def _finish(world: Any, config: DemoConfig, learner: CartPoleLearner, reporter: 
     if checkpoints is not None and checkpoints.every:
         summary["checkpoints"] = {"written": checkpoints.saved, "seconds": round(checkpoints.seconds_spent, 3),
                                   "every": checkpoints.every, "folder": str(out / "checkpoints")}
-    write_events(out / "events.jsonl", reporter.events)
+    write_jsonl(out / "events.jsonl", reporter.events)
+    write_jsonl(out / "history.jsonl", reporter.history)
     write_summary(out / "summary.json", summary)
     plot_returns(out / "returns.png", reporter.history, reporter.events, config.target)
     _print_summary(summary, times, imbalance, out)
@@ -246,7 +248,7 @@ def _print_summary(summary: dict[str, Any], times: Any, imbalance: Any, out: Any
     if "checkpoints" in summary:
         c = summary["checkpoints"]
         print(f"checkpoints: {c['written']} written to {c['folder']} ({c['seconds']:.2f} s on rank 0)")
-    print(f"\nwrote {out}/returns.png, {out}/events.jsonl, {out}/summary.json")
+    print(f"\nwrote {out}/returns.png, {out}/events.jsonl, {out}/history.jsonl, {out}/summary.json")
 
 
 def main(argv: list[str] | None = None) -> None:

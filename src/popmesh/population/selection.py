@@ -48,6 +48,7 @@ __all__ = [
     "donors_all_others",
     "donors_best_k",
     "donors_random",
+    "draw_donor_rows",
     "select_donors",
     "valid_donors",
     "donors_from_pool",
@@ -425,12 +426,32 @@ def donors_from_pool(pool: Sequence[int], rule: DonorRule, rng: RngLike | None =
 
 def draw_donors(ordered: Sequence[int], k: int, rng: RngLike | None) -> list[int]:
     """``k`` of ``ordered`` (ascending valid donors) drawn uniformly without replacement, ascending;
-    all of them, drawing nothing, when there are at most ``k``. :func:`decide` sorts the pool once
-    and draws for each replaced rank from the same Generator, in ascending rank order."""
-    if len(ordered) <= k:
-        return list(ordered)
-    picked = as_generator(rng, "donors_random").choice(len(ordered), size=k, replace=False)
-    return sorted(ordered[int(i)] for i in picked)
+    all of them, drawing nothing, when there are at most ``k``. One row of :func:`draw_donor_rows`."""
+    return draw_donor_rows(ordered, k, 1, rng)[0].tolist()
+
+
+def draw_donor_rows(ordered: Sequence[int], k: int, count: int, rng: RngLike | None) -> np.ndarray:
+    """``count`` independent draws of ``k`` of ``ordered`` (ascending), one ascending row each.
+
+    Floyd's algorithm, vectorised across the rows: for ``j`` from ``n - k`` to ``n - 1``, one call
+    ``integers(0, j + 1, size=count)`` on the Generator gives each row a position ``t``; a row that
+    already holds ``t`` takes ``j`` instead. Every k-subset is equally likely, and the cost is
+    O(count * k^2) whatever ``n`` (one permutation per row made a 1,024-agent decision cost ms).
+    With ``n <= k`` every row is all of ``ordered`` and nothing is drawn.
+    """
+    pool = np.asarray(ordered, dtype=np.intp)
+    n = int(pool.size)
+    if n <= k:
+        return np.tile(pool, (count, 1))
+    gen = as_generator(rng, "donors_random")
+    picks = np.empty((count, k), dtype=np.intp)
+    for column, j in enumerate(range(n - k, n)):
+        t = gen.integers(0, j + 1, size=count)
+        if column:
+            t = np.where((picks[:, :column] == t[:, None]).any(axis=1), j, t)
+        picks[:, column] = t
+    picks.sort(axis=1)
+    return pool[picks]
 
 
 def select_donors(metrics: Sequence[float] | np.ndarray, replaced: Sequence[int], rule: DonorRule,

@@ -53,6 +53,7 @@ class Roles:
     coordinator_rank: int | None = None
     training_ranks: list[int] = field(default_factory=list)
     _closed: bool = field(default=False, repr=False)
+    _layout_given: bool = field(default=False, repr=False)
 
     def is_training_rank(self) -> bool:
         """True on ranks that train agents."""
@@ -70,6 +71,15 @@ class Roles:
     def agent_group(self) -> Group | None:
         """This training rank's agent group (None on managers and the coordinator)."""
         return self.agent_groups[self.agent_group_id] if self.is_training_rank() else None
+
+    def rebuild(self) -> None:
+        """After ``world.reform()``: make the groups of the new generation, collective over the world.
+        Every survivor calls this where the restarted process calls :func:`assign_roles` with the same
+        arguments: both make the same calls in the same order."""
+        if self._layout_given:
+            _check_layout(self.world, self.layout)
+        self.agent_groups, self.train_global_group, self.buffer_group = _make_groups(self.world, self.layout)
+        self._closed = False
 
     def cleanup(self) -> None:
         """Forget the groups (idempotent); the world stays up (end it with ``popmesh.finalize()``).
@@ -91,7 +101,9 @@ def assign_roles(world: World, layout: RankLayout | None = None, *, num_buffers:
     Without ``layout`` one is built: node-aware from ``world.hostnames`` when there are buffer
     managers (each manager on its agents' node), else arithmetic. A ``layout`` passed in must have
     ``world.size`` ranks and is checked to be the same on every rank (one all_gather_object).
+    After ``world.reform()`` survivors call :meth:`Roles.rebuild` where a restarted process calls this.
     """
+    given = layout is not None
     if layout is None:
         if num_buffers > 0:
             layout = RankLayout.from_hostnames(world.hostnames, num_buffers, num_agent_groups, use_coordinator)
@@ -99,6 +111,20 @@ def assign_roles(world: World, layout: RankLayout | None = None, *, num_buffers:
             layout = RankLayout.build(world.size, 0, num_agent_groups, use_coordinator, num_nodes=world.num_nodes)
     else:
         _check_layout(world, layout)
+    agent_groups, training, buffers = _make_groups(world, layout)
+    rank = world.rank
+    return Roles(
+        world=world, layout=layout, my_rank=rank, world_size=world.size,
+        num_training_ranks=layout.num_training_ranks, agent_group_size=layout.agent_group_size,
+        agent_groups=agent_groups, agent_group_id=layout.agent_group_id(rank), train_global_group=training,
+        assigned_buffer=layout.assigned_buffer(rank), assigned_training_ranks=layout.assigned_training_ranks(rank),
+        buffer_group=buffers, buffer_rank_set=set(layout.buffer_ranks), coordinator_rank=layout.coordinator_rank,
+        training_ranks=list(layout.training_ranks), _layout_given=given)
+
+
+def _make_groups(world: World, layout: RankLayout) -> tuple[list[Group], Group, Group | None]:
+    """The agent groups, the training group and the buffer group, created in that order; a rank list
+    already created is reused."""
     groups: dict[tuple[int, ...], Group] = {}
 
     def group_of(ranks: tuple[int, ...]) -> Group:
@@ -108,15 +134,7 @@ def assign_roles(world: World, layout: RankLayout | None = None, *, num_buffers:
 
     agent_groups = [group_of(g) for g in layout.agent_groups]
     training = group_of(layout.training_ranks)
-    buffers = group_of(tuple(layout.buffer_ranks)) if layout.buffer_ranks else None
-    rank = world.rank
-    return Roles(
-        world=world, layout=layout, my_rank=rank, world_size=world.size,
-        num_training_ranks=layout.num_training_ranks, agent_group_size=layout.agent_group_size,
-        agent_groups=agent_groups, agent_group_id=layout.agent_group_id(rank), train_global_group=training,
-        assigned_buffer=layout.assigned_buffer(rank), assigned_training_ranks=layout.assigned_training_ranks(rank),
-        buffer_group=buffers, buffer_rank_set=set(layout.buffer_ranks), coordinator_rank=layout.coordinator_rank,
-        training_ranks=list(layout.training_ranks))
+    return agent_groups, training, group_of(tuple(layout.buffer_ranks)) if layout.buffer_ranks else None
 
 
 def _check_layout(world: World, layout: RankLayout) -> None:

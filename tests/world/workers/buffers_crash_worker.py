@@ -27,7 +27,7 @@ def expect_failure(call, limit):
         call()
     except (PeerFailure, CommTimeout) as e:
         assert time.monotonic() - start < limit, time.monotonic() - start
-        return type(e).__name__
+        return e
     raise AssertionError("talking to a dead rank must fail")
 
 
@@ -47,8 +47,12 @@ def dead_service_ranks_surface_as_errors(w):
     client = ReplayBufferClient.from_context(ctx, timeout=5)
     assert client.add(BATCH)["score"] == math.inf
     time.sleep(2.0)  # both service ranks are gone now
-    kinds = [expect_failure(lambda: client.add(BATCH), 20), expect_failure(client.population_stats, 20)]
-    print("failures seen:", kinds, flush=True)
+    errors = [expect_failure(lambda: client.add(BATCH), 20), expect_failure(client.population_stats, 20)]
+    print("failures seen:", [type(e).__name__ for e in errors], flush=True)
+    said = [f"the replay-buffer manager (rank {ctx.assigned_buffer}) was lost",
+            f"the replay-buffer coordinator (rank {ctx.coordinator_rank}) was lost"]
+    for error, words in zip(errors, said):  # a loss is said as such; silence stays a CommTimeout
+        assert isinstance(error, CommTimeout) or words in str(error), (words, str(error))
 
 
 if __name__ == "__main__":

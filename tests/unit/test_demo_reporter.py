@@ -1,0 +1,38 @@
+"""The demo's stop at the target, in a world of one: at once, or (with checkpoints) at the next one."""
+
+from __future__ import annotations
+
+import time
+
+import popmesh
+from popmesh.demo.reporter import Reporter
+
+
+def _row(iteration: int, mean_return: float) -> dict:
+    return {"rank": 0, "iteration": iteration, "steps": 512 * (iteration + 1), "mean_return": mean_return,
+            "time": time.time(), "steps_per_s": 1000.0, "lr": 1e-3}
+
+
+def test_without_checkpoints_the_run_stops_once_the_target_is_seen():
+    reporter = Reporter(popmesh.init("local"), None, target=100.0, stop_at_target=True)
+    reporter.record(_row(0, 50.0), None)
+    assert not reporter.should_stop()
+    reporter.record(_row(1, 120.0), None)
+    assert reporter.should_stop() and reporter.reached["iteration"] == 1
+
+
+def test_with_checkpoints_the_ranks_stop_together_after_the_next_checkpoint():
+    reporter = Reporter(popmesh.init("local"), None, target=100.0, stop_at_target=True, at_checkpoints=True)
+    reporter.agree_at_checkpoint()
+    assert not reporter.should_stop()
+    reporter.record(_row(3, 120.0), None)
+    assert not reporter.should_stop()  # the target is seen, but the stop waits for the checkpoint
+    reporter.agree_at_checkpoint()
+    assert reporter.should_stop()
+
+
+def test_without_stop_at_target_the_run_never_stops_early():
+    reporter = Reporter(popmesh.init("local"), None, target=100.0, stop_at_target=False, at_checkpoints=True)
+    reporter.record(_row(0, 500.0), None)
+    reporter.agree_at_checkpoint()
+    assert not reporter.should_stop() and reporter.reached is not None
