@@ -11,7 +11,7 @@ import pytest
 @pytest.mark.parametrize("policy", ["async", "none"])
 def test_demo_writes_sane_files(tmp_path, policy):
     cmd = [sys.executable, "-m", "popmesh", "demo", "--ranks", "2", "--steps", "4000", "--every", "2",
-           "--policy", policy, "--warmup", "0", "--no-live", "--out", str(tmp_path)]
+           "--policy", policy, "--warmup", "0", "--out", str(tmp_path), *(["--no-live"] if policy == "none" else [])]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     runs = list(tmp_path.iterdir())
@@ -33,6 +33,11 @@ def test_demo_writes_sane_files(tmp_path, policy):
     for event in events:
         assert event["rank"] in (0, 1) and event["donors"] and event["rank"] not in event["donors"]
         assert abs(sum(event["weights"]) - 1) < 1e-6
+        lr, inherited = event["lr"], event["lr_inherited"]  # PBT's explore step moved it (unless at an edge)
+        assert 1.999e-4 <= lr <= 6.001e-3 and (lr != inherited or min(abs(lr - 2e-4), abs(lr - 6e-3)) < 1e-9)
+    # off a terminal the view prints each event as a line (and progress every 5 s) instead of a live table
+    printed = [line for line in done.stdout.splitlines() if "[popmesh demo]" in line and "←" in line]
+    assert len(printed) == len(events), done.stdout[-3000:]
     assert "Load imbalance" in done.stdout and "Time per step" in done.stdout
 
 

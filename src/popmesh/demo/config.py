@@ -11,7 +11,7 @@ import numpy as np
 from popmesh.core.errors import ConfigError
 from popmesh.demo.learner import Hyper
 
-__all__ = ["POLICIES", "STRATEGIES", "DemoConfig", "rank_hyper", "rank_seed"]
+__all__ = ["POLICIES", "STRATEGIES", "LR_RANGE", "DemoConfig", "explore_lr", "rank_hyper", "rank_seed", "sample_lr"]
 
 POLICIES = ("none", "average-all", "selective", "async")
 STRATEGIES = ("mean", "weighted_mean", "best_only")
@@ -39,6 +39,8 @@ class DemoConfig:
     resume: str = ""  # a run folder (or one of its checkpoints) to resume from
     max_restarts: int = 0  # restarts per rank (popmesh launch --max-restarts): a lost agent rejoins
     kill: str = ""  # "RANK:ITERATION": that rank's first process SIGKILLs itself there (to watch survival)
+    explore: bool = True  # PBT's explore step on a replaced agent's inherited learning rate
+    terminal: bool = False  # the user's stdout is a terminal (under mpiexec rank 0's is a pipe to it)
 
     def __post_init__(self) -> None:
         if self.ranks < 1:
@@ -80,10 +82,29 @@ def rank_seed(seed: int, rank: int) -> int:
     return int(seed) * 1000 + rank
 
 
+LR_RANGE = (2e-4, 6e-3)  # the learning rates the population draws from (log-uniform)
+
+
+def sample_lr(gen: np.random.Generator) -> float:
+    """A learning rate drawn log-uniformly from :data:`LR_RANGE` (the explore step's resampling space)."""
+    return float(math.exp(gen.uniform(math.log(LR_RANGE[0]), math.log(LR_RANGE[1]))))
+
+
+def explore_lr(lr: float, seed: int, rank: int, iteration: int) -> float:
+    """PBT's explore step for a replaced agent's inherited learning rate, as Ray Tune's defaults do it:
+    resample from the space with probability 0.25, else multiply by 0.8 or 1.2; clipped to the space.
+    Seeded by (seed, rank, iteration), so a run is reproducible."""
+    from popmesh.population.explore import explore
+
+    gen = np.random.default_rng([seed, rank, iteration, 11])
+    new = float(explore({"lr": lr}, gen, perturb=(0.8, 1.2), resample_prob=0.25, space={"lr": sample_lr})["lr"])
+    return min(max(new, LR_RANGE[0]), LR_RANGE[1])
+
+
 def rank_hyper(seed: int, rank: int) -> Hyper:
     """Each rank draws its own learning rate (log-uniform 2e-4..6e-3) and entropy bonus, so the
     population has good and bad agents to tell apart."""
     rng = np.random.default_rng([seed, rank, 7])
-    lr = math.exp(rng.uniform(math.log(2e-4), math.log(6e-3)))
+    lr = sample_lr(rng)
     entropy = float(rng.choice([0.0, 0.005, 0.01, 0.02]))
-    return Hyper(lr=float(lr), entropy=entropy)
+    return Hyper(lr=lr, entropy=entropy)

@@ -112,6 +112,17 @@ class CartPoleLearner:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
+    def set_learning_rate(self, lr: float) -> None:
+        """Train at ``lr`` from now on: the model's ``log_lr`` buffer (so it travels with the weights),
+        the hyper-parameters and the optimizer all take it."""
+        import math
+
+        import torch
+
+        with torch.no_grad():
+            self.model.log_lr.fill_(math.log(lr))
+        self.adopt_learning_rate()
+
     def checkpoint(self, iteration: int, extra: dict[str, Any] | None = None) -> Any:
         """This agent as a population checkpoint holds it (:class:`popmesh.population.checkpoint.AgentState`)."""
         from popmesh.population.checkpoint import AgentState, capture_rng

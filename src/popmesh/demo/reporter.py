@@ -118,7 +118,10 @@ class Reporter:
             self.events.append(event)
             if self.view is not None:
                 self.view.status[event["rank"]].replaced += 1
-                self.view.add_event(describe_event(event["rank"], event["donors"], event["weights"], event["strategy"]))
+                text = describe_event(event["rank"], event["donors"], event["weights"], event["strategy"])
+                if event.get("lr_inherited") is not None and event.get("lr") != event["lr_inherited"]:
+                    text += f", lr {event['lr_inherited']:.1e} → {event['lr']:.1e} (explored)"
+                self.view.add_event(text)
         self._check_target(row)
 
     def _check_target(self, row: dict[str, Any]) -> None:

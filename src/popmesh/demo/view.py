@@ -1,4 +1,5 @@
-"""Rank 0's live view of the population: progress, a table per rank, replacement events (rich)."""
+"""Rank 0's view of the population: a live table (rich) on a terminal; elsewhere (sbatch logs, nohup, CI)
+a plain progress line every few seconds and a line per event, so a log shows the run as it goes."""
 
 from __future__ import annotations
 
@@ -21,16 +22,21 @@ class RankStatus:
 
 @dataclass
 class PopulationView:
-    """Holds what rank 0 knows and renders it; ``live=False`` prints nothing until the summary."""
+    """Holds what rank 0 knows and renders it: ``live`` draws the table; ``plain`` (stdout is not a
+    terminal) prints a progress line every ``plain_every_s`` seconds and each event as it comes;
+    neither prints nothing until the summary."""
 
     ranks: int
     total_steps: int
     policy: str
     live: bool = True
+    plain: bool = False
+    plain_every_s: float = 5.0
     status: dict[int, RankStatus] = field(default_factory=dict)
     events: list[str] = field(default_factory=list)
     _live: Any = None
     _started: float = field(default_factory=time.monotonic)
+    _printed: float = field(default_factory=time.monotonic)
 
     def __post_init__(self) -> None:
         self.status = {r: RankStatus() for r in range(self.ranks)}
@@ -38,9 +44,11 @@ class PopulationView:
     def start(self) -> None:
         if not self.live:
             return
+        from rich.console import Console
         from rich.live import Live
 
-        self._live = Live(self.render(), refresh_per_second=4, transient=False)
+        # force: under mpiexec rank 0's stdout is a pipe that ends on the user's terminal
+        self._live = Live(self.render(), refresh_per_second=4, transient=False, console=Console(force_terminal=True))
         self._live.start()
 
     def update(self, rank: int, **values: Any) -> None:
@@ -50,7 +58,17 @@ class PopulationView:
 
     def add_event(self, text: str) -> None:
         self.events.append(f"{time.monotonic() - self._started:6.1f}s  {text}")
+        if self.plain:
+            print(f"[popmesh demo] {self.events[-1].strip()}", flush=True)
         self._refresh()
+
+    def progress_line(self) -> str:
+        """One line for a log: elapsed time, env steps done, and each rank's return and learning rate."""
+        done = sum(s.steps for s in self.status.values())
+        ranks = "  ".join(f"r{rank} {'—' if math.isnan(s.mean_return) else f'{s.mean_return:.0f}'} "
+                          f"(lr {s.lr:.1e})" for rank, s in self.status.items())
+        return (f"[popmesh demo] {time.monotonic() - self._started:6.1f}s  {done:,}/{self.total_steps * self.ranks:,} "
+                f"env steps  return (last 20): {ranks}")
 
     def stop(self) -> None:
         if self._live is not None:
@@ -61,6 +79,9 @@ class PopulationView:
     def _refresh(self) -> None:
         if self._live is not None:
             self._live.update(self.render())
+        elif self.plain and time.monotonic() - self._printed >= self.plain_every_s:
+            self._printed = time.monotonic()
+            print(self.progress_line(), flush=True)
 
     def render(self) -> Any:
         from rich.console import Group

@@ -17,7 +17,7 @@ from typing import Any
 
 import popmesh
 from popmesh.core.errors import ConfigError, PeerClosed, PeerFailure, PopmeshError
-from popmesh.demo.config import DemoConfig, rank_hyper, rank_seed
+from popmesh.demo.config import DemoConfig, explore_lr, rank_hyper, rank_seed
 from popmesh.demo.learner import CartPoleLearner
 from popmesh.demo.outputs import new_run_dir, plot_returns, write_jsonl, write_summary
 from popmesh.demo.reporter import Reporter
@@ -54,8 +54,10 @@ def run(config: DemoConfig) -> dict[str, Any] | None:
     learner = CartPoleLearner(rank_seed(config.seed, world.rank), rank_hyper(config.seed, world.rank),
                               init_seed=config.seed)
     policy = make_policy(config, learner)
-    live = config.live and sys.stdout.isatty()  # rank 0 holds the terminal only when the launcher gave it
-    view = PopulationView(world.size, config.steps, config.policy, live=live) if world.is_main else None
+    # rank 0 holds the terminal when the launcher gave it; under mpiexec its stdout is a pipe to the user's
+    live = config.live and (sys.stdout.isatty() or (config.terminal and config.engine == "mpi"))
+    view = PopulationView(world.size, config.steps, config.policy, live=live,
+                          plain=config.live and not live) if world.is_main else None
     reporter = Reporter(world, view, config.target, config.stop_at_target, at_checkpoints=config.checkpoint_every > 0)
     if world.newcomers:  # this process was restarted for a lost rank: the population seeds it
         start, out = _seed(world, config, learner, reporter, 0, None, None)
@@ -140,7 +142,11 @@ def _iterate(world: Any, config: DemoConfig, learner: CartPoleLearner, policy: A
         learner.optimizer = optimizer if optimizer is not None else learner.optimizer
         if info.replaced:
             learner.adopt_learning_rate()
-            event = _event(world.rank, learner, info, metric)
+            inherited = learner.learning_rate()
+            if config.explore:
+                learner.set_learning_rate(explore_lr(inherited, config.seed, world.rank, iteration))
+            event = {**_event(world.rank, learner, info, metric), "lr_inherited": inherited,
+                     "lr": learner.learning_rate()}
     row = {"rank": world.rank, "iteration": iteration, "steps": learner.total_steps,
            "mean_return": None if math.isnan(metric) else metric, "time": time.time(),
            "steps_per_s": (learner.total_steps - first_steps) / max(time.monotonic() - started, 1e-9),
