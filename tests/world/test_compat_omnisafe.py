@@ -1,5 +1,6 @@
 """popmesh.compat.omnisafe: the seed document's signatures, and its examples on real torch worlds of 1, 2
-and 3 ranks. The training files (population, buffers, compat) share one world per engine and size."""
+and 3 ranks and an MPI world of 3 (the facade runs on either engine). The training files (population,
+buffers, compat) share one world per engine and size."""
 
 import subprocess
 import sys
@@ -71,5 +72,5 @@ def test_fork_relaunches_python_dash_m():
 
 
 world_run, test_on_a_world, test_world_exits_cleanly = world_tests(
-    worker, [("torch", 1), ("torch", 2), ("torch", 3)], timeout=240, suite="training"
+    worker, [("torch", 1), ("torch", 2), ("torch", 3), ("mpi", 3)], timeout=240, suite="training"
 )
