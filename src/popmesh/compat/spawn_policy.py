@@ -293,6 +293,9 @@ class _OneSided(SpawnPolicy):
 
     def _dying(self, local_metric: float, threshold_metric: float, check: int) -> bool:
         if check == 0:  # threshold; non-finite counts as dying
+            if local_metric is None:
+                raise ConfigError("replacement_mode='threshold' compares local_metric with threshold_metric at "
+                                  "every call: pass local_metric (higher is better)")
             return not float(local_metric) >= float(threshold_metric) or not math.isfinite(float(local_metric))
         if check == 1:  # age: dies once its age has reached its lifetime, then starts a new life
             if self.age >= self.max_age:

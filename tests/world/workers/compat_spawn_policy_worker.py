@@ -219,6 +219,7 @@ def one_sided_threshold_strategies_and_momentum(w):
         assert weights(model) == [0.5 * 1.0 + 0.5 * sum(d + 1.0 for d in donors) / len(donors)], (weights(model),
                                                                                                    donors)
     assert policy.is_agent_dying(float("nan"), 3.0), "a non-finite metric is below any threshold"
+    assert raises(lambda: policy.is_agent_dying(None, 3.0))  # a clear error, not torchgfn's TypeError
     popmesh.barrier()
     policy.shutdown()
 
