@@ -176,3 +176,31 @@ def test_shard_params_outside_shard_map_names_itself():
     with pytest.raises(pj.UnboundAxisError) as caught:
         dp.shard_params(_params(), "fsdp")
     assert "shard_params" in str(caught.value) and "axis_size" not in str(caught.value), str(caught.value)
+
+
+def test_gather_and_scatter_dtype_matrix_as_xlstm_tests_it(fsdp_mesh):
+    """xlstm-jax's tests/distributed/test_data_parallel.py: the loss casts the gathered weight to bfloat16,
+    so gathering in float32 then casting equals gathering in bfloat16 (for each scatter dtype), while
+    scattering the gradient in another dtype changes it."""
+    w = jax.random.normal(jax.random.key(5), (4 * N, 6))  # each device holds 4 rows
+    x = jax.random.normal(jax.random.key(6), (16 * N, 4 * N))  # and its own 16 samples
+    target = jax.random.normal(jax.random.key(7), (16 * N, 6))
+
+    def grads(gather_dtype, scatter_dtype):
+        def body(w, x, target):
+            def loss(w):
+                full = dp.gather_array_with_mean_grads(w, 0, "fsdp", gather_dtype, scatter_dtype)
+                out = x.astype(jnp.bfloat16) @ full.astype(jnp.bfloat16)
+                return jnp.mean((out.astype(jnp.float32) - target) ** 2)
+
+            return jax.grad(loss)(w)
+
+        fn = jax.shard_map(body, mesh=fsdp_mesh, in_specs=(P("fsdp"),) * 3, out_specs=P("fsdp"))
+        return np.asarray(jax.jit(fn)(w, x, target))
+
+    got = {(g, s): grads(g, s) for g in (jnp.float32, jnp.bfloat16) for s in (jnp.float32, jnp.bfloat16, jnp.float16)}
+    for s in (jnp.float32, jnp.bfloat16):
+        assert np.array_equal(got[jnp.float32, s], got[jnp.bfloat16, s]), s
+    assert not np.array_equal(got[jnp.float32, jnp.float32], got[jnp.float32, jnp.bfloat16])
+    assert not np.array_equal(got[jnp.float32, jnp.float32], got[jnp.float32, jnp.float16])
+    assert all(g.dtype == np.float32 for g in got.values())  # cast back to the parameter's dtype

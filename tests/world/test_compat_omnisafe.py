@@ -1,5 +1,6 @@
 """popmesh.compat.omnisafe: the seed document's signatures, and its examples on real torch worlds of 1, 2
-and 3 ranks. The training files (population, buffers, compat) share one world per engine and size."""
+and 3 ranks and an MPI world of 3 (the facade runs on either engine). The training files (population,
+buffers, compat) share one world per engine and size."""
 
 import subprocess
 import sys
@@ -57,6 +58,19 @@ def test_a_world_of_one_without_init():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60, env=env)
 
 
+@pytest.mark.timeout(120)
+def test_fork_relaunches_python_dash_m():
+    """OmniSafe's tests/test_utils.py::test_distributed forks two ranks; here the program is a module."""
+    env = {k: v for k, v in __import__("os").environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "POPMESH_ENGINE", "PMI_RANK")}
+    env["PYTHONPATH"] = str(Path(__file__).parent / "scripts") + ":" + env.get("PYTHONPATH", "")
+    done = subprocess.run([sys.executable, "-m", "omnisafe_fork"], capture_output=True, text=True, timeout=100,
+                          env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert all(f"CHILD rank={r} size=2 ok" in done.stdout for r in range(2)), done.stdout[-3000:]
+    assert done.stdout.count("PARENT done") == 1, done.stdout[-3000:]
+
+
 world_run, test_on_a_world, test_world_exits_cleanly = world_tests(
-    worker, [("torch", 1), ("torch", 2), ("torch", 3)], timeout=240, suite="training"
+    worker, [("torch", 1), ("torch", 2), ("torch", 3), ("mpi", 3)], timeout=240, suite="training"
 )

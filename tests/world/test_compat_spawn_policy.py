@@ -41,9 +41,9 @@ def test_compute_worst_ranks_by_ratio():
     assert sp._compute_worst_ranks_by_ratio(metrics, 1.0) == {1, 2, 3}  # ratio 1 keeps one rank
     assert sp._compute_worst_ranks_by_ratio([1.0], 0.5) == set()
     assert sp._compute_worst_ranks_by_ratio([2.0, float("nan"), 1.0], 0.34) == {1}  # NaN is worst
-    with pytest.raises(ConfigError):
-        sp._compute_worst_ranks_by_ratio(metrics, 1.5)
-
+    assert sp._compute_worst_ranks_by_ratio(metrics, 1.5) == {1, 2, 3}  # clamped, as upstream: n - 1
+    assert sp._compute_worst_ranks_by_ratio(metrics, -0.5) == {3}
+    assert sp._compute_worst_ranks_by_ratio(list(range(10)), 0.29) == {0, 1}  # floor(10 * 0.29) = 2
 
 def test_constructor_arguments_are_checked_and_kept():
     policy = sp.AsyncSelectiveAveragingPolicy(lambda: None, 0, averaging_strategy="best_only", timing={})

@@ -17,7 +17,11 @@ Where popmesh deliberately behaves differently from OmniSafe:
   stray ``MASTER_ADDR`` gives a world of one instead of a crash;
 * ``dist_op`` / ``dist_sum`` / ``dist_avg`` / ``dist_max`` / ``dist_min`` keep the input's dtype
   and device (OmniSafe converted to float32) and never overwrite the caller's tensor (OmniSafe's
-  float32 inputs received the reduced value in place); ``dist_op`` also accepts AVG and PROD;
+  float32 inputs received the reduced value in place); ``dist_op`` also accepts AVG and PROD.
+  When the ranks' values differ in dtype or in being a scalar (float32 here, float64 there), they
+  are reduced as OmniSafe did, as float32 tensors (scalars as one-element ones) with a float32
+  result on every rank; so are ``avg_tensor``'s, ``avg_grads``' and ``avg_params``' tensors, then
+  written back in their own dtype. (popmesh's own functions raise ``CollectiveMismatch`` there.)
 * ``dist_statistics_scalar`` returns the true global minimum and maximum as scalars (OmniSafe's
   were element-wise across ranks, so their "min"/"max" needed equal lengths and equalled the mean
   in a single process), and accepts different lengths per rank;
@@ -50,7 +54,8 @@ from popmesh.comm.world import World
 from popmesh.comm.world import current_world as _current_world
 from popmesh.comm.world import init as _init
 from popmesh.core.arrays import is_torch
-from popmesh.core.errors import ConfigError
+from popmesh.core.errors import CollectiveMismatch, ConfigError
+from popmesh.core.ops import ReduceOp
 from popmesh.launch import fork as _fork
 from popmesh.launch import in_launched_world
 from popmesh.launch import launch as _launch
@@ -151,13 +156,20 @@ def avg_tensor(value: Any) -> None:
     if _stats.is_integral(value):
         raise ConfigError(f"avg_tensor needs a floating dtype to hold an average in place, got {value.dtype}: "
                           "use dist_avg, which returns a float")
-    _all_reduce_(value, "avg")
+    try:
+        _all_reduce_(value, "avg")
+    except CollectiveMismatch:  # the ranks' dtypes differ: OmniSafe's float32 average, written back
+        _write_back(value, _as_omnisafe(value, ReduceOp.AVG))
 
 
 def avg_grads(module: Any) -> None:
     """Average contents of gradient buffers across processes, in place (a module or a tensor)."""
     _world()
-    _pt.mean_grads_(module)
+    try:
+        _pt.mean_grads_(module)
+    except CollectiveMismatch:  # the ranks' dtypes differ: OmniSafe's per-tensor float32 average
+        for grad in _grads_of(module):
+            _write_back(grad, _as_omnisafe(grad, ReduceOp.AVG))
 
 
 def sync_params(module: Any) -> None:
@@ -169,38 +181,37 @@ def sync_params(module: Any) -> None:
 def avg_params(module: Any) -> None:
     """Average contents of all parameters across processes, in place."""
     _world()
-    _pt.mean_params_(module)
+    try:
+        _pt.mean_params_(module)
+    except CollectiveMismatch:  # the ranks' dtypes differ: OmniSafe's per-tensor float32 average
+        for param in module.parameters():
+            _write_back(param.data, _as_omnisafe(param.data, ReduceOp.AVG))
 
 
 def dist_avg(value: Any) -> Any:
     """Average a tensor over distributed processes (element-wise): a new tensor."""
-    _world()
-    return _stats.reduce_value(value, "avg")
+    return _reduce(value, "avg")
 
 
 def dist_sum(value: Any) -> Any:
     """Sum a tensor over distributed processes (element-wise): a new tensor."""
-    _world()
-    return _stats.reduce_value(value, "sum")
+    return _reduce(value, "sum")
 
 
 def dist_max(value: Any) -> Any:
     """Determine global maximum of tensor over distributed processes (element-wise)."""
-    _world()
-    return _stats.reduce_value(value, "max")
+    return _reduce(value, "max")
 
 
 def dist_min(value: Any) -> Any:
     """Determine global minimum of tensor over distributed processes (element-wise)."""
-    _world()
-    return _stats.reduce_value(value, "min")
+    return _reduce(value, "min")
 
 
 def dist_op(value: Any, operation: Any) -> Any:
     """Multi-processing operation: ``operation`` (``ReduceOp.SUM``/``MAX``/``MIN``, also AVG/PROD,
     torch's or popmesh's enum or a name) element-wise across processes; a new tensor."""
-    _world()
-    return _stats.reduce_value(value, operation)
+    return _reduce(value, operation)
 
 
 def dist_statistics_scalar(value: Any, with_min_and_max: bool = False) -> tuple[Any, ...]:
@@ -211,3 +222,44 @@ def dist_statistics_scalar(value: Any, with_min_and_max: bool = False) -> tuple[
     """
     _world()
     return _stats.mean_std(value, with_min_and_max)
+
+
+def _reduce(value: Any, operation: Any) -> Any:
+    """``reduce_value``, or OmniSafe's float32 reduction when the ranks' dtypes differ."""
+    _world()
+    try:
+        return _stats.reduce_value(value, operation)
+    except CollectiveMismatch:  # every rank raised it, and the group is clean: all redo it as OmniSafe did
+        return _as_omnisafe(value, ReduceOp.parse(operation))
+
+
+def _as_omnisafe(value: Any, op: ReduceOp) -> Any:
+    """OmniSafe's ``dist_op``: a scalar as a one-element list, everything as a new float32 tensor,
+    reduced across the world (AVG: the sum divided by the world's size), a scalar returned as 0-d.
+    Raises CollectiveMismatch if the ranks' shapes differ even so."""
+    import torch
+
+    scalar = bool(np.isscalar(value))
+    tensor = torch.as_tensor([value] if scalar else value, dtype=torch.float32)
+    if tensor is value or (is_torch(value) and tensor.data_ptr() == value.data_ptr()):
+        tensor = tensor.clone()  # OmniSafe reduced a float32 caller's tensor in place; the facade never does
+    summed = op is ReduceOp.AVG
+    _all_reduce_(tensor, ReduceOp.SUM if summed else op)
+    if summed:
+        tensor /= _world().size
+    return tensor[0] if scalar else tensor
+
+
+def _write_back(target: Any, result: Any) -> None:
+    """Copy ``result`` into ``target`` (a tensor or a numpy array) in ``target``'s dtype."""
+    if isinstance(target, np.ndarray):
+        np.copyto(target, result.numpy(), casting="unsafe")
+    else:
+        target.copy_(result)
+
+
+def _grads_of(module: Any) -> list[Any]:
+    """The gradients ``avg_grads`` averages: of a module's parameters, a tensor, or a sequence of tensors."""
+    tensors = list(module.parameters()) if hasattr(module, "parameters") else (
+        [module] if is_torch(module) else list(module))
+    return [t.grad for t in tensors if t.grad is not None]

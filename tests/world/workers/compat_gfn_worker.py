@@ -2,6 +2,7 @@
 
 import math
 import os
+import pickle
 import sys
 
 import torch
@@ -10,6 +11,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import popmesh
 import popmesh.compat.gfn as gfn
+import popmesh.compat.spawn_policy as sp
 from popmesh import ConfigError
 from worldlib import check, main, need_ranks
 
@@ -251,6 +253,132 @@ def mpi4py_context(w):
     assert isinstance(ctx.train_global_group, MPI.Comm)  # as the seed: an mpi4py communicator
     assert (ctx.train_global_group == MPI.COMM_NULL) is (w.rank == n - 1)
     assert raises_config_error(gfn.initialize_distributed_compute_mpi4py, 0, 1, num_coordinators=2)
+
+
+class Message:
+    """torchgfn's replay-buffer message (gfn.containers.message): a type and data, pickled to uint8."""
+
+    DATA, GET_METADATA, EXIT = "DATA", "GET_METADATA", "EXIT"
+
+    def __init__(self, message_type, message_data=None):
+        self.message_type, self.message_data = message_type, message_data
+
+    def serialize(self):
+        return torch.frombuffer(bytearray(pickle.dumps(self)), dtype=torch.uint8)
+
+    @staticmethod
+    def deserialize(byte_tensor):
+        return pickle.loads(bytes(byte_tensor.numpy()))
+
+
+DATA_TAG, METADATA_TAG = 0, 1  # torchgfn's tags: data and scores on 0, metadata replies on 1
+
+
+def run_manager(own, served):
+    """torchgfn's ReplayBufferManager.run(async_send=True): score DATA, answer GET_METADATA on the
+    metadata tag, stop after an EXIT from each served agent. Returns the senders in arrival order."""
+    pending, senders, exits = [], [], 0
+    while exits < len(served):
+        sender, byte_tensor = gfn.recv(backend=own)
+        msg = Message.deserialize(byte_tensor)
+        pending = [h for h in pending if not h.is_complete()]
+        if msg.message_type == Message.DATA:
+            senders.append(sender)
+            reply = Message(Message.DATA, {"score": float(msg.message_data.sum()), "sender": sender})
+            pending.append(gfn.isend(reply.serialize(), dst_rank=sender, backend=own, tag=DATA_TAG))
+        elif msg.message_type == Message.GET_METADATA:
+            reply = Message(Message.DATA, {"served": served, "scored": len(senders)})
+            pending.append(gfn.isend(reply.serialize(), dst_rank=sender, backend=own, tag=METADATA_TAG))
+        else:
+            exits += 1
+    for handle in pending:
+        handle.wait()
+    return senders
+
+
+def run_agent(own, manager, r):
+    """torchgfn's ReplayBuffer client: a blocking DATA/score round, an async_comm round (isend now,
+    the score at the next add), get_metadata (reply on the metadata tag), then the EXIT signal."""
+    def score():
+        _, tensor = gfn.recv(src_rank=manager, backend=own)
+        return Message.deserialize(tensor).message_data
+
+    gfn.send(Message(Message.DATA, torch.full((3,), r + 1.0)).serialize(), dst_rank=manager, backend=own)
+    assert score() == {"score": 3.0 * (r + 1), "sender": r}
+    handle = gfn.isend(Message(Message.DATA, torch.full((2,), r + 1.0)).serialize(), dst_rank=manager, backend=own)
+    handle.wait()
+    assert score() == {"score": 2.0 * (r + 1), "sender": r}
+    gfn.send(Message(Message.GET_METADATA).serialize(), dst_rank=manager, backend=own)
+    _, tensor = gfn.recv(manager, backend=own, tag=METADATA_TAG)
+    metadata = Message.deserialize(tensor).message_data
+    assert metadata["served"] == list(range(manager)) and metadata["scored"] >= 2, metadata
+    gfn.send(Message(Message.EXIT).serialize(), dst_rank=manager, backend=own)
+
+
+@check
+def training_script_calls_and_the_replay_buffer_protocol(w):
+    """What torchgfn's multinode train_hypergrid does with the context: broadcast a run name over the
+    training group, barriers on it, AverageAllPolicy over it, then every agent's replay-buffer
+    traffic with its manager (the last rank), EXIT signals, a final barrier and cleanup."""
+    need_ranks(w, 2)
+    own, _ = names(w)
+    ctx = gfn.initialize_distributed_compute("gloo" if own == "torch" else "mpi", 1, 1)
+    n, r, manager = w.size, w.rank, w.size - 1
+    if ctx.is_buffer_rank():
+        assert ctx.assigned_training_ranks == list(range(n - 1))
+        assert sorted(run_manager(own, ctx.assigned_training_ranks)) == sorted(list(range(n - 1)) * 2)
+    else:
+        assert ctx.assigned_buffer == manager
+        name = broadcast_name(w, ctx, "run-7" if r == 0 else None)
+        assert name == "run-7", name
+        policy = sp.AverageAllPolicy(1) if own == "torch" else sp.AverageAllPolicympi4py(1)
+        group = ctx.train_global_group if own == "torch" else ctx.dc_mpi4py.train_global_group
+        model = torch.nn.Linear(2, 1)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(r + 1.0)
+        _, _, info = policy(0, model, None, group=group)
+        mean = n / 2  # the mean of 1 .. n - 1 over the training ranks (torchgfn divided by the world size)
+        assert info["averaged_this_iteration"] and all(p.eq(mean).all() for p in model.parameters())
+        run_agent(own, manager, r)
+        training_barrier(w, ctx)
+    ctx.cleanup()
+    ctx.cleanup()  # idempotent, and the world stays up (torchgfn finalized MPI here)
+    gfn.barrier(backend=own)
+    if own == "mpi":
+        from mpi4py import MPI
+
+        assert not MPI.Is_finalized()
+
+
+def broadcast_name(w, ctx, name):
+    """The run name from rank 0 to every training rank: its length, then its bytes (the script's wandb
+    group), with the engine's own calls on the context's group."""
+    group = ctx.train_global_group
+    length = torch.tensor([len(name.encode()) if name else 0], dtype=torch.long)
+    if w.engine_name == "torch":
+        import torch.distributed as dist
+
+        dist.broadcast(length, src=0, group=group)
+        payload = torch.tensor(list(name.encode()), dtype=torch.uint8) if name else torch.empty(
+            int(length.item()), dtype=torch.uint8)
+        dist.broadcast(payload, src=0, group=group)
+        dist.barrier(group=group)
+        return bytes(payload.tolist()).decode()
+    length = group.bcast(int(length.item()), root=0)
+    payload = bytearray(name.encode()) if name else bytearray(length)
+    group.Bcast(payload, root=0)
+    group.Barrier()
+    return payload.decode()
+
+
+def training_barrier(w, ctx):
+    if w.engine_name == "torch":
+        import torch.distributed as dist
+
+        dist.barrier(group=ctx.train_global_group)
+    else:
+        ctx.dc_mpi4py.train_global_group.Barrier()
 
 
 if __name__ == "__main__":

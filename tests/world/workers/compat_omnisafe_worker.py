@@ -8,6 +8,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import popmesh
 import popmesh.compat.omnisafe as omnisafe
 from worldlib import check, main
 
@@ -119,6 +120,43 @@ def dist_statistics_scalar_min_max_are_global_scalars(w):
 def setup_distributed_shares_cores(w):
     assert omnisafe.setup_distributed() is None
     assert torch.get_num_threads() >= 1
+
+
+@check
+def mixed_dtypes_reduce_as_omnisafe(w):
+    """float32 on even ranks, float64 on odd ones (and a Python float beside a tensor): OmniSafe
+    converted every value to float32 before reducing, so such code worked; the facade gives the same
+    result, while popmesh's own dtype-keeping reduction raises CollectiveMismatch on every rank."""
+    mine = torch.float32 if w.rank % 2 == 0 else torch.float64
+    mixed = w.size > 1
+    x = torch.tensor([value(w) + 2.0 ** -30, 0.5], dtype=mine)  # float32 drops the 2**-30
+    if mixed:
+        try:
+            popmesh.all_reduce(x, "sum")
+        except popmesh.CollectiveMismatch as e:
+            assert "float64" in str(e) and "float32" in str(e), e
+        else:
+            raise AssertionError("popmesh.all_reduce accepted float32 beside float64")
+    got = omnisafe.dist_sum(x)
+    want = [total(w), 0.5 * w.size] if mixed else x.tolist()
+    assert got.dtype == (torch.float32 if mixed else mine) and got.tolist() == want, (got, want)
+    assert x.dtype == mine and x[0].item() == value(w) + (2.0 ** -30 if mine == torch.float64 else 0.0)
+    assert omnisafe.dist_max(x).tolist() == [float(w.size) if mixed else x[0].item(), 0.5]
+    scalar = value(w) if w.rank % 2 == 0 else torch.tensor([value(w)])  # OmniSafe wrapped a scalar as [x]
+    got = omnisafe.dist_avg(scalar)
+    got = got.tolist() if hasattr(got, "tolist") else got  # a Python float in a world of one, as given
+    assert got == (mean(w) if w.rank % 2 == 0 else [mean(w)]), got
+    t = torch.tensor([value(w)], dtype=mine)
+    omnisafe.avg_tensor(t)
+    assert t.dtype == mine and t.tolist() == [mean(w)], t
+    p = torch.tensor(value(w), dtype=mine, requires_grad=True)
+    (p ** 2).backward()
+    omnisafe.avg_grads(p)
+    assert p.grad.dtype == mine and p.grad.item() == 2.0 * mean(w), p.grad
+    model = linear(w).to(mine)
+    omnisafe.avg_params(model)
+    assert model.weight.dtype == mine and model.weight.item() == mean(w), model.weight
+    assert omnisafe.dist_sum(torch.tensor([1.0], dtype=mine)).item() == w.size  # the group is still in step
 
 
 if __name__ == "__main__":

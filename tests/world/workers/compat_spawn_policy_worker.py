@@ -3,6 +3,7 @@ are r + 1 and rank 0 is the worst agent."""
 
 import math
 import os
+import random
 import sys
 import time
 
@@ -105,39 +106,167 @@ def async_policy_applies_momentum(w):
 
 
 @check
-def one_sided_policies_need_the_mpi_engine(w):
+def async_policy_best_only_and_reset_weights(w):
+    need_ranks(w, 2)
+    n = w.size
+    for strategy, want in (("best_only", float(n)), ("reset_weights", 7.0)):  # the best rank's weights; fresh ones
+        model, replaced_at = run_async(w, sp.AsyncSelectiveAveragingPolicy(builder, 1, averaging_strategy=strategy))
+        if w.rank == 0:
+            assert replaced_at is not None and weights(model) == [want], (strategy, replaced_at, weights(model))
+        else:
+            assert replaced_at is None and weights(model) == [w.rank + 1.0], (strategy, weights(model))
+
+
+@check
+def async_policy_threshold_and_cooldown(w):
+    need_ranks(w, 2)
+    cooldown = 4  # rank 0 (metric 1) stays below the threshold: replaced again once its cooldown is over
+    policy = sp.AsyncSelectiveAveragingPolicy(builder, 1, threshold=2.0, cooldown=cooldown)
+    model = model_of(w.rank + 1.0)
+    decided = []
+    for it in range(200):
+        model, _, info = policy(it, model, None, local_metric=METRIC[w.rank])
+        if info["averaged_this_iteration"]:
+            decided.append(info["policy_info"].decision_iteration)
+        if popmesh.all_reduce(torch.tensor([len(decided)]), "max").item() >= 2:
+            break
+        time.sleep(0.01)
+    policy.shutdown()
+    if w.rank == 0:
+        assert len(decided) == 2 and decided[1] - decided[0] >= cooldown, decided
+    else:
+        assert decided == [] and weights(model) == [w.rank + 1.0], decided
+
+
+def simulate_upstream_ages(seed, age_range, calls, n, rank):
+    """torchgfn's age rule with Python's random seeded as the ranks seed it: (deaths, donors per death,
+    max_age after the last call). A lifetime is drawn at construction and at each death; the donors
+    (max(1, int(n * 0.5)) of the other ranks) are drawn right after it."""
+    rng = random.Random(seed)
+    max_age, age, deaths, donors = rng.randint(*age_range), 0, [], []
+    for it in range(calls):
+        if age >= max_age:
+            max_age, age = rng.randint(*age_range), 0
+            deaths.append(it)
+            if n > 1:
+                donors.append(rng.sample([r for r in range(n) if r != rank], max(1, int(n * 0.5))))
+        else:
+            age += 1
+    return deaths, donors, max_age
+
+
+def run_one_sided(w, policy, calls, metric=None):
+    """Call ``policy`` ``calls`` times without re-publishing (peers keep reading the first snapshot,
+    rank r's weights r + 1); return the model, the iterations it was replaced at and the donors."""
+    model = model_of(w.rank + 1.0)
+    replaced, donors = [], []
+    for it in range(calls):
+        model, _, info = policy(it, model, None, METRIC[w.rank] if metric is None else metric, expose_params=False)
+        assert info["replacement_mode"] == policy.replacement_mode and info["replacement_check_every"] == 5
+        if info["is_replaced"]:
+            replaced.append(it)
+            donors.append(list(info["policy_info"].donors))
+            assert weights(model) == [sum(d + 1.0 for d in donors[-1]) / len(donors[-1])], (weights(model), donors)
+    popmesh.barrier()
+    policy.shutdown()
+    return model, replaced, donors
+
+
+@check
+def one_sided_age_lifetimes_follow_upstream(w):
+    if not one_sided_engine(w):
+        return
+    n = w.size
+    random.seed(1000 + w.rank)  # lifetimes and donors come from Python's random, as upstream's
+    policy = sp.AsyncSelectiveAveragingPolicympi4pyFast(builder, model_of(1.0), 5, age_range=(3, 3))
+    assert policy.max_age == 3 and policy.age == 0
+    _, replaced, donors = run_one_sided(w, policy, 12)
+    assert replaced == ([3, 7, 11] if n > 1 else []), replaced  # every rank, at calls 3, 7 and 11
+    assert policy.num_replacements == len(replaced) and policy.age == 0
+    assert all(len(d) == max(1, n // 2) and w.rank not in d for d in donors), donors
+    random.seed(2000 + w.rank)
+    policy = sp.AsyncSelectiveAveragingPolicympi4pyGeneral(builder, model_of(1.0), 5, age_range=(1, 3))
+    _, replaced, donors = run_one_sided(w, policy, 10)
+    deaths, want_donors, max_age = simulate_upstream_ages(2000 + w.rank, (1, 3), 10, n, w.rank)
+    assert (replaced, donors) == ((deaths, want_donors) if n > 1 else ([], [])), (replaced, donors, deaths)
+    assert policy.max_age == max_age
+    policy.reset_age()
+    assert policy.age == 0 and 1 <= policy.max_age <= 3
+
+
+@check
+def one_sided_threshold_strategies_and_momentum(w):
+    if not one_sided_engine(w):
+        return
+    need_ranks(w, 2)
+    policy = sp.AsyncSelectiveAveragingPolicympi4pyFast(builder, model_of(1.0), 5, threshold_metric=3.0,
+                                                        averaging_strategy="reset_weights",
+                                                        replacement_mode="threshold")
+    model = model_of(w.rank + 1.0)
+    for it in range(2):  # rank 0 (metric 1) is below the threshold at every call, the others never
+        model, _, info = policy(it, model, None, METRIC[w.rank])
+        assert info["is_replaced"] is (w.rank == 0) and "global_min_metric" not in info
+    assert weights(model) == ([7.0] if w.rank == 0 else [w.rank + 1.0]), weights(model)
+    assert policy.num_replacements == (2 if w.rank == 0 else 0)
+    popmesh.barrier()
+    policy.shutdown()
+    policy = sp.AsyncSelectiveAveragingPolicympi4pyGeneral(builder, model_of(1.0), 5, threshold_metric=3.0,
+                                                           momentum=0.5, replacement_mode="threshold")
+    model = model_of(w.rank + 1.0)
+    model, _, info = policy(0, model, None, METRIC[w.rank], expose_params=False)
+    if w.rank == 0:  # half its own weights, half the mean of its random donors'
+        donors = info["policy_info"].donors
+        assert weights(model) == [0.5 * 1.0 + 0.5 * sum(d + 1.0 for d in donors) / len(donors)], (weights(model),
+                                                                                                   donors)
+    assert policy.is_agent_dying(float("nan"), 3.0), "a non-finite metric is below any threshold"
+    assert raises(lambda: policy.is_agent_dying(None, 3.0))  # a clear error, not torchgfn's TypeError
+    popmesh.barrier()
+    policy.shutdown()
+
+
+@check
+def one_sided_worst_ratio_decides_at_iteration_zero(w):
+    if not one_sided_engine(w):
+        return
+    n, best = w.size, w.size - 1
+    policy = sp.AsyncSelectiveAveragingPolicympi4pyFast(builder, model_of(1.0), 2, replacement_ratio=1.5,
+                                                        replacement_mode="worst_ratio")
+    model = model_of(w.rank + 1.0)
+    for it in range(3):  # a ratio above 1 replaces all but the best, on iterations 0 and 2
+        model, _, info = policy(it, model, None, METRIC[w.rank], expose_params=False)
+        assert info["is_replaced"] is (it != 1 and w.rank != best), (it, info)
+        assert ("global_min_metric" in info) is (it != 1)
+        if it != 1:
+            assert (info["global_min_metric"], info["global_max_metric"]) == (METRIC[0], METRIC[best])
+    if n > 1:
+        other = w.new_group([0])
+        try:
+            policy(4, model, None, 1.0, group=other)
+        except ConfigError as e:
+            assert "constructor" in str(e)
+        else:
+            raise AssertionError("a call's group other than the constructor's was accepted")
+    popmesh.barrier()
+    policy.shutdown()
+
+
+def one_sided_engine(w):
+    """True on the MPI engine; elsewhere check what the one-sided policies do there and return False."""
     if w.engine_name == "mpi":
-        return one_sided_fast_age_mode(w)
+        return True
     policy = sp.AsyncSelectiveAveragingPolicympi4pyFast(builder, model_of(1.0), 1, replacement_mode="worst_ratio")
     if w.size == 1:  # a world of one is the identity on every engine: nothing to read, nobody replaced
         model = model_of(1.0)
         out, _, info = policy(0, model, None, METRIC[w.rank])
         assert out is model and info["is_replaced"] is False and weights(model) == [1.0]
-        return
+        return False
     try:
         policy(0, model_of(1.0), None, METRIC[w.rank])
     except ConfigError as e:
         assert "mpi" in str(e)
     else:
         raise AssertionError("a one-sided policy ran on the torch engine")
-
-
-def one_sided_fast_age_mode(w):
-    need_ranks(w, 2)
-    n, best = w.size, w.size - 1
-    policy = sp.AsyncSelectiveAveragingPolicympi4pyFast(builder, model_of(1.0), 5, age_range=(1, 1))
-    model = model_of(w.rank + 1.0)
-    seen = []
-    for it in range(2):
-        model, _, info = policy(it, model, None, METRIC[w.rank])
-        seen.append(info["is_replaced"])
-        assert info["replacement_mode"] == "age" and info["replacement_check_every"] == 5
-        popmesh.barrier()
-    policy.shutdown()
-    # every agent reaches its lifetime at the second call; all but the best are replaced by it
-    assert seen == [False, w.rank != best], seen
-    assert weights(model) == [float(n)] and policy.num_replacements == (0 if w.rank == best else 1)
-    assert policy.comm_size == n and policy.myrank == w.rank
+    return False
 
 
 @check
@@ -155,14 +284,13 @@ def one_sided_general_worst_ratio(w):
     extremes = (info["global_min_metric"], info["global_max_metric"])
     assert info["is_replaced"] is (w.rank == 0) and extremes == (1.0, METRIC[w.size - 1]), (info, extremes)
     donors = info["policy_info"].donors
-    if w.rank == 0:  # ratio 0.2 replaces the worst rank by a random donor (k = n // 2) among the others
+    if w.rank == 0:  # ratio 0.2 replaces the worst rank by max(1, int(n * 0.5)) random donors among the others
         assert len(donors) == max(1, w.size // 2) and 0 not in donors, donors
         assert weights(model) == [sum(d + 1.0 for d in donors) / len(donors)], (weights(model), donors)
     else:
         assert weights(model) == [w.rank + 1.0]
     assert policy.is_agent_dying(1.0, 3.0) and not policy.is_agent_dying(5.0, 3.0)
-    policy.reset_age()
-    assert policy.age == 0
+    popmesh.barrier()
     policy.shutdown()
 
 
