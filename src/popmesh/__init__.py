@@ -33,6 +33,7 @@ _LAZY = {
     "comm.messages": ("send", "recv", "isend", "irecv", "SendHandle", "RecvHandle"),
     "topology.roles": ("Roles", "assign_roles"),
     "observe.timing": ("gather_timings", "report_timings", "report_imbalance"),
+    "observe.board": ("Board",),
     "core.ops": ("ReduceOp",),
     "comm.world": ("init", "finalize", "current_world", "World", "Group"),
 }

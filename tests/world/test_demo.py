@@ -38,7 +38,24 @@ def test_demo_writes_sane_files(tmp_path, policy):
     # off a terminal the view prints each event as a line (and progress every 5 s) instead of a live table
     printed = [line for line in done.stdout.splitlines() if "[popmesh demo]" in line and "←" in line]
     assert len(printed) == len(events), done.stdout[-3000:]
+    _check_board(run / "tb", summary, events)
     assert "Load imbalance" in done.stdout and "Time per step" in done.stdout
+
+
+def _check_board(tb, summary, events):
+    """TensorBoard's own reader finds one run per rank with its scalars against env steps."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    for agent in summary["agents"]:
+        board = EventAccumulator(str(tb / f"rank-{agent['rank']}"))
+        board.Reload()
+        tags = set(board.Tags()["scalars"])
+        assert {"return/mean_last_20", "speed/steps_per_s", "hparams/lr", "hparams/entropy",
+                "population/replaced"} <= tags, tags
+        lrs = board.Scalars("hparams/lr")
+        assert lrs[-1].step == agent["steps"] and abs(lrs[-1].value - agent["lr"]) < 1e-9
+        replaced = [e for e in events if e["rank"] == agent["rank"]]
+        assert board.Scalars("population/replaced")[-1].value == len(replaced)
 
 
 @pytest.mark.timeout(240)

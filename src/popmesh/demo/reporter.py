@@ -20,6 +20,7 @@ from popmesh.comm import messages
 from popmesh.comm.collectives import broadcast_object
 from popmesh.comm.world import World
 from popmesh.demo.view import PopulationView, describe_event
+from popmesh.observe.board import Board
 
 __all__ = ["Reporter", "STATS_TAG", "STOP_TAG"]
 
@@ -31,8 +32,10 @@ class Reporter:
     """Rank 0 collects rows and events; other ranks stream theirs."""
 
     def __init__(self, world: World, view: PopulationView | None, target: float, stop_at_target: bool,
-                 at_checkpoints: bool = False) -> None:
+                 at_checkpoints: bool = False, board: Board | None = None) -> None:
         self.world, self.view, self.target, self.stop_at_target = world, view, target, stop_at_target
+        self.board = board
+        self._replaced = 0
         self.at_checkpoints = at_checkpoints
         self._agreed = False
         self.history: list[dict[str, Any]] = []
@@ -45,7 +48,9 @@ class Reporter:
         self._stop = messages.irecv(0, STOP_TAG) if not world.is_main else None
 
     def record(self, row: dict[str, Any], event: dict[str, Any] | None) -> None:
-        """Report this rank's latest iteration (and replacement, if one happened)."""
+        """Report this rank's latest iteration (and replacement, if one happened); log it to this rank's
+        TensorBoard run."""
+        self._log(row, event)
         if self.world.is_main:
             self._ingest(row, event)
             self.drain()
@@ -53,6 +58,19 @@ class Reporter:
         self._sends.append(messages.isend({"row": row, "event": event}, 0, STATS_TAG))
         while self._sends and self._sends[0].done():
             self._sends.popleft().wait()
+
+    def _log(self, row: dict[str, Any], event: dict[str, Any] | None) -> None:
+        """This rank's scalars, against its env steps: return, speed, hyper-parameters, replacements."""
+        if self.board is None:
+            return
+        self._replaced += event is not None
+        step = row["steps"]
+        self.board.scalars({"return/mean_last_20": row["mean_return"], "speed/steps_per_s": row["steps_per_s"],
+                            "hparams/lr": row["lr"], "hparams/entropy": row.get("entropy"),
+                            "population/replaced": self._replaced}, step)
+        if event is not None:
+            text = describe_event(event["rank"], event["donors"], event["weights"], event["strategy"])
+            self.board.text("population/replacements", f"iteration {event['iteration']}: {text}", step)
 
     def reconnect(self) -> None:
         """After the world re-formed: post this generation's receives; sends of the old one are gone with it."""

@@ -22,6 +22,7 @@ from popmesh.demo.learner import CartPoleLearner
 from popmesh.demo.outputs import new_run_dir, plot_returns, write_jsonl, write_summary
 from popmesh.demo.reporter import Reporter
 from popmesh.demo.view import PopulationView
+from popmesh.observe.board import Board
 from popmesh.observe.reports import Timer, print_report
 from popmesh.observe.timing import report_imbalance, report_timings
 from popmesh.population import AsyncSelectiveAveraging, AverageAll, DonorRule, ReplacementRule, SelectiveAveraging
@@ -66,6 +67,7 @@ def run(config: DemoConfig) -> dict[str, Any] | None:
         out = Path(popmesh.broadcast_object(str(new_run_dir(config.out_dir)) if world.is_main else None, src=0))
         start, resumed_from = _resume(world, config, learner, policy)
     checkpoints = Checkpointer(out / "checkpoints", config.checkpoint_every, group=world)
+    reporter.board = Board(out / "tb", group=world)  # one TensorBoard run per rank: tensorboard --logdir runs
     if view is not None:
         view.start()
     timer = Timer()
@@ -75,6 +77,7 @@ def run(config: DemoConfig) -> dict[str, Any] | None:
             policy.shutdown()
         reporter.finish()  # before the view's last frame, so it shows every rank's final numbers
     finally:
+        reporter.board.close()
         if view is not None:
             view.stop()
     summary = _finish(world, config, learner, reporter, timer, out, resumed_from, checkpoints)
@@ -150,7 +153,7 @@ def _iterate(world: Any, config: DemoConfig, learner: CartPoleLearner, policy: A
     row = {"rank": world.rank, "iteration": iteration, "steps": learner.total_steps,
            "mean_return": None if math.isnan(metric) else metric, "time": time.time(),
            "steps_per_s": (learner.total_steps - first_steps) / max(time.monotonic() - started, 1e-9),
-           "lr": learner.optimizer.param_groups[0]["lr"]}
+           "lr": learner.optimizer.param_groups[0]["lr"], "entropy": learner.hyper.entropy}
     reporter.record(row, event)
 
 
