@@ -47,3 +47,24 @@ def test_the_explore_step_perturbs_or_resamples_the_inherited_learning_rate_repr
     perturbed = [lr for lr in moved if abs(lr - 8e-4) < 1e-12 or abs(lr - 1.2e-3) < 1e-12]
     assert 0.6 * len(moved) <= len(perturbed) < len(moved)  # 0.8x or 1.2x, else (p = 0.25) resampled
     assert explore_lr(6e-3, seed=0, rank=0, iteration=0) <= LR_RANGE[1]  # clipped to the space
+
+
+def test_a_baseline_run_is_drawn_as_its_best_agent(tmp_path):
+    import json
+
+    import pytest
+
+    from popmesh import ConfigError
+    from popmesh.demo.config import DemoConfig
+    from popmesh.demo.outputs import best_curve, plot_returns, read_history
+
+    rows = [{"rank": 0, "steps": 512, "mean_return": 10.0}, {"rank": 1, "steps": 512, "mean_return": 30.0},
+            {"rank": 0, "steps": 1024, "mean_return": 50.0}, {"rank": 1, "steps": 1024, "mean_return": None},
+            {"rank": 1, "steps": 1536, "mean_return": 20.0}]
+    assert best_curve(rows) == ([512, 512, 1024, 1536], [10.0, 30.0, 50.0, 50.0])
+    (tmp_path / "history.jsonl").write_text("".join(json.dumps({**r, "time": 0.0}) + "\n" for r in rows))
+    assert read_history(tmp_path) == [{**r, "time": 0.0} for r in rows]
+    plot_returns(tmp_path / "returns.png", rows, [], 475.0, read_history(tmp_path), "none")
+    assert (tmp_path / "returns.png").read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(ConfigError, match="no history.jsonl"):
+        DemoConfig(baseline=str(tmp_path / "missing"))

@@ -33,6 +33,7 @@ def test_demo_writes_sane_files(tmp_path, policy):
     for event in events:
         assert event["rank"] in (0, 1) and event["donors"] and event["rank"] not in event["donors"]
         assert abs(sum(event["weights"]) - 1) < 1e-6
+        assert event["decided_at"] % 2 == 0 and event["decided_at"] <= event["iteration"]  # the cadence set (--every 2)
         lr, inherited = event["lr"], event["lr_inherited"]  # PBT's explore step moved it (unless at an edge)
         assert 1.999e-4 <= lr <= 6.001e-3 and (lr != inherited or min(abs(lr - 2e-4), abs(lr - 6e-3)) < 1e-9)
     # off a terminal the view prints each event as a line (and progress every 5 s) instead of a live table

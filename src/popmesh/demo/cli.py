@@ -32,6 +32,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop-at-target", action="store_true", help="stop as soon as one agent averages 475")
     p.add_argument("--no-live", action="store_true",
                    help="no live view (or, off a terminal, no progress lines): only the final summary")
+    p.add_argument("--baseline", default="", metavar="RUN",
+                   help="draw that earlier run's best agent beside this one in returns.png (e.g. a --policy none run)")
     p.add_argument("--no-explore", action="store_true",
                    help="a replaced agent keeps the learning rate it inherits (default: PBT's explore step "
                         "perturbs it by 0.8 or 1.2, or resamples it with probability 0.25)")
@@ -52,7 +54,7 @@ def run_command(ns: argparse.Namespace) -> int:
                         every=ns.every, strategy=ns.strategy, donors=ns.donors, warmup=ns.warmup, out_dir=ns.out,
                         live=not ns.no_live, stop_at_target=ns.stop_at_target,
                         checkpoint_every=ns.checkpoint_every, resume=ns.resume, max_restarts=ns.max_restarts,
-                        kill=ns.kill, explore=not ns.no_explore, terminal=sys.stdout.isatty())
+                        kill=ns.kill, explore=not ns.no_explore, terminal=sys.stdout.isatty(), baseline=ns.baseline)
     terminal = config.live and config.terminal and config.engine == "torch"
     result = launch("popmesh.demo.worker", ["--config", json.dumps(config.to_dict())], module=True,
                     nproc=config.ranks, engine=config.engine, quiet_others=True, rank0_terminal=terminal,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -41,6 +42,7 @@ class DemoConfig:
     kill: str = ""  # "RANK:ITERATION": that rank's first process SIGKILLs itself there (to watch survival)
     explore: bool = True  # PBT's explore step on a replaced agent's inherited learning rate
     terminal: bool = False  # the user's stdout is a terminal (under mpiexec rank 0's is a pipe to it)
+    baseline: str = ""  # an earlier run folder whose best agent returns.png draws beside this run
 
     def __post_init__(self) -> None:
         if self.ranks < 1:
@@ -63,6 +65,9 @@ class DemoConfig:
             raise ConfigError("--max-restarts needs --engine torch: an MPI world cannot take a restarted rank back")
         if self.kill:
             self.kill_at()
+        if self.baseline and not (Path(self.baseline) / "history.jsonl").is_file():
+            raise ConfigError(f"--baseline {self.baseline}: no history.jsonl there (give a run folder that popmesh "
+                              "demo wrote)")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -1,4 +1,5 @@
-"""The files a demo run leaves behind: returns.png, events.jsonl and summary.json under runs/<time>/."""
+"""The files a demo run leaves behind under runs/<time>/: returns.png, events.jsonl, history.jsonl and
+summary.json (TensorBoard's files go to tb/ through popmesh.observe.board)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["new_run_dir", "steps_to_target", "write_jsonl", "write_summary", "plot_returns"]
+from popmesh.core.errors import ConfigError
+
+__all__ = ["new_run_dir", "steps_to_target", "write_jsonl", "write_summary", "plot_returns", "read_history",
+           "best_curve"]
 
 
 def new_run_dir(root: str | Path) -> Path:
@@ -48,9 +52,30 @@ def write_summary(path: Path, summary: dict[str, Any]) -> None:
     path.write_text(json.dumps(summary, indent=2, default=float) + "\n")
 
 
+def read_history(run: str | Path) -> list[dict[str, Any]]:
+    """The rows of an earlier run's ``history.jsonl`` (``run``: its folder); ConfigError if it has none."""
+    path = Path(run) / "history.jsonl"
+    if not path.is_file():
+        raise ConfigError(f"--baseline {run}: no history.jsonl there (give a run folder that popmesh demo wrote)")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def best_curve(history: Sequence[dict[str, Any]]) -> tuple[list[int], list[float]]:
+    """The population's best mean return so far against env steps per rank, from every rank's rows."""
+    latest: dict[int, float] = {}
+    steps, best = [], []
+    for row in sorted(history, key=lambda r: r["steps"]):
+        if row["mean_return"] is not None:
+            latest[row["rank"]] = row["mean_return"]
+            steps.append(row["steps"])
+            best.append(max(latest.values()))
+    return steps, best
+
+
 def plot_returns(path: Path, history: Sequence[dict[str, Any]], events: Sequence[dict[str, Any]],
-                 target: float) -> None:
-    """Each rank's mean return over its env steps, with replacement events marked."""
+                 target: float, baseline: Sequence[dict[str, Any]] = (), baseline_label: str = "") -> None:
+    """Each rank's mean return over its env steps, with replacement events marked; with ``baseline``
+    (another run's history, e.g. ``--policy none``) that run's best agent as a dashed grey line."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -68,6 +93,8 @@ def plot_returns(path: Path, history: Sequence[dict[str, Any]], events: Sequence
             ax.axvline(event["steps"], color=line.get_color(), ls=":", lw=1.2)
             ax.annotate(f"rank {rank} lost, rejoined", (event["steps"], target), rotation=90, fontsize=7,
                         va="top", ha="right", color=line.get_color())
+    if baseline:
+        ax.plot(*best_curve(baseline), color="grey", ls="--", lw=1.6, label=f"best agent of {baseline_label}")
     ax.axhline(target, color="green", ls="--", lw=1, label=f"target {target:g}")
     ax.set_xlabel("environment steps (per rank)")
     ax.set_ylabel("mean return, last 20 episodes")

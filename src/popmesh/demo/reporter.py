@@ -137,6 +137,8 @@ class Reporter:
             if self.view is not None:
                 self.view.status[event["rank"]].replaced += 1
                 text = describe_event(event["rank"], event["donors"], event["weights"], event["strategy"])
+                if event.get("decided_at") is not None and event["decided_at"] != event["iteration"]:
+                    text += f" (decided at iteration {event['decided_at']}, applied at {event['iteration']})"
                 if event.get("lr_inherited") is not None and event.get("lr") != event["lr_inherited"]:
                     text += f", lr {event['lr_inherited']:.1e} → {event['lr']:.1e} (explored)"
                 self.view.add_event(text)

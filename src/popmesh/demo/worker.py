@@ -19,7 +19,7 @@ import popmesh
 from popmesh.core.errors import ConfigError, PeerClosed, PeerFailure, PopmeshError
 from popmesh.demo.config import DemoConfig, explore_lr, rank_hyper, rank_seed
 from popmesh.demo.learner import CartPoleLearner
-from popmesh.demo.outputs import new_run_dir, plot_returns, write_jsonl, write_summary
+from popmesh.demo.outputs import new_run_dir, plot_returns, read_history, write_jsonl, write_summary
 from popmesh.demo.reporter import Reporter
 from popmesh.demo.view import PopulationView
 from popmesh.observe.board import Board
@@ -148,7 +148,7 @@ def _iterate(world: Any, config: DemoConfig, learner: CartPoleLearner, policy: A
             inherited = learner.learning_rate()
             if config.explore:
                 learner.set_learning_rate(explore_lr(inherited, config.seed, world.rank, iteration))
-            event = {**_event(world.rank, learner, info, metric), "lr_inherited": inherited,
+            event = {**_event(world.rank, learner, info, metric, config.warmup), "lr_inherited": inherited,
                      "lr": learner.learning_rate()}
     row = {"rank": world.rank, "iteration": iteration, "steps": learner.total_steps,
            "mean_return": None if math.isnan(metric) else metric, "time": time.time(),
@@ -206,8 +206,13 @@ def _seed(world: Any, config: DemoConfig, learner: CartPoleLearner, reporter: Re
     return iteration, out
 
 
-def _event(rank: int, learner: CartPoleLearner, info: Any, metric: float) -> dict[str, Any]:
-    return {"time": time.time(), "rank": rank, "iteration": info.iteration, "steps": learner.total_steps,
+def _event(rank: int, learner: CartPoleLearner, info: Any, metric: float, warmup: int) -> dict[str, Any]:
+    """A replacement as events.jsonl keeps it, in the demo's iterations: ``decided_at`` is the iteration
+    whose metrics decided it (warm-up plus a multiple of --every), ``iteration`` the one at which this
+    rank applied it (later for the asynchronous policy: the decision travels while the agents train)."""
+    decided = info.iteration if info.decision_iteration is None else info.decision_iteration
+    return {"time": time.time(), "rank": rank, "iteration": info.iteration + warmup, "decided_at": decided + warmup,
+            "steps": learner.total_steps,
             "donors": list(info.donors), "weights": list(info.weights), "strategy": info.strategy or "mean",
             "metric_before": None if math.isnan(metric) else metric, "optimizer": info.optimizer,
             "summary": info.summary}
@@ -234,7 +239,9 @@ def _finish(world: Any, config: DemoConfig, learner: CartPoleLearner, reporter: 
     write_jsonl(out / "events.jsonl", reporter.events)
     write_jsonl(out / "history.jsonl", reporter.history)
     write_summary(out / "summary.json", summary)
-    plot_returns(out / "returns.png", reporter.history, reporter.events, config.target)
+    baseline = read_history(config.baseline) if config.baseline else []
+    plot_returns(out / "returns.png", reporter.history, reporter.events, config.target, baseline,
+                 f"{Path(config.baseline).name} (--baseline)")
     _print_summary(summary, times, imbalance, out)
     return summary
 
