@@ -11,7 +11,8 @@ For each seed, three runs of `popmesh demo` (4 ranks, CartPole, async policy, --
   so the launcher tears the world down; then `popmesh demo --resume` starts every rank again from the
   newest complete checkpoint (the iterations since it are lost and trained again).
 
-It prints per run the env steps per agent to the target (the best agent's last-20 mean return >= 475),
+It prints per run the env steps per agent to the target (the best agent's last-20 mean return >= 475;
+for the whole restart also counting the iterations between the checkpoint and the kill, trained twice),
 the wall time (both processes for the whole restart), and for survive the downtime (kill to rejoin)
 and whether every survivor's iterations ran on (none repeated); then medians.
 
@@ -30,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+STEPS_PER_ITERATION = 512  # the demo's rollout (128) times its environments per agent (4)
 
 
 def demo(out: Path, seed: int, steps: int, *extra: str, check: bool = True) -> tuple[dict[str, Any] | None, float]:
@@ -80,10 +83,14 @@ def one_seed(seed: int, steps: int, every: int) -> dict[str, Any]:
         first = next((root / "whole").iterdir())
         resumed, resume_s = demo(root / "whole", seed, steps, "--checkpoint-every", str(every), "--resume", str(first))
         assert resumed is not None
+    resumed_at = int(str(resumed.get("resumed_from")).rsplit("-", 1)[-1])
+    redone = (kill_at - resumed_at) * STEPS_PER_ITERATION  # per agent: trained before the kill, lost, trained again
+    whole = steps_to_target(resumed)
     return {"seed": seed, "kill": kill, "calm_steps": steps_to_target(calm), "calm_s": round(calm_s, 1),
             "survive_steps": steps_to_target(survived), "survive_s": round(survive_s, 1),
             "downtime_s": rejoin.get("downtime_s"), "survivors_ran_on": ran_on,
-            "whole_steps": steps_to_target(resumed), "whole_s": round(died_s + resume_s, 1),
+            "whole_steps": whole, "whole_redone_steps": redone, "whole_computed_steps": whole and whole + redone,
+            "whole_s": round(died_s + resume_s, 1),
             "resumed_from": resumed.get("resumed_from")}
 
 
@@ -106,9 +113,11 @@ def main() -> None:
     print("\n| run | median steps to 475 | vs undisturbed | median wall s | per seed (steps) |")
     print("|---|---|---|---|---|")
     calm = statistics.median(r["calm_steps"] for r in rows if r["calm_steps"])
-    for name, key in (("undisturbed", "calm"), ("survive (--max-restarts 1)", "survive"),
-                      (f"whole restart from checkpoint (every {ns.checkpoint_every})", "whole")):
-        values = [r[f"{key}_steps"] for r in rows]
+    runs = (("undisturbed", "calm", "calm_steps"), ("survive (--max-restarts 1)", "survive", "survive_steps"),
+            (f"whole restart from checkpoint (every {ns.checkpoint_every})", "whole", "whole_steps"),
+            ("  the same, counting the iterations trained twice", "whole", "whole_computed_steps"))
+    for name, key, field in runs:
+        values = [r[field] for r in rows]
         known = [v for v in values if v]
         ratio = f"{statistics.median(known) / calm:.2f}x" if known else "—"
         per_seed = ", ".join("—" if v is None else f"{v:,}" for v in values)
