@@ -66,5 +66,5 @@ def test_a_baseline_run_is_drawn_as_its_best_agent(tmp_path):
     assert read_history(tmp_path) == [{**r, "time": 0.0} for r in rows]
     plot_returns(tmp_path / "returns.png", rows, [], 475.0, read_history(tmp_path), "none")
     assert (tmp_path / "returns.png").read_bytes()[:4] == b"\x89PNG"
-    with pytest.raises(ConfigError, match="no history.jsonl"):
+    with pytest.raises(ConfigError, match=r"no history\.jsonl"):
         DemoConfig(baseline=str(tmp_path / "missing"))

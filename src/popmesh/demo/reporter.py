@@ -19,6 +19,7 @@ from typing import Any
 from popmesh.comm import messages
 from popmesh.comm.collectives import broadcast_object
 from popmesh.comm.world import World
+from popmesh.core.errors import PeerFailure, PopmeshError
 from popmesh.demo.view import PopulationView, describe_event
 from popmesh.observe.board import Board
 
@@ -72,6 +73,16 @@ class Reporter:
             text = describe_event(event["rank"], event["donors"], event["weights"], event["strategy"])
             self.board.text("population/replacements", f"iteration {event['iteration']}: {text}", step)
 
+    def flush(self, timeout: float = 5.0) -> None:
+        """Before this rank leaves a generation: wait until rank 0 has its rows (they would be lost with
+        the generation otherwise); a lost rank 0 takes them with it."""
+        for handle in self._sends:
+            try:
+                handle.wait(timeout)
+            except PopmeshError:
+                break
+        self._sends.clear()
+
     def reconnect(self) -> None:
         """After the world re-formed: post this generation's receives; sends of the old one are gone with it."""
         self._sends.clear()
@@ -95,7 +106,14 @@ class Reporter:
             return self._agreed
         if self.world.is_main:
             return self._stop_sent
-        return self._stop is not None and self._stop.done()
+        try:
+            if self._stop is None or not self._stop.done():
+                return False
+            self._stop.wait(1.0)
+        except PeerFailure:  # rank 0 was lost: no stop until the world re-forms (reconnect() posts it again)
+            self._stop = None
+            return False
+        return True
 
     def agree_at_checkpoint(self) -> None:
         """Every rank, right after a checkpoint: stop here if rank 0 has seen the target reached."""
@@ -104,8 +122,14 @@ class Reporter:
 
     def drain(self) -> None:
         """Rank 0: take in every message that has arrived, without blocking."""
-        while self._stats is not None and self._stats.done():
-            src, message = self._stats.wait()
+        while self._stats is not None:
+            try:
+                if not self._stats.done():
+                    return
+                src, message = self._stats.wait()
+            except PeerFailure:  # every other rank is lost or re-forming: nothing can come until reconnect()
+                self._stats = None
+                return
             self._stats = messages.irecv(None, STATS_TAG)
             if message.get("done"):
                 self._done.add(src)

@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 import popmesh
 from popmesh.core.errors import ConfigError, PeerClosed, PeerFailure, PopmeshError
 from popmesh.demo.config import DemoConfig, explore_lr, rank_hyper, rank_seed
@@ -61,12 +63,14 @@ def run(config: DemoConfig) -> dict[str, Any] | None:
                           plain=config.live and not live) if world.is_main else None
     reporter = Reporter(world, view, config.target, config.stop_at_target, at_checkpoints=config.checkpoint_every > 0)
     if world.newcomers:  # this process was restarted for a lost rank: the population seeds it
-        start, out = _seed(world, config, learner, reporter, 0, None, None)
+        start, out, through = _seed(world, config, learner, reporter, 0, None, None)
         resumed_from = None
     else:
         out = Path(popmesh.broadcast_object(str(new_run_dir(config.out_dir)) if world.is_main else None, src=0))
         start, resumed_from = _resume(world, config, learner, policy)
+        through = 0
     checkpoints = Checkpointer(out / "checkpoints", config.checkpoint_every, group=world)
+    checkpoints.skip_through(through)
     reporter.board = Board(out / "tb", group=world)  # one TensorBoard run per rank: tensorboard --logdir runs
     if view is not None:
         view.start()
@@ -106,9 +110,14 @@ def _resume(world: Any, config: DemoConfig, learner: CartPoleLearner, policy: An
 
 
 def _train(world: Any, config: DemoConfig, learner: CartPoleLearner, policy: Any, reporter: Reporter,
-           timer: Timer, out: Path, start: int = 0, checkpoints: Checkpointer | None = None) -> Any:
-    """The training loop; returns the policy in use at the end (a new one after the world re-formed)."""
+           timer: Timer, out: Path, start: int, checkpoints: Checkpointer) -> Any:
+    """The training loop; returns the policy in use at the end (a new one after the world re-formed).
+
+    The iteration count follows the env steps (``steps // per_iteration``, as every checkpoint and
+    hand-over keeps them): an iteration whose training was done counts even when its population
+    step failed on a lost rank, so every rank meets every checkpoint at the same count."""
     iteration, started, first_steps = start, time.monotonic(), learner.total_steps
+    per_iteration = learner.hyper.rollout * learner.hyper.num_envs
     kill = config.kill_at()
     while learner.total_steps < config.steps and not reporter.should_stop():
         if kill == (world.rank, iteration) and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
@@ -118,8 +127,8 @@ def _train(world: Any, config: DemoConfig, learner: CartPoleLearner, policy: Any
             if lost is not None:
                 raise lost
             _iterate(world, config, learner, policy, reporter, timer, iteration, started, first_steps)
-            iteration += 1
-            if checkpoints is not None and checkpoints.due(iteration):
+            iteration = learner.total_steps // per_iteration
+            if checkpoints.due(iteration):
                 with timer.section("checkpoint"):
                     state = policy.state_dict() if hasattr(policy, "state_dict") else {}
                     checkpoints.save(iteration, learner.checkpoint(iteration, {"policy": state}))
@@ -127,9 +136,18 @@ def _train(world: Any, config: DemoConfig, learner: CartPoleLearner, policy: Any
         except PeerFailure as e:
             if not config.max_restarts or isinstance(e, PeerClosed):
                 raise
+            iteration = learner.total_steps // per_iteration
             with timer.section("re-forming"):
-                policy = _survive(world, config, learner, policy, reporter, iteration, out)
-    return policy
+                policy = _survive(world, config, learner, policy, reporter, iteration, out, checkpoints)
+    while True:  # the run ends whole: every rank, a restarted one too, meets here in one generation
+        try:
+            popmesh.barrier(group=world)
+            return policy
+        except PeerFailure as e:  # a loss this rank had not seen before its last iteration
+            if not config.max_restarts or isinstance(e, PeerClosed):
+                raise
+            with timer.section("re-forming"):
+                policy = _survive(world, config, learner, policy, reporter, iteration, out, checkpoints)
 
 
 def _iterate(world: Any, config: DemoConfig, learner: CartPoleLearner, policy: Any, reporter: Reporter,
@@ -158,7 +176,7 @@ def _iterate(world: Any, config: DemoConfig, learner: CartPoleLearner, policy: A
 
 
 def _survive(world: Any, config: DemoConfig, learner: CartPoleLearner, policy: Any, reporter: Reporter,
-             iteration: int, out: Path) -> Any:
+             iteration: int, out: Path, checkpoints: Checkpointer) -> Any:
     """A rank was lost: re-form the world with its restarted process, rebuild what lived on the old one
     (the policy, keeping its state; the reporter's receives), and seed the newcomer from the population.
     This rank keeps its agent and its iteration; the new policy in use is returned."""
@@ -169,20 +187,23 @@ def _survive(world: Any, config: DemoConfig, learner: CartPoleLearner, policy: A
             policy.shutdown(timeout=5.0)  # its thread already stopped on the loss; this surfaces why
         except PopmeshError:
             pass
+    reporter.flush()
     world.reform()
     policy = make_policy(config, learner)
     if state and policy is not None and hasattr(policy, "load_state_dict"):
         policy.load_state_dict(state)
     reporter.reconnect()
-    _seed(world, config, learner, reporter, iteration, lost_at, out)
+    checkpoints.skip_through(_seed(world, config, learner, reporter, iteration, lost_at, out)[2])
     return policy
 
 
 def _seed(world: Any, config: DemoConfig, learner: CartPoleLearner, reporter: Reporter, iteration: int,
-          lost_at: float | None, out: Path | None) -> tuple[int, Path]:
+          lost_at: float | None, out: Path | None) -> tuple[int, Path, int]:
     """Every rank, right after the world (re-)formed with newcomers: they take the mean of the best agents
     (PBT's exploit), the best one's counters and the run's folder; rank 0 records the loss and the
-    rejoin. The iteration this rank goes on from (a newcomer's is its best donor's), and the folder."""
+    rejoin. The iteration this rank goes on from (a newcomer's is its best donor's), the folder, and the
+    highest iteration of any rank: ranks noticed the loss at different iterations, so no checkpoint
+    up to it (Checkpointer.skip_through), or ranks would meet in different ones."""
     seeding = seed_newcomers(learner.model, learner.optimizer, learner.mean_return(),
                              {"iteration": iteration, "steps": learner.total_steps}, donors=config.donors)
     if seeding is None:
@@ -203,7 +224,8 @@ def _seed(world: Any, config: DemoConfig, learner: CartPoleLearner, reporter: Re
                                "steps": int(seeding.counters["steps"]), "donors": list(seeding.donors),
                                "weights": list(seeding.weights), "generation": world.generation,
                                "downtime_s": round(now - (lost_at or now), 3)})
-    return iteration, out
+    through = int(popmesh.all_reduce(np.array([iteration]), "max")[0])
+    return iteration, out, through
 
 
 def _event(rank: int, learner: CartPoleLearner, info: Any, metric: float, warmup: int) -> dict[str, Any]:

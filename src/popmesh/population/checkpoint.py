@@ -90,10 +90,18 @@ class Checkpointer:
         self.seconds_spent = 0.0  # time in save(), on this rank
         self.saved = 0
         self._complete: set[Path] = set()  # checkpoints known complete (written here, or checked once)
+        self._skip_through = 0
 
     def due(self, iteration: int) -> bool:
-        """Whether :meth:`save` should run at ``iteration`` (every ``every``-th, not the first)."""
-        return self.every > 0 and iteration > 0 and iteration % self.every == 0
+        """Whether :meth:`save` should run at ``iteration`` (every ``every``-th, not the first, and
+        past :meth:`skip_through`)."""
+        return self.every > 0 and iteration > max(0, self._skip_through) and iteration % self.every == 0
+
+    def skip_through(self, iteration: int) -> None:
+        """No checkpoint at or before ``iteration``. After a world re-formed, ranks stand at different
+        iterations (some passed a checkpoint while a rank was lost, when none can be written): give
+        the highest of them on every rank, so the next checkpoint is one every rank reaches."""
+        self._skip_through = max(self._skip_through, int(iteration))
 
     def save(self, iteration: int, agent: AgentState, *, policy_state: Any = None,
              timeout: float | None = None) -> Path:
