@@ -41,22 +41,30 @@ def raw_call(engine: str, buf):
 
 
 def unguarded_call(buf):
-    """``popmesh.all_reduce_(buf)`` as it ran before the check (its one-array path, minus the check)."""
+    """``popmesh.all_reduce_(buf)`` as it ran before the check: the same functions, one inside the other,
+    as popmesh's one-array path had them, minus the check."""
     from popmesh.comm.collectives import _reduce_array, _setup
     from popmesh.comm.reduction import lowering_of
     from popmesh.core.arrays import is_torch
     from popmesh.core.ops import ReduceOp
 
-    def call(x=buf, op="sum"):
-        reduce_op = op if type(op) is ReduceOp else ReduceOp.parse(op)
-        comm, seconds = _setup(None, None, "all_reduce")
-        if isinstance(x, np.ndarray) or is_torch(x):
-            lowering = lowering_of(x, reduce_op)
-            if comm.size == 1 or comm.check:
-                raise AssertionError("benchmarked in a world of two or more, without check mode")
-            return _reduce_array(x, reduce_op, lowering, comm, seconds, True)
+    def all_reduce_(x, op="sum", *, group=None, timeout=None):
+        return _all_reduce(x, op, group, timeout, in_place=True)
 
-    return call
+    def _all_reduce(x, op, group, timeout, *, in_place):
+        reduce_op = op if type(op) is ReduceOp else ReduceOp.parse(op)
+        comm, seconds = _setup(group, timeout, "all_reduce")
+        if isinstance(x, np.ndarray) or is_torch(x):
+            return _all_reduce_array(x, reduce_op, comm, seconds, in_place)
+        raise AssertionError("benchmarked with one array")
+
+    def _all_reduce_array(x, op, comm, seconds, in_place):
+        lowering = lowering_of(x, op)
+        if comm.size == 1 or comm.check:
+            raise AssertionError("benchmarked in a world of two or more, without check mode")
+        return _reduce_array(x, op, lowering, comm, seconds, in_place)
+
+    return lambda: all_reduce_(buf)
 
 
 def worker() -> None:

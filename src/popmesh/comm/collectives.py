@@ -18,7 +18,7 @@ import numpy as np
 
 from popmesh.comm.agreement import agree, describe_leaves, exchange_all_shapes, exchange_shapes
 from popmesh.comm.fusion import apply_fused, fresh_copy, fuse_groups, is_contiguous, write_back
-from popmesh.comm.guard import Body, carried_hit, checked, settle
+from popmesh.comm.guard import Body, checked, settle
 from popmesh.comm.reduction import engine_view, finish_, lowering_of
 from popmesh.comm.world import Comm, resolve_group
 from popmesh.core.arrays import flatten, is_torch, restore_scalar, to_array, unflatten
@@ -130,17 +130,22 @@ def _all_reduce_array(x: Any, op: ReduceOp, comm: Comm, seconds: float, in_place
     if comm.check:
         agree(comm, describe_one(op, x), "all_reduce", seconds)
         return _reduce_array(x, op, lowering, comm, seconds, in_place)
-    key = ("all_reduce", op, x.dtype, x.shape)
-    carried = carried_hit(comm.history, key)
-    if carried is not None:  # the group's predicted call, whose payload carries its check
-        return settle(comm, carried, _reduce_array(x, op, lowering, comm, seconds, in_place), seconds, "all_reduce",
-                      in_place)
+    carried = comm.history.carried  # the group's predicted call where its payload carries its check
+    if carried is not None:  # is it this call? This function's key, compared field by field (cheaper than
+        known = carried.key  # building one: small calls' latency lives here)
+        if x.shape == known[3] and x.dtype is known[2] and op is known[1] and known[0] is _ONE:
+            return settle(comm, carried, _reduce_array(x, op, lowering, comm, seconds, in_place), seconds,
+                          "all_reduce", in_place)
+    key = (_ONE, op, x.dtype, x.shape)
 
     def body(bufs: list[Any], t: float) -> Any:
         return _reduce_array(bufs[0], op, lowering, comm, t, in_place)
 
     return checked(comm, key, lambda: describe_one(op, x), [x], body, seconds, "all_reduce",
                    carry=lowering, writes_input=in_place)
+
+
+_ONE = "all_reduce of one array"  # the key of a one-array all_reduce: (_ONE, op, dtype, shape)
 
 
 def describe_one(op: ReduceOp, x: Any, what: str = "all_reduce") -> str:

@@ -41,6 +41,7 @@ __all__ = ["checked", "carried_hit", "settle", "start_checked", "signature_of", 
 Body = Callable[[list[Any], float], Any]  # issues the payload and waits for it; returns the result
 StartBody = Callable[[list[Any]], Pending]  # issues the payload and returns at once
 
+_isfinite = math.isfinite
 MISMATCH_TAG = internal_tag(128)  # each rank's description of a mismatched call
 _SIGNATURES: dict[Any, tuple[int, str]] = {}  # a call's key -> (signature, description)
 _CACHE_LIMIT = 1 << 16
@@ -59,20 +60,24 @@ def signature_of(key: Any, describe: Callable[[], str]) -> tuple[int, str]:
 
 def carried_hit(history: History, key: Any) -> Form | None:
     """The group's predicted call where it carries its check and this call (``key``) is it: then the
-    caller issues its payload alone and hands the result to :func:`settle`. None: use :func:`checked`."""
+    caller issues its payload alone and hands the result to :func:`settle`. None: use :func:`checked`.
+    (A caller that knows its key's layout may compare ``history.carried.key`` itself, as the one-array
+    all_reduce does: building the key costs a small call's latency.)"""
     carried = history.carried
-    if carried is not None and key == carried.key:
-        history.issued += 1
-        return carried
-    return None
+    return carried if carried is not None and key == carried.key else None
 
 
 def settle(comm: Any, form: Form, result: Any, timeout: float, what: str, writes_input: bool) -> Any:
     """``result`` of a :func:`carried_hit`'s payload, once known to match: at once unless element 0
     is flagged, else after a guard round (CollectiveMismatch if another rank's call differed)."""
-    assert form.flagged is not None
     history: History = comm.history
-    if not form.flagged(result):
+    history.issued += 1
+    if form.finite_item:
+        flagged = not _isfinite(result.item(0))
+    else:
+        assert form.flagged is not None
+        flagged = form.flagged(result)
+    if not flagged:
         if history.last != form.signature:
             advance(history, form.signature)
         return result
@@ -273,7 +278,10 @@ def _form_of(arrays: list[Any], run: Body, carry: Lowering | None, sig: int, key
         for a in arrays
     )
     sentinel = None if carry is None else sentinel_for(dtype_name(arrays[0]), carry, math.prod(leaves[0][2]))
-    return Form(run, leaves, sentinel, sig, key, text, None if sentinel is None else _flagged(sentinel, arrays[0]))
+    if sentinel is None:
+        return Form(run, leaves, None, sig, key, text)
+    finite_item = type(arrays[0]) is np.ndarray and sentinel.nonfinite
+    return Form(run, leaves, sentinel, sig, key, text, _flagged(sentinel, arrays[0]), finite_item)
 
 
 def _flagged(sentinel: Sentinel, like: Any) -> Callable[[Any], bool]:

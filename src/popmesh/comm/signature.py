@@ -110,6 +110,7 @@ class Form:
     key: Any = None  # the cache key of the call that recorded it: a call with this key is this form
     text: str = ""  # the call's description
     flagged: Callable[[Any], bool] | None = None  # whether a result of this form may carry the sentinel
+    finite_item: bool = False  # flagged is ``not isfinite(result.item(0))`` (numpy floats: written out inline)
 
 
 @dataclass
