@@ -203,16 +203,20 @@ def _reduce_scatter_leaf(a: Any, op: ReduceOp, comm: Comm, timeout: float) -> An
 def all_gather(x: Any, *, concat: bool = False, group: Comm | None = None, timeout: float | None = None) -> Any:
     """Every rank's value, stacked along a new leading axis (``concat=True``: joined along dim 0).
 
-    All ranks must pass the same shapes; a mismatch raises CollectiveMismatch on every rank (shapes
-    are compared first, so nothing is ever silently truncated). For different leading sizes use
-    :func:`all_gather_ragged`.
+    All ranks must pass the same shapes; a mismatch raises CollectiveMismatch on every rank (the call
+    is checked like a reduction's first, so nothing is ever silently truncated). For different leading
+    sizes use :func:`all_gather_ragged`.
     """
     comm, seconds = _setup(group, timeout, "all_gather")
     leaves, arrays, tree = _leaves(x, "all_gather")
-    _check(comm, "all_gather", tree, arrays, seconds)
-    _agree_on_shapes(comm, arrays, concat, "all_gather", seconds)
-    results = [_gather_leaf(a, comm, seconds, concat, root=None) for a in arrays]
-    return _rebuild_gathered(tree, leaves, results)
+    _check_concat(arrays, concat)
+    if comm.size == 1:
+        return _rebuild_gathered(tree, leaves, [_gather_leaf(a, comm, seconds, concat, None) for a in arrays])
+
+    def body(bufs: list[Any], t: float) -> list[Any]:
+        return [_gather_leaf(a, comm, t, concat, root=None) for a in bufs]
+
+    return _rebuild_gathered(tree, leaves, _run_checked(comm, "all_gather", "", tree, arrays, body, seconds))
 
 
 def gather(x: Any, dst: int = 0, *, concat: bool = False, group: Comm | None = None,
@@ -221,18 +225,20 @@ def gather(x: Any, dst: int = 0, *, concat: bool = False, group: Comm | None = N
     comm, seconds = _setup(group, timeout, "gather")
     root = comm.to_group_rank(dst)
     leaves, arrays, tree = _leaves(x, "gather")
-    _check(comm, "gather", tree, arrays, seconds, f"dst={dst}")
-    _agree_on_shapes(comm, arrays, concat, "gather", seconds)
-    results = [_gather_leaf(a, comm, seconds, concat, root=root) for a in arrays]
+    _check_concat(arrays, concat)
+    if comm.size == 1:
+        return _rebuild_gathered(tree, leaves, [_gather_leaf(a, comm, seconds, concat, root) for a in arrays])
+
+    def body(bufs: list[Any], t: float) -> list[Any]:
+        return [_gather_leaf(a, comm, t, concat, root=root) for a in bufs]
+
+    results = _run_checked(comm, "gather", f"dst={dst}", tree, arrays, body, seconds)
     return _rebuild_gathered(tree, leaves, results) if comm.rank == dst else None
 
 
-def _agree_on_shapes(comm: Comm, arrays: list[Any], concat: bool, what: str, timeout: float) -> None:
-    """Equal shapes on every rank, checked for all leaves in one small collective."""
+def _check_concat(arrays: list[Any], concat: bool) -> None:
     if concat and any(a.ndim == 0 for a in arrays):
         raise ConfigError("concat=True needs arrays with a leading dimension; use the stacked form for scalars")
-    if comm.size > 1:
-        exchange_all_shapes(comm, arrays, what, timeout, same_leading=True)
 
 
 def _gather_leaf(a: Any, comm: Comm, timeout: float, concat: bool, root: int | None) -> Any:

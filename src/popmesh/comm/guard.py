@@ -10,6 +10,7 @@ payloads of different forms.
 
 from __future__ import annotations
 
+import ctypes
 import math
 from collections.abc import Callable
 from typing import Any
@@ -42,6 +43,7 @@ Body = Callable[[list[Any], float], Any]  # issues the payload and waits for it;
 StartBody = Callable[[list[Any]], Pending]  # issues the payload and returns at once
 
 _isfinite = math.isfinite
+_READERS = {"float32": ctypes.c_float, "float64": ctypes.c_double}  # element 0 of a CPU tensor, read in place
 MISMATCH_TAG = internal_tag(128)  # each rank's description of a mismatched call
 _SIGNATURES: dict[Any, tuple[int, str]] = {}  # a call's key -> (signature, description)
 _CACHE_LIMIT = 1 << 16
@@ -72,8 +74,10 @@ def settle(comm: Any, form: Form, result: Any, timeout: float, what: str, writes
     is flagged, else after a guard round (CollectiveMismatch if another rank's call differed)."""
     history: History = comm.history
     history.issued += 1
-    if form.finite_item:
+    if form.finite_item and type(result) is np.ndarray:
         flagged = not _isfinite(result.item(0))
+    elif form.reader is not None and type(result) is not np.ndarray and result.is_cpu:
+        flagged = not _isfinite(form.reader.from_address(result.data_ptr()).value)
     else:
         assert form.flagged is not None
         flagged = form.flagged(result)
@@ -280,15 +284,13 @@ def _form_of(arrays: list[Any], run: Body, carry: Lowering | None, sig: int, key
     sentinel = None if carry is None else sentinel_for(dtype_name(arrays[0]), carry, math.prod(leaves[0][2]))
     if sentinel is None:
         return Form(run, leaves, None, sig, key, text)
-    finite_item = type(arrays[0]) is np.ndarray and sentinel.nonfinite
-    return Form(run, leaves, sentinel, sig, key, text, _flagged(sentinel, arrays[0]), finite_item)
+    reader = _READERS.get(dtype_name(arrays[0])) if sentinel.nonfinite else None
+    return Form(run, leaves, sentinel, sig, key, text, _flagged(sentinel), sentinel.nonfinite, reader)
 
 
-def _flagged(sentinel: Sentinel, like: Any) -> Callable[[Any], bool]:
-    """The test of a result like ``like`` for ``sentinel`` (a numpy float's is the common case, inline)."""
-    if type(like) is np.ndarray and sentinel.nonfinite:
-        isfinite = math.isfinite
-        return lambda result: not isfinite(result.item(0))
+def _flagged(sentinel: Sentinel) -> Callable[[Any], bool]:
+    """The test of a result for ``sentinel`` (numpy or torch alike: a call with the same signature
+    may pass the other kind of array)."""
     return lambda result: sentinel.flags(first_element(result, sentinel.as_bytes))
 
 

@@ -62,18 +62,22 @@ def first_element(buf: Any, as_bytes: bool = False) -> float | int:
     CPU tensor's is read in place (``.item()`` costs 2-4 us, a few times the whole check)."""
     if type(buf) is np.ndarray:
         return int(buf.view(np.uint8).item(0)) if as_bytes else buf.item(0)
-    import torch
-
-    if as_bytes:
-        buf = buf.view(torch.uint8)
     if not _TORCH_CTYPES:
-        _TORCH_CTYPES.update({torch.float32: ctypes.c_float, torch.float64: ctypes.c_double,
-                              torch.int8: ctypes.c_int8, torch.int16: ctypes.c_int16, torch.int32: ctypes.c_int32,
-                              torch.int64: ctypes.c_int64, torch.uint8: ctypes.c_uint8})
+        _torch_readers()
+    if as_bytes:
+        buf = buf.view(_TORCH_CTYPES["uint8"])
     reader = _TORCH_CTYPES.get(buf.dtype) if buf.is_cpu else None
     if reader is not None:
         return reader.from_address(buf.data_ptr()).value
     return buf.reshape(-1)[0].item()
+
+
+def _torch_readers() -> None:
+    import torch
+
+    _TORCH_CTYPES.update({torch.float32: ctypes.c_float, torch.float64: ctypes.c_double,
+                          torch.int8: ctypes.c_int8, torch.int16: ctypes.c_int16, torch.int32: ctypes.c_int32,
+                          torch.int64: ctypes.c_int64, torch.uint8: ctypes.c_uint8, "uint8": torch.uint8})
 
 
 def set_first_(buf: Any, value: float | int, as_bytes: bool = False) -> None:

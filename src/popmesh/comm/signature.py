@@ -110,7 +110,8 @@ class Form:
     key: Any = None  # the cache key of the call that recorded it: a call with this key is this form
     text: str = ""  # the call's description
     flagged: Callable[[Any], bool] | None = None  # whether a result of this form may carry the sentinel
-    finite_item: bool = False  # flagged is ``not isfinite(result.item(0))`` (numpy floats: written out inline)
+    finite_item: bool = False  # for a numpy result, flagged is ``not isfinite(result.item(0))`` (written inline)
+    reader: Any = None  # the ctypes type of one element, to read a CPU tensor's element 0 in place (inline too)
 
 
 @dataclass

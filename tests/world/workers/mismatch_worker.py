@@ -218,6 +218,10 @@ def carried_results_are_exact(w):
                 x = np.full(size, r + 1, dtype=np.int32)
                 assert popmesh.all_reduce_(x, op) is x and np.all(x == want), (size, op, step)
             assert carried(w), (size, op)
+        for step in range(4):  # numpy and torch arrays of one dtype and shape make the same call
+            x = np.full(size, r + 1.0, dtype=np.float32) if step % 2 == r % 2 else torch.full((size,), r + 1.0)
+            out = popmesh.all_reduce(x, "max")
+            assert type(out) is type(x) and out.dtype == x.dtype and float(out.max()) == n == float(out.min())
         for step in range(4):
             anyone = popmesh.all_reduce(torch.full((size,), odd(w)), "max")  # booleans reduce their bytes
             assert anyone.dtype == torch.bool and torch.all(anyone), (size, step)
@@ -315,4 +319,29 @@ def asynchronous_against_a_carried_prediction(w):
     x = torch.full((8,), r + 1.0)
     call = (lambda: popmesh.all_reduce_async(x).wait()) if odd(w) else (lambda: popmesh.all_reduce(x))
     expect_mismatch(call, "all_reduce(sum)", "all_reduce_async(sum)", ranks=range(n))
+    still_works(w)
+
+
+@check
+def gathers_are_checked_like_reductions(w):
+    """all_gather and gather go through the same check: against a reduction on another rank (gloo
+    used to abort: the gathers' first message had another size), a predicted one included, and
+    against another shape or root."""
+    need_ranks(w, 2)
+    n, r = w.size, w.rank
+    x = np.full(4, r + 1.0, dtype=np.float32)
+    call = (lambda: popmesh.all_gather(x)) if odd(w) else (lambda: popmesh.all_reduce(x))
+    expect_mismatch(call, "all_gather()", "all_reduce(sum)", ranks=range(n))
+    warm(lambda: popmesh.all_reduce(x))
+    assert carried(w)
+    expect_mismatch(call, "all_gather()", "all_reduce(sum)", ranks=range(n))
+    for _ in range(3):
+        out = popmesh.all_gather(x)
+        assert out.shape == (n, 4) and out[:, 0].tolist() == [i + 1.0 for i in range(n)]
+    y = np.ones(5 if odd(w) else 4, dtype=np.float32)
+    expect_mismatch(lambda: popmesh.all_gather(y), "float32[4]", "float32[5]", ranks=range(n))
+    expect_mismatch(lambda: popmesh.gather(x, dst=1 if odd(w) else 0), "gather(dst=0)", "gather(dst=1)",
+                    ranks=range(n))
+    out = popmesh.gather(x, dst=n - 1)
+    assert (out is None) == (r != n - 1) and (out is None or out[:, 0].tolist() == [i + 1.0 for i in range(n)])
     still_works(w)
