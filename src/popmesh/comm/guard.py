@@ -1,11 +1,15 @@
-"""The always-on check of sized collectives: a one-word guard all-reduce beside (or before) the payload.
+"""The always-on check of sized collectives: carried in the payload, or a one-word guard all-reduce.
 
-See :mod:`popmesh.comm.signature` for why it is sound. A call whose signature is the group's
-prediction runs its guard beside its payload where the engine overlaps collectives (and always for
-asynchronous calls, whose point is to return at once); any other call waits for its guard first.
-A mismatch raises :class:`CollectiveMismatch` on every rank, listing each rank's call (exchanged as
-point-to-point messages, which need no agreement on what comes next), and no engine ever pairs
-payloads of different forms.
+See :mod:`popmesh.comm.signature` for why it is sound. A call that is the group's prediction, where
+the predicted call's payload can carry a sentinel (a blocking all_reduce of one array), runs its
+payload alone and settles it by reading element 0 of the result (:func:`carried_hit`,
+:func:`settle`); a rank whose call is not the prediction issues the predicted payload with the
+sentinel, and a flagged result costs one guard round. Every other call has a guard, beside its
+payload when it is the prediction and the engine overlaps collectives (always for asynchronous calls,
+whose point is to return at once), before it otherwise. A mismatch raises
+:class:`CollectiveMismatch` on every rank, listing each rank's call (exchanged as point-to-point
+messages, which need no agreement on what comes next), and no engine ever pairs payloads of
+different forms.
 """
 
 from __future__ import annotations
