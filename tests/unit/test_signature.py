@@ -8,6 +8,7 @@ from popmesh.comm.signature import (
     MASK,
     Form,
     History,
+    Sentinel,
     agrees,
     digest,
     expected_sum,
@@ -15,7 +16,9 @@ from popmesh.comm.signature import (
     guard_word,
     predict,
     record,
+    sentinel_for,
 )
+from popmesh.core.ops import ReduceOp, lower
 
 
 def _form(tag):
@@ -48,8 +51,23 @@ def test_prediction_follows_the_pattern_of_verified_calls():
         for sig in pattern:
             hits += predict(h) == sig
             record(h, sig, _form(sig))
-    assert hits == 15 - 1  # every call of the repeated pattern is predicted but the first one after 33
+    # a transition is predicted once seen twice in a row: 11->22 and 22->33 from round 1, 33->11 from round 2
+    assert hits == 15 - 4
     assert h.forms[22].run([], 1.0) == 22  # each verified signature keeps how to replay its payload
+
+
+def test_a_failed_prediction_is_dropped_and_an_alternation_is_never_guessed():
+    h = History()
+    for sig in (1, 2, 1, 2, 1, 2):
+        record(h, sig, _form(sig))
+    assert predict(h) == 1
+    record(h, 3, _form(3))  # 2 was followed by 3, not the predicted 1: nothing is predicted after 2 now
+    assert h.after.get(2) is None and h.pending[2] == 3
+    guessed_after_2 = 0
+    for sig in (2, 1, 2, 3) * 5:  # 2 is followed by 1 and 3 in turn
+        guessed_after_2 += h.last == 2 and predict(h) != 0
+        record(h, sig, _form(sig))
+    assert guessed_after_2 == 0
 
 
 def test_forms_are_built_once_and_forget_starts_again():
@@ -57,6 +75,7 @@ def test_forms_are_built_once_and_forget_starts_again():
     built = []
     record(h, 5, lambda: built.append(5) or _form(5))
     record(h, 5, lambda: built.append(6) or _form(6))
+    record(h, 5, lambda: built.append(7) or _form(7))
     assert built == [5] and h.last == 5 and predict(h) == 5
     forget(h)
     assert h.last == 0 and predict(h) == 0 and not h.forms
@@ -89,3 +108,50 @@ def test_guard_with_three_ranks_one_odd():
     assert _guard([7, 7, 9]) == [False] * 3
     calls = [digest(f"all_reduce(sum) * float32[{n}]") for n in (4, 5, 6)]
     assert _guard(calls) == [False] * 3
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+@pytest.mark.parametrize("op", ["sum", "avg", "prod", "max", "min"])
+def test_every_float_reduction_carries_its_check(dtype, op):
+    sentinel = sentinel_for(dtype, lower(ReduceOp(op), dtype), 4)
+    assert sentinel is not None and sentinel.nonfinite and not sentinel.as_bytes
+    assert sentinel.flags(sentinel.value) and sentinel.flags(float("nan")) and not sentinel.flags(3.5)
+    assert sentinel.flags(float("inf")) and sentinel.flags(float("-inf"))
+
+
+def _reduce(op, values, dtype):
+    ufunc = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}[op]
+    with np.errstate(all="ignore"):
+        return ufunc.reduce(np.array(values, dtype=dtype))
+
+
+@pytest.mark.parametrize("op", ["sum", "prod", "max", "min"])
+@pytest.mark.parametrize("dtype", ["float32", "int8", "int64", "uint8", "bool"])
+def test_a_sentinel_always_shows_in_the_reduced_element(op, dtype):
+    """Whatever the other ranks contribute, and in whatever order the engine reduces, one rank's
+    sentinel leaves element 0 of the result flagged (numpy's reductions stand in for the engines')."""
+    lowering = lower(ReduceOp(op), dtype)
+    sentinel = sentinel_for(dtype, lowering, 1)
+    if sentinel is None:
+        assert (dtype in ("int8", "int64") and op in ("sum", "prod")) or (dtype in ("uint8", "bool") and op != "max"
+                                                                           and not (dtype == "bool" and op == "sum"))
+        return
+    engine_dtype = "uint8" if lowering.as_bytes else dtype
+    engine_op = lowering.engine_op.value
+    info = np.finfo(engine_dtype) if engine_dtype.startswith("float") else np.iinfo(engine_dtype)
+    others = [0, 1, info.max, info.min] + ([float("nan"), float("inf"), -float("inf")] if dtype == "float32" else [])
+    for a in others:
+        for b in others:
+            for values in ([sentinel.value, a, b], [a, sentinel.value, b], [a, b, sentinel.value]):
+                out = _reduce(engine_op, values, engine_dtype)
+                assert sentinel.flags(out.item()), (values, out)
+
+
+def test_no_sentinel_where_every_value_is_ordinary_data():
+    assert sentinel_for("int32", lower(ReduceOp.SUM, "int32"), 4) is None
+    assert sentinel_for("int32", lower(ReduceOp.AVG, "int32"), 4) is None
+    assert sentinel_for("bool", lower(ReduceOp.MIN, "bool"), 4) is None
+    assert sentinel_for("complex64", lower(ReduceOp.SUM, "complex64"), 4) is None
+    assert sentinel_for("float32", lower(ReduceOp.SUM, "float32"), 0) is None  # nothing to carry it
+    assert sentinel_for("bool", lower(ReduceOp.SUM, "bool"), 4) == Sentinel(255, False, True)
+    assert sentinel_for("int8", lower(ReduceOp.MIN, "int8"), 4) == Sentinel(-128, False, False)

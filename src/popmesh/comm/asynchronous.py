@@ -59,10 +59,10 @@ def _start(x: Any, op: Any, group: Comm | None, timeout: float | None, *, in_pla
     if comm.check:
         agree(comm, describe_one(reduce_op, x), "all_reduce", seconds)
         pending = start([buf])
-    else:  # the same signature as the blocking form's: the engine call is the same
-        pending = start_checked(comm, ("all_reduce", reduce_op, x.dtype, x.shape),
-                                lambda: describe_one(reduce_op, x), [buf], start,
-                                seconds, "all_reduce")
+    else:
+        pending = start_checked(comm, ("all_reduce_async", reduce_op, x.dtype, x.shape),
+                                lambda: describe_one(reduce_op, x, "all_reduce_async"), [buf], start,
+                                seconds, "all_reduce", writes_input=buf is x)
 
     def finish(_: Any) -> Any:
         finish_(buf, lowering, comm.size)

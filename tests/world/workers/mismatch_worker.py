@@ -183,3 +183,165 @@ def subgroup_mismatch(w):
         expect_mismatch(lambda: popmesh.all_reduce(x, group=g), "float32[4]", "float32[6]", ranks=members)
         still_works(w, g)
     still_works(w)
+
+
+# ---- calls that carry their check (popmesh.comm.signature.Sentinel) ------------------------------
+SIZES = (1, 256, 1 << 18)  # 4 B, 1 KB, 1 MB of float32
+
+
+def warm(call, times=3):
+    """Repeat ``call`` until the group predicts it (a transition is learnt once seen twice in a row)."""
+    for _ in range(times):
+        call()
+
+
+def carried(w):
+    return w.history.carried is not None
+
+
+@check
+def carried_results_are_exact(w):
+    """Once a call is predicted, its payload runs alone and carries the check: the same exact results
+    as the first, guarded calls, for every op, numpy and torch, returning and in place, at each size."""
+    n, r = w.size, w.rank
+    fact = float(np.prod(np.arange(1, n + 1)))
+    for size in SIZES:
+        for op, want in (("sum", total(n)), ("avg", (n + 1) / 2), ("max", n), ("min", 1), ("prod", fact)):
+            for step in range(4):
+                out = popmesh.all_reduce(np.full(size, r + 1.0, dtype=np.float32), op)
+                assert out.dtype == np.float32 and np.all(out == want), (size, op, step, out[:4])
+                t = torch.full((size,), r + 1.0, dtype=torch.float64)
+                assert popmesh.all_reduce_(t, op) is t and torch.all(t == want), (size, op, step, t[:4])
+            assert carried(w), (size, op)
+        for op, want in (("max", n), ("min", 1)):
+            for step in range(4):
+                x = np.full(size, r + 1, dtype=np.int32)
+                assert popmesh.all_reduce_(x, op) is x and np.all(x == want), (size, op, step)
+            assert carried(w), (size, op)
+        for step in range(4):  # numpy and torch arrays of one dtype and shape make the same call
+            x = np.full(size, r + 1.0, dtype=np.float32) if step % 2 == r % 2 else torch.full((size,), r + 1.0)
+            out = popmesh.all_reduce(x, "max")
+            assert type(out) is type(x) and out.dtype == x.dtype and float(out.max()) == n == float(out.min())
+        for step in range(4):
+            anyone = popmesh.all_reduce(torch.full((size,), odd(w)), "max")  # booleans reduce their bytes
+            assert anyone.dtype == torch.bool and torch.all(anyone), (size, step)
+            assert np.all(popmesh.all_reduce(np.full(size, r + 1, dtype=np.int64)) == total(n))  # guarded: no sentinel
+
+
+@check
+def carried_mismatch_at_each_size(w):
+    """After a run of predicted calls, the odd rank changes shape, dtype, op or collective: every rank
+    raises at once; a rank whose in-place payload ran says its input was overwritten, the odd rank's
+    input and every returning call's input are left alone."""
+    need_ranks(w, 2)
+    n, r = w.size, w.rank
+    for size in SIZES:
+        for other in (np.ones(size + 1, dtype=np.float32), np.ones(size, dtype=np.float64)):
+            warm(lambda size=size: popmesh.all_reduce_(np.full(size, r + 1.0, dtype=np.float32)))
+            assert carried(w)
+            mine = other.copy() if odd(w) else np.full(size, r + 1.0, dtype=np.float32)
+            before = mine.copy()
+            e = expect_mismatch(lambda mine=mine: popmesh.all_reduce_(mine), f"float32[{size}]", ranks=range(n))
+            assert ("input was overwritten" in str(e)) == (not odd(w)), str(e)
+            assert odd(w) or not np.array_equal(mine, before), "the in-place payload ran"
+            assert not odd(w) or np.array_equal(mine, before), "a rank that left the prediction writes nothing"
+            warm(lambda size=size: popmesh.all_reduce(np.full(size, r + 1.0, dtype=np.float32), "max"))
+            mine = other.copy() if odd(w) else np.full(size, r + 1.0, dtype=np.float32)
+            before = mine.copy()
+            e = expect_mismatch(lambda mine=mine: popmesh.all_reduce(mine, "max"), "all_reduce(max)", ranks=range(n))
+            assert np.array_equal(mine, before) and "no input was written" in str(e), str(e)
+        warm(lambda size=size: popmesh.all_reduce(np.ones(size, dtype=np.float32)))
+        x = np.ones(size, dtype=np.float32)
+        call = (lambda x=x: popmesh.broadcast(x, src=0)) if odd(w) else (lambda x=x: popmesh.all_reduce(x))
+        expect_mismatch(call, "all_reduce(sum)", "broadcast(src=0)", ranks=range(n))
+        warm(lambda size=size: popmesh.all_reduce(np.ones(size, dtype=np.float32)))
+        call = (lambda x=x: popmesh.all_reduce(x, "min")) if odd(w) else (lambda x=x: popmesh.all_reduce(x))
+        expect_mismatch(call, "all_reduce(sum)", "all_reduce(min)", ranks=range(n))
+        still_works(w)
+
+
+@check
+def guarded_mismatch_at_the_overlap_boundary(w):
+    """Calls without a sentinel (integer SUM) keep the guard round: on gloo before the payload below
+    8 MiB and beside it from 8 MiB (engine.tuning.overlap_from_bytes), on MPI always beside once
+    predicted. A mismatch on either side of the boundary raises on every rank."""
+    need_ranks(w, 2)
+    n, r = w.size, w.rank
+    for size in ((8 << 20) // 4 - 1, (8 << 20) // 4):
+        warm(lambda size=size: popmesh.all_reduce(np.full(size, r + 1, dtype=np.int32)))
+        assert not carried(w) and predict(w.history) != 0
+        x = np.full(size + (1 if odd(w) else 0), r + 1, dtype=np.int32)
+        expect_mismatch(lambda x=x: popmesh.all_reduce(x), f"int32[{size}]", f"int32[{size + 1}]", ranks=range(n))
+        out = popmesh.all_reduce(np.full(size, r + 1, dtype=np.int32))
+        assert out[0] == total(n) and out[-1] == total(n)
+
+
+@check
+def flagged_data_is_not_a_mismatch(w):
+    """A NaN or infinity in element 0 of real data (or an integer MAX at its extreme) looks like a
+    sentinel: one guard round tells it apart, and the result is the engine's."""
+    n, r = w.size, w.rank
+    warm(lambda: popmesh.all_reduce(np.full(4, r + 1.0, dtype=np.float32)))
+    for first in (np.nan, np.inf, -np.inf):
+        x = np.full(4, r + 1.0, dtype=np.float32)
+        x[0] = first if r == 0 else 1.0
+        out = popmesh.all_reduce(x)
+        assert (np.isnan(out[0]) if np.isnan(first) else out[0] == first) and np.all(out[1:] == total(n)), out
+        assert carried(w), "still predicted"
+    top = np.iinfo(np.int16).max
+    warm(lambda: popmesh.all_reduce(np.full(3, r, dtype=np.int16), "max"))
+    out = popmesh.all_reduce(np.full(3, top if r == 0 else r, dtype=np.int16), "max")
+    assert out[0] == top and out.dtype == np.int16, out
+
+
+@check
+def every_rank_leaves_the_prediction_together(w):
+    """All ranks change call at once (a pattern that changes): each rank first completes the predicted
+    payload, then the guard agrees and the new call runs. Results stay exact, alternations too."""
+    n, r = w.size, w.rank
+    warm(lambda: popmesh.all_reduce(np.full(4, r + 1.0, dtype=np.float32)))
+    for step in range(12):
+        size = (4, 5, 1 << 18, 5)[step % 4]
+        out = popmesh.all_reduce(np.full(size, r + 1.0, dtype=np.float32))
+        assert out.shape == (size,) and np.all(out == total(n)), (step, out[:4])
+    warm(lambda: popmesh.all_reduce(np.full(1 << 18, r + 1.0, dtype=np.float32)))
+    h = popmesh.all_reduce_async(torch.full((8,), r + 1.0))  # asynchronous calls never carry their check
+    assert torch.all(h.wait() == total(n))
+
+
+@check
+def asynchronous_against_a_carried_prediction(w):
+    """An asynchronous call is another collective than the blocking one it may replace: a rank that
+    starts one where the others repeat a predicted blocking call raises at once, as they do."""
+    need_ranks(w, 2)
+    n, r = w.size, w.rank
+    warm(lambda: popmesh.all_reduce(torch.full((8,), r + 1.0)))
+    x = torch.full((8,), r + 1.0)
+    call = (lambda: popmesh.all_reduce_async(x).wait()) if odd(w) else (lambda: popmesh.all_reduce(x))
+    expect_mismatch(call, "all_reduce(sum)", "all_reduce_async(sum)", ranks=range(n))
+    still_works(w)
+
+
+@check
+def gathers_are_checked_like_reductions(w):
+    """all_gather and gather go through the same check: against a reduction on another rank (gloo
+    used to abort: the gathers' first message had another size), a predicted one included, and
+    against another shape or root."""
+    need_ranks(w, 2)
+    n, r = w.size, w.rank
+    x = np.full(4, r + 1.0, dtype=np.float32)
+    call = (lambda: popmesh.all_gather(x)) if odd(w) else (lambda: popmesh.all_reduce(x))
+    expect_mismatch(call, "all_gather()", "all_reduce(sum)", ranks=range(n))
+    warm(lambda: popmesh.all_reduce(x))
+    assert carried(w)
+    expect_mismatch(call, "all_gather()", "all_reduce(sum)", ranks=range(n))
+    for _ in range(3):
+        out = popmesh.all_gather(x)
+        assert out.shape == (n, 4) and out[:, 0].tolist() == [i + 1.0 for i in range(n)]
+    y = np.ones(5 if odd(w) else 4, dtype=np.float32)
+    expect_mismatch(lambda: popmesh.all_gather(y), "float32[4]", "float32[5]", ranks=range(n))
+    expect_mismatch(lambda: popmesh.gather(x, dst=1 if odd(w) else 0), "gather(dst=0)", "gather(dst=1)",
+                    ranks=range(n))
+    out = popmesh.gather(x, dst=n - 1)
+    assert (out is None) == (r != n - 1) and (out is None or out[:, 0].tolist() == [i + 1.0 for i in range(n)])
+    still_works(w)
