@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import popmesh
+from popmesh.core import trace
 from popmesh.core.errors import ConfigError, PeerClosed, PeerFailure, PopmeshError
 from popmesh.demo.config import DemoConfig, explore_lr, rank_hyper, rank_seed
 from popmesh.demo.learner import CartPoleLearner
@@ -66,6 +67,8 @@ def run(config: DemoConfig) -> dict[str, Any] | None:
     else:
         out = Path(popmesh.broadcast_object(str(new_run_dir(config.out_dir)) if world.is_main else None, src=0))
         start, resumed_from = _resume(world, config, learner, policy)
+    if trace.ACTIVE is None:  # every rank's timeline, merged into out/trace.json at finalize (docs/observe.md)
+        world.start_trace(out)
     checkpoints = Checkpointer(out / "checkpoints", config.checkpoint_every, group=world)
     reporter.board = Board(out / "tb", group=world)  # one TensorBoard run per rank: tensorboard --logdir runs
     if view is not None:
