@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -43,31 +45,40 @@ def _nbytes(x: Any) -> int:
 
 
 class _TracedPending:
-    """An engine's Pending whose completion (first ``wait`` that returns, or ``done()`` true) ends a span."""
+    """An engine's Pending whose completion (first ``wait`` that returns, or ``done()`` true) ends a span.
 
-    def __init__(self, inner: Any, recorder: trace.Recorder, name: str, args: dict[str, Any]) -> None:
+    ``receives``: the result is ``(source, data)``, whose source and size go into the span."""
+
+    def __init__(self, inner: Any, recorder: trace.Recorder, name: str, args: dict[str, Any],
+                 receives: bool = False) -> None:
         self._inner, self._recorder, self._name, self._args = inner, recorder, name, args
+        self._receives = receives
         self._start: int | None = _now()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
     def _end(self, received: Any = None) -> None:
-        if self._start is not None:
-            if received is not None:
-                self._args["src"], self._args["bytes"] = int(received[0]), _nbytes(received[1])
-            self._recorder.add(self._name, "comm", self._start, _now(), self._args)
-            self._start = None
+        if self._start is None:
+            return
+        if isinstance(received, tuple) and len(received) == 2:
+            self._args["src"], self._args["bytes"] = int(received[0]), _nbytes(received[1])
+        self._recorder.add(self._name, "comm", self._start, _now(), self._args)
+        self._start = None
 
     def done(self) -> bool:
         finished = bool(self._inner.done())
         if finished and self._start is not None:
-            self._end(self._inner.result() if self._name == "irecv" else None)
+            received = None
+            if self._receives:
+                with contextlib.suppress(Exception):  # a failed receive raises at wait(), as without tracing
+                    received = self._inner.result()
+            self._end(received)
         return finished
 
     def wait(self, timeout: float) -> Any:
         out = self._inner.wait(timeout)
-        self._end(out if self._name == "irecv" else None)
+        self._end(out if self._receives else None)
         return out
 
 
@@ -98,11 +109,12 @@ class _TracedP2P:
             self._recorder.add("recv", "comm", start, _now(), args)
 
     def isend(self, frame: Any, dst: int, tag: int) -> Any:
-        args = {"dst": dst, "tag": tag, "bytes": _nbytes(frame)}
-        return _TracedPending(self._inner.isend(frame, dst, tag), self._recorder, "isend", args)
+        args = {"dst": dst, "tag": tag, "bytes": _nbytes(frame), "async": True}
+        return _TracedPending(self._inner.isend(frame, dst, tag), self._recorder, "send", args)
 
     def irecv(self, src: Any, tag: int) -> Any:
-        return _TracedPending(self._inner.irecv(src, tag), self._recorder, "irecv", {"tag": tag})
+        args = {"tag": tag, "async": True}
+        return _TracedPending(self._inner.irecv(src, tag), self._recorder, "recv", args, receives=True)
 
 
 class TracedEngine:
@@ -130,7 +142,7 @@ class TracedEngine:
 
     def all_reduce_start(self, buf: Any, op: Any, group: Any) -> Any:
         pending = self.inner.all_reduce_start(buf, op, group)
-        return _TracedPending(pending, self._recorder, "all_reduce_async", {"bytes": _nbytes(buf)})
+        return _TracedPending(pending, self._recorder, "all_reduce", {"bytes": _nbytes(buf), "async": True})
 
     def all_gather(self, buf: Any, group: Any, timeout: float) -> Any:
         return self._timed("all_gather", lambda: self.inner.all_gather(buf, group, timeout), _nbytes(buf))
@@ -203,7 +215,32 @@ def start(world: Any, directory: str | os.PathLike[str], *, capacity: int = trac
     recorder = trace.Recorder(folder, world.rank, world.size, world.hostname, offset, run, capacity, aligned)
     world.engine = TracedEngine(world.engine, recorder)
     trace.ACTIVE = recorder
+    _write_on_sigterm(recorder)
     return recorder
+
+
+def _write_on_sigterm(recorder: trace.Recorder) -> None:
+    """A rank torn down by the launcher (SIGTERM, when a peer failed) still leaves its file, then dies of
+    the signal as it would have. Only where SIGTERM has its default action and in the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return
+
+    def write_and_die(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        with contextlib.suppress(OSError):
+            recorder.write()
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, write_and_die)
+
+
+def _restore_sigterm() -> None:
+    if threading.current_thread() is threading.main_thread():
+        handler = signal.getsignal(signal.SIGTERM)
+        if getattr(handler, "__name__", "") == "write_and_die":
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def stop(world: Any, *, merge: bool | None = None) -> Path | None:
@@ -218,6 +255,7 @@ def stop(world: Any, *, merge: bool | None = None) -> Path | None:
     if recorder is None:
         return None
     trace.ACTIVE = None
+    _restore_sigterm()
     own = recorder.write()
     if merge is None:
         merge = os.environ.get(LAUNCHER_MERGES_ENV) != "launcher"

@@ -87,8 +87,17 @@ class Recorder:
             "format": _FORMAT, "rank": self.rank, "size": self.size, "host": self.host, "pid": os.getpid(),
             "run": self.run, "aligned": self.aligned, "dropped": self.dropped,
             "threads": {str(tid): name for tid, name in self.threads.items()},
-            "spans": [[n, c, t, s - shift, d, a] for n, c, t, s, d, a in list(self.spans)],
+            "spans": [[n, c, t, s - shift, d, a] for n, c, t, s, d, a in self._copy()],
         }
+
+    def _copy(self) -> list[Span]:
+        """The spans now (a thread that records meanwhile can make one copy fail: take another)."""
+        for _ in range(100):
+            try:
+                return list(self.spans)
+            except RuntimeError:  # deque mutated during iteration
+                continue
+        return []
 
     def write(self) -> Path:
         """Write ``DIR/rank-R.trace.json`` (atomically: a reader never sees half a file)."""
