@@ -238,7 +238,7 @@ def test_the_imbalance_report_from_spans_names_the_straggler_and_its_cost() -> N
     assert rollout.slowest_rank == 2 and rollout.caused == (0.0, 0.0, 2 * (2.0 + 1.0))
     assert rollout.wait_caused == pytest.approx(6.0)
     assert train.slowest_rank == 0 and train.wait_caused == pytest.approx(4.0)
-    title, headers, rows, notes = report.table()
+    _, headers, rows, notes = report.table()
     assert rows[0][headers.index("slowest rank")] == "2" and rows[0][headers.index("wait caused (s)")] == "6"
     assert any(n.startswith("straggler: rank 2 in step 'rollout'") for n in notes)
     assert report.to_dict()["steps"][1]["wait_caused"] == pytest.approx(4.0)
@@ -265,3 +265,11 @@ def test_launch_trace_option_and_environment(tmp_path: Path) -> None:
     env = trace_env(str(tmp_path / "t"))
     assert env == {trace.TRACE_ENV: str((tmp_path / "t").resolve()), tracing.LAUNCHER_MERGES_ENV: "launcher"}
     assert (tmp_path / "t").is_dir() and rank_file(tmp_path, 3).name == "rank-3.trace.json"
+
+
+def test_a_reformed_worlds_new_transport_is_the_one_traced(tmp_path: Path) -> None:
+    inner = FakeEngine()
+    engine = TracedEngine(inner, Recorder(tmp_path, 0, 2))
+    first = engine.p2p()
+    inner._p2p = FakeP2P()  # what reform() does: a new point-to-point transport
+    assert engine.p2p() is not first and engine.p2p().inner is inner._p2p

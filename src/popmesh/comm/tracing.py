@@ -86,15 +86,15 @@ class _TracedP2P:
     """The engine's point-to-point object, with a span per send and receive."""
 
     def __init__(self, inner: Any, recorder: trace.Recorder) -> None:
-        self._inner, self._recorder = inner, recorder
+        self.inner, self._recorder = inner, recorder
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
+        return getattr(self.inner, name)
 
     def send(self, frame: Any, dst: int, tag: int, timeout: float) -> None:
         start = _now()
         try:
-            self._inner.send(frame, dst, tag, timeout)
+            self.inner.send(frame, dst, tag, timeout)
         finally:
             self._recorder.add("send", "comm", start, _now(), {"dst": dst, "tag": tag, "bytes": _nbytes(frame)})
 
@@ -102,7 +102,7 @@ class _TracedP2P:
         start = _now()
         args: dict[str, Any] = {"tag": tag}
         try:
-            sender, data = self._inner.recv(src, tag, timeout)
+            sender, data = self.inner.recv(src, tag, timeout)
             args["src"], args["bytes"] = sender, _nbytes(data)
             return sender, data
         finally:
@@ -110,11 +110,11 @@ class _TracedP2P:
 
     def isend(self, frame: Any, dst: int, tag: int) -> Any:
         args = {"dst": dst, "tag": tag, "bytes": _nbytes(frame), "async": True}
-        return _TracedPending(self._inner.isend(frame, dst, tag), self._recorder, "send", args)
+        return _TracedPending(self.inner.isend(frame, dst, tag), self._recorder, "send", args)
 
     def irecv(self, src: Any, tag: int) -> Any:
         args = {"tag": tag, "async": True}
-        return _TracedPending(self._inner.irecv(src, tag), self._recorder, "recv", args, receives=True)
+        return _TracedPending(self.inner.irecv(src, tag), self._recorder, "recv", args, receives=True)
 
 
 class TracedEngine:
@@ -161,8 +161,9 @@ class TracedEngine:
         self._timed("barrier", lambda: self.inner.barrier(group, timeout), None)
 
     def p2p(self) -> _TracedP2P:
-        if self._p2p is None:
-            self._p2p = _TracedP2P(self.inner.p2p(), self._recorder)
+        inner = self.inner.p2p()  # a re-formed world (reform) has a new transport: wrap that one
+        if self._p2p is None or self._p2p.inner is not inner:
+            self._p2p = _TracedP2P(inner, self._recorder)
         return self._p2p
 
 

@@ -147,7 +147,8 @@ def read_rank_file(path: str | os.PathLike[str]) -> dict[str, Any] | None:
 
 
 def _rank_files(directory: Path) -> list[dict[str, Any]]:
-    """The readable rank files of the newest run in ``directory`` (the run most files belong to)."""
+    """The readable rank files of the run most files in ``directory`` belong to, and those of ranks that
+    joined it later (restarted for a lost rank: they could not agree on the run's id)."""
     found = []
     for entry in sorted(directory.iterdir()) if directory.is_dir() else []:
         if _RANK_FILE.match(entry.name):
@@ -156,9 +157,9 @@ def _rank_files(directory: Path) -> list[dict[str, Any]]:
                 found.append(data)
     if not found:
         return []
-    runs = Counter(d["run"] for d in found if d.get("aligned", True))
+    runs = Counter(d["run"] for d in found if d["run"])
     run = max(runs, key=lambda r: (runs[r], r)) if runs else None
-    return [d for d in found if d["run"] == run or not d.get("aligned", True)]
+    return [d for d in found if d["run"] in (run, 0)]  # run 0: a rank restarted into a formed world
 
 
 def chrome_events(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
