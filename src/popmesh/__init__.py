@@ -35,6 +35,7 @@ _LAZY = {
     "observe.timing": ("gather_timings", "report_timings", "report_imbalance"),
     "observe.board": ("Board",),
     "core.ops": ("ReduceOp",),
+    "core.trace": ("span",),
     "comm.world": ("init", "finalize", "current_world", "World", "Group"),
 }
 _HOME = {name: module for module, names in _LAZY.items() for name in names}

@@ -43,6 +43,10 @@ def test_demo_writes_sane_files(tmp_path, policy):
     assert len(printed) == len(events), done.stdout[-3000:]
     _check_board(run / "tb", summary, events)
     assert "Load imbalance" in done.stdout and "Time per step" in done.stdout
+    names = _traced(run, 2)
+    assert {"rollout", "train"} <= names[0] & names[1] and "send" in names[1] and "recv" in names[0]  # rows to 0
+    if policy == "async":  # the policy's phases, and its weights and reports moving on its own thread
+        assert {"population.report", "population.apply"} & (names[0] | names[1])
 
 
 def _check_board(tb, summary, events):
@@ -82,6 +86,8 @@ def test_demo_checkpoints_and_resumes_where_it_left_off(tmp_path):
     summary = json.loads((next(second_out.iterdir()) / "summary.json").read_text())
     assert summary["resumed_from"] == f"{run}/checkpoints/ckpt-000000006"
     assert [a["steps"] for a in summary["agents"]] == [6144, 6144]  # 3,072 resumed + 6 iterations of 512
+    names = _traced(run, 2)  # the selective policy: metrics all-gathered, weights exchanged in one all_reduce
+    assert {"all_reduce", "all_gather", "population.gather", "population.transfer"} <= names[0] & names[1]
 
 
 @pytest.mark.timeout(300)
@@ -101,6 +107,7 @@ def test_demo_population_carries_on_when_a_rank_is_lost(tmp_path):
     assert summary["generation"] == 1 and [a["steps"] for a in summary["agents"]] == [8192] * 3, done.stderr[-3000:]
     (rejoined,) = summary["restarts"]
     assert rejoined["rank"] == 1 and set(rejoined["donors"]) <= {0, 2} and rejoined["donors"]
+    assert all(names for names in _traced(run, 3))  # the restarted rank 1's track too
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
     kinds = [(e["kind"], e["rank"]) for e in events if "kind" in e]
     assert kinds == [("lost", 1), ("rejoined", 1)], kinds
@@ -120,3 +127,12 @@ def test_demo_population_carries_on_when_a_rank_is_lost(tmp_path):
     assert f"resumed from {newest} (iteration {at}, {at * 512:,} steps per agent)" in resumed.stdout
     again = json.loads((next((tmp_path / "b").iterdir()) / "summary.json").read_text())
     assert [a["steps"] for a in again["agents"]] == [9216] * 3 and again["restarts"] == []
+
+
+def _traced(run, ranks):
+    """The span names on each rank's track of the run's trace.json (one track per rank, named)."""
+    data = json.loads((run / "trace.json").read_text())
+    labels = {e["pid"]: e["args"]["name"] for e in data["traceEvents"] if e["name"] == "process_name"}
+    assert sorted(labels) == list(range(ranks)) and all(labels[r].startswith(f"rank {r} (") for r in labels)
+    assert data["metadata"]["missing_ranks"] == []
+    return [{e["name"] for e in data["traceEvents"] if e["ph"] == "X" and e["pid"] == r} for r in range(ranks)]

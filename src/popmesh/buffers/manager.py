@@ -57,6 +57,7 @@ from popmesh.buffers.protocol import (
 from popmesh.buffers.store import LocalStore, to_numpy
 from popmesh.comm import messages
 from popmesh.comm.world import Comm, resolve_group
+from popmesh.core import trace
 from popmesh.core.errors import CommTimeout, ConfigError, PeerFailure, PopmeshError
 from popmesh.core.timeouts import check_timeout, resolve_timeout
 
@@ -198,7 +199,7 @@ class ReplayBufferManager:
         """
         self.stats.messages[message.type.value] += 1
         try:
-            out = self._dispatch(src, message)
+            out = self._dispatch(src, message) if trace.ACTIVE is None else self._traced(src, message)
             for reply in out:
                 check_message(reply.message)
             return out
@@ -207,6 +208,12 @@ class ReplayBufferManager:
                 logger.warning("replay-buffer manager: %s from rank %s raised", message.type.value, src, exc_info=True)
             return [self.error_reply(src, f"{message.type.value} from rank {src} refused: {type(e).__name__}: {e}",
                                      message.type)]
+
+    def _traced(self, src: int, message: Message) -> list[Outgoing]:
+        """:meth:`_dispatch` as a span of the trace timeline (only called while tracing)."""
+        assert trace.ACTIVE is not None
+        with trace.ACTIVE.span(f"buffers.{message.type.value}", "buffers", src=src):
+            return self._dispatch(src, message)
 
     def _dispatch(self, src: int, message: Message) -> list[Outgoing]:
         kind = message.type

@@ -8,14 +8,19 @@ Ranks are global unless a name says otherwise (``group_rank``).
 from __future__ import annotations
 
 import atexit
+import contextlib
+import os
 from collections.abc import Collection, Sequence
+from pathlib import Path
 from typing import Any
 
+from popmesh.comm import tracing
 from popmesh.comm.agreement import exchange_texts
 from popmesh.comm.signature import History
 from popmesh.core.errors import ConfigError, NotInGroup, PeerFailure, know_hosts
 from popmesh.core.launch_env import detect_engine, launcher_restarts, read_check, read_timeout
 from popmesh.core.timeouts import check_timeout, resolve_timeout
+from popmesh.core.trace import DEFAULT_CAPACITY, TRACE_ENV
 from popmesh.engines import Engine, GroupSpec, create_engine
 
 __all__ = ["Comm", "World", "Group", "init", "current_world", "resolve_group", "finalize"]
@@ -172,12 +177,25 @@ class World(Comm):
         self._next_gid += 1
         return Group(self, spec, self.engine.make_group(spec, self.default_timeout))
 
+    def start_trace(self, directory: str | os.PathLike[str], *, capacity: int = DEFAULT_CAPACITY,
+                    timeout: float | None = None) -> None:
+        """Record the trace timeline into ``directory`` (see docs/observe.md): collective, every rank passes
+        the same folder; ``finalize`` (or :meth:`stop_trace`) writes it. Same as ``init(trace=...)``."""
+        tracing.start(self, directory, capacity=capacity, timeout=timeout)
+
+    def stop_trace(self, *, merge: bool | None = None) -> Path | None:
+        """Stop recording and write this rank's file (merged into ``trace.json`` when all are there)."""
+        return tracing.stop(self, merge=merge)
+
     def finalize(self) -> None:
         """Shut the engine down. Idempotent; also runs at interpreter exit."""
         global _CURRENT
         if self._finalized:
             return
         self._finalized = True
+        if isinstance(self.engine, tracing.TracedEngine):
+            with contextlib.suppress(OSError):  # a trace that cannot be written never fails the run
+                tracing.stop(self)
         self.engine.finalize()
         if _CURRENT is self:
             _CURRENT = None
@@ -217,13 +235,15 @@ class Group(Comm):
 _CURRENT: World | None = None
 
 
-def init(engine: str = "auto", timeout: float | None = None, check: bool | None = None, **options: Any) -> World:
+def init(engine: str = "auto", timeout: float | None = None, check: bool | None = None,
+         trace: str | os.PathLike[str] | None = None, **options: Any) -> World:
     """Create (or return) this process's World.
 
     ``engine``: ``auto`` (mpiexec → mpi; torchrun / popmesh launch → torch; else local), ``local``,
     ``torch`` or ``mpi``. ``timeout``: default seconds for every blocking call (``POPMESH_TIMEOUT``,
     else 300). ``check``: verify op, shape and dtype across ranks before each collective
-    (``POPMESH_CHECK=1``).
+    (``POPMESH_CHECK=1``). ``trace``: record the trace timeline into this folder (``POPMESH_TRACE``,
+    set by ``popmesh launch --trace DIR``); see :meth:`World.start_trace`.
     """
     global _CURRENT
     name = detect_engine() if engine == "auto" else engine
@@ -234,6 +254,9 @@ def init(engine: str = "auto", timeout: float | None = None, check: bool | None 
         return _CURRENT
     world = World(create_engine(name, seconds, **options), seconds, read_check() if check is None else check)
     _CURRENT = world
+    folder = os.environ.get(TRACE_ENV) if trace is None else trace
+    if folder:
+        world.start_trace(folder)
     return world
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 import popmesh
+from popmesh.core import trace
 from popmesh.core.errors import ConfigError, PeerClosed, PeerFailure, PopmeshError
 from popmesh.demo.config import DemoConfig, explore_lr, rank_hyper, rank_seed
 from popmesh.demo.learner import CartPoleLearner
@@ -69,6 +70,8 @@ def run(config: DemoConfig) -> dict[str, Any] | None:
         out = Path(popmesh.broadcast_object(str(new_run_dir(config.out_dir)) if world.is_main else None, src=0))
         start, resumed_from = _resume(world, config, learner, policy)
         through = 0
+    if trace.ACTIVE is None:  # every rank's timeline, merged into out/trace.json at finalize (docs/observe.md)
+        world.start_trace(out)
     checkpoints = Checkpointer(out / "checkpoints", config.checkpoint_every, group=world)
     checkpoints.skip_through(through)
     reporter.board = Board(out / "tb", group=world)  # one TensorBoard run per rank: tensorboard --logdir runs

@@ -41,6 +41,7 @@ from popmesh.launch.rankwatch import RankEnd, RankWatch
 from popmesh.launch.result import LaunchResult, exit_status, format_summary
 from popmesh.launch.runner import Child, Supervisor
 from popmesh.launch.shm import SegmentSweep
+from popmesh.launch.timeline import merge_after_exit, trace_env
 from popmesh.launch.verdict import judge_local, judge_mpi
 
 __all__ = ["launch", "DEFAULT_GRACE_S", "BOOTSTRAP"]
@@ -77,6 +78,7 @@ def launch(
     hosts: str | Slots = (),
     hostfile: str | None = None,
     env: Mapping[str, str] | None = None,
+    trace: str | None = None,
     python: Sequence[str] | None = None,
     stdout: TextIO | None = None,
     stderr: TextIO | None = None,
@@ -90,9 +92,11 @@ def launch(
     process are forwarded to the ranks when ``launch`` runs in the main thread. More ranks than the
     launcher's CPU cores start with a warning on ``stderr``.
 
-    ``env`` adds variables to the ranks' environment; ``python`` is the interpreter command line
-    (default ``[sys.executable]``); ``store_fd=False`` stops handing rank 0 a pre-bound socket
-    for torch's TCPStore (for scripts that bind ``MASTER_PORT`` themselves). ``rank0_terminal=True``
+    ``env`` adds variables to the ranks' environment; ``trace`` is a folder each rank records its
+    timeline into, merged at the end into ``trace/trace.json`` (:mod:`popmesh.launch.timeline`);
+    ``python`` is the interpreter command line (default ``[sys.executable]``); ``store_fd=False`` stops
+    handing rank 0 a pre-bound socket for torch's TCPStore (for scripts that bind ``MASTER_PORT``
+    themselves). ``rank0_terminal=True``
     hands rank 0 this process's stdout/stderr directly, unprefixed, so it can draw a live terminal
     view (torch and jax engines; under mpiexec output is always relayed).
 
@@ -119,7 +123,7 @@ def launch(
         )
     python = list(python or [sys.executable])
     worker = [*python, "-P", BOOTSTRAP, *(["-m", target] if module else ["--", target]), *args]
-    parent_env = {**os.environ, **(env or {})}
+    parent_env = {**os.environ, **(env or {}), **(trace_env(trace) if trace else {})}
     err = stderr or sys.stderr
     _say(err, oversubscription_warning(spec.nproc, cpu_count()))
     logs = _open_logs(request, spec, err)
@@ -130,6 +134,8 @@ def launch(
     finally:
         if logs is not None:
             logs.close()
+        if trace:
+            merge_after_exit(trace, err)
     if not result.ok:
         _say(err, format_summary(result))
     return result

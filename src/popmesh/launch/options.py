@@ -234,6 +234,7 @@ def launch_options(ns: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
         max_restarts=ns.max_restarts, quiet_others=ns.quiet_others, grace=ns.grace, store_fd=ns.store_fd,
         log_dir=ns.log_dir, tee=ns.tee, redirects=ns.redirects,
         local_ranks_filter=parse_rank_list(ns.local_ranks_filter), hosts=ns.hosts or (), hostfile=ns.hostfile,
+        trace=ns.trace,
     )
     return kwargs, warnings
 
@@ -246,6 +247,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet-others", action="store_true", help="show only rank 0's output")
     p.add_argument("--grace", "--shutdown-timeout", "--shutdown_timeout", type=float, default=3.0, metavar="S",
                    help="seconds between SIGTERM and SIGKILL at teardown (default 3)")
+    p.add_argument("--trace", default=None, metavar="DIR",
+                   help="record every rank's timeline into DIR; merged into DIR/trace.json (open it in "
+                        "https://ui.perfetto.dev)")
     p.add_argument(
         "--no-store-fd", dest="store_fd", action="store_false",
         help="do not hand rank 0 a pre-bound TCPStore socket (for scripts that bind MASTER_PORT themselves)",

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from popmesh.core import trace
 from popmesh.core.errors import ConfigError
 
 __all__ = [
@@ -62,10 +63,13 @@ class Timer:
             self.record(name, self._clock() - start)
 
     def record(self, name: str, seconds: float) -> None:
-        """Append one duration in seconds (finite, non-negative) to ``name``."""
+        """Append one duration in seconds (finite, non-negative) to ``name``; a span ending now when tracing."""
         if not isinstance(name, str) or not name:
             raise ConfigError(f"timer section names must be non-empty strings, got {name!r}")
         self._times.setdefault(name, []).append(_duration(seconds, f"section {name!r}"))
+        if trace.ACTIVE is not None:
+            end = time.perf_counter_ns()
+            trace.ACTIVE.add(name, "timer", end - int(seconds * 1e9), end)
 
     def as_dict(self) -> dict[str, list[float]]:
         """A copy of ``{name: [durations in recording order]}``."""
@@ -258,7 +262,9 @@ class StepImbalance:
 
     Per iteration ``useful`` is the mean over ranks and ``waiting`` is ``max − mean`` (the time the
     average rank waits for the slowest at the next synchronisation). ``dropped[r]`` counts rank
-    ``r``'s extra iterations that not every rank has, which are left out.
+    ``r``'s extra iterations that not every rank has, which are left out. ``caused[r]`` is the wait
+    rank ``r`` made the others sit through, summed over the iterations it was the slowest in
+    (``Σ_others (its time − theirs)``); ``slowest_rank`` caused the most (the straggler of this step).
     """
 
     name: str
@@ -268,6 +274,13 @@ class StepImbalance:
     waiting: tuple[float, ...]
     useful_total: float
     waiting_total: float
+    caused: tuple[float, ...] = ()
+    slowest_rank: int | None = None
+
+    @property
+    def wait_caused(self) -> float:
+        """Seconds of waiting :attr:`slowest_rank` caused the other ranks (0 without iterations)."""
+        return 0.0 if self.slowest_rank is None else self.caused[self.slowest_rank]
 
     @property
     def waiting_fraction(self) -> float:
@@ -295,32 +308,43 @@ class ImbalanceReport:
         data = _jsonable(asdict(self))
         for entry, step in zip(data["steps"], self.steps):
             entry["waiting_fraction"] = step.waiting_fraction
+            entry["wait_caused"] = step.wait_caused
         data["waiting_fraction"] = self.waiting_fraction
         return data
 
     def table(self) -> Table:
         """Title, headers, rows and notes for printing."""
         rows = [[s.name, str(s.iterations), f"{s.useful_total:.4g}", f"{s.waiting_total:.4g}",
-                 f"{100 * s.waiting_fraction:.1f}", str(sum(s.dropped))] for s in self.steps]
+                 f"{100 * s.waiting_fraction:.1f}", "-" if s.slowest_rank is None else str(s.slowest_rank),
+                 f"{s.wait_caused:.4g}", str(sum(s.dropped))] for s in self.steps]
         notes = [f"total: useful {self.useful_total:.4g} s, waiting {self.waiting_total:.4g} s "
                  f"({100 * self.waiting_fraction:.1f}% of synchronised time)"]
+        worst = max(self.steps, key=lambda s: s.wait_caused, default=None)
+        if worst is not None and worst.wait_caused > 0:
+            notes.append(f"straggler: rank {worst.slowest_rank} in step {worst.name!r} made the other ranks wait "
+                         f"{worst.wait_caused:.4g} s in all")
         notes += [f"step {name!r} skipped: missing on ranks {list(r)}" for name, r in self.skipped.items()]
         notes += [f"step {s.name!r}: only the {s.iterations} iterations every rank has are used; dropped per "
                   f"rank {list(s.dropped)}" for s in self.steps if any(s.dropped)]
-        headers = ["step", "iterations", "useful (s)", "waiting (s)", "waiting %", "dropped"]
+        headers = ["step", "iterations", "useful (s)", "waiting (s)", "waiting %", "slowest rank", "wait caused (s)",
+                   "dropped"]
         return f"Load imbalance over {self.world_size} ranks", headers, rows, notes
 
 
 def _step_imbalance(name: str, lists: list[list[float]]) -> StepImbalance:
     shared = min(len(v) for v in lists)
     useful, waiting = [], []
+    caused = [0.0] * len(lists)
     for i in range(shared):
         column = [v[i] for v in lists]
         mean = math.fsum(column) / len(column)
         useful.append(mean)
         waiting.append(max(max(column) - mean, 0.0))
+        slowest = max(range(len(column)), key=lambda r: (column[r], -r))
+        caused[slowest] += len(column) * waiting[-1]  # Σ_r (max − t_r) = n · (max − mean)
+    slowest_rank = max(range(len(lists)), key=lambda r: (caused[r], -r)) if shared else None
     return StepImbalance(name, shared, tuple(len(v) - shared for v in lists), tuple(useful), tuple(waiting),
-                         math.fsum(useful), math.fsum(waiting))
+                         math.fsum(useful), math.fsum(waiting), tuple(caused), slowest_rank)
 
 
 def imbalance_report(all_timing: Sequence[TimingDict], world_size: int | None = None) -> ImbalanceReport:

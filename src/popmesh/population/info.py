@@ -7,6 +7,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from popmesh.core import trace
+
 __all__ = ["PolicyInfo", "Clock", "json_number"]
 
 
@@ -66,7 +68,9 @@ class Clock:
         self._last = time.perf_counter()
 
     def lap(self, name: str) -> None:
-        """Record the time since the previous lap (or creation) under ``name``."""
+        """Record the time since the previous lap (or creation) under ``name`` (a span when tracing)."""
         now = time.perf_counter()
         self.laps[name] = self.laps.get(name, 0.0) + now - self._last
+        if trace.ACTIVE is not None:
+            trace.ACTIVE.add(f"population.{name}", "population", int(self._last * 1e9), int(now * 1e9))
         self._last = now

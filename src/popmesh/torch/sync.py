@@ -16,6 +16,7 @@ gradient for keeps ``grad = None``.
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -26,6 +27,7 @@ import torch
 from popmesh.comm.agreement import agree
 from popmesh.comm.asynchronous import AsyncHandle, all_reduce_async_
 from popmesh.comm.world import Comm, resolve_group
+from popmesh.core import trace
 from popmesh.core.errors import ConfigError
 from popmesh.core.ops import ReduceOp
 from popmesh.core.timeouts import check_timeout
@@ -167,6 +169,7 @@ class GradientSync:
         plan = self._layout().plan
         self._handles: list[AsyncHandle | None] = [None] * len(plan.buckets)
         self._missing = [False] * len(plan.buckets)
+        self._started = [0] * len(plan.buckets)  # perf_counter_ns at each bucket's start, while tracing
         self._left = [len(b.indices) for b in plan.buckets]
         self._ready = [False] * len(plan.specs)
         self._next = 0
@@ -180,6 +183,8 @@ class GradientSync:
             self._complete(timeout)
         grads = self._layout()
         self._missing[b] = grads.prepare(b)
+        if trace.ACTIVE is not None:
+            self._started[b] = time.perf_counter_ns()
         self._handles[b] = all_reduce_async_(grads.buffers[b], ReduceOp.AVG, group=self._comm,
                                              timeout=self._timeout)
         self._next = b + 1
@@ -193,6 +198,10 @@ class GradientSync:
         if self._missing[b]:
             self._layout().materialise(b)
         self._done = b + 1
+        if trace.ACTIVE is not None and self._started[b]:
+            buf = self._layout().buffers[b]
+            trace.ACTIVE.add("grad_sync.bucket", "grad_sync", self._started[b], time.perf_counter_ns(),
+                             {"bucket": b, "bytes": buf.numel() * buf.element_size()})
 
     def _finish_all(self, timeout: float | None) -> None:
         for b in range(self._next, len(self._handles)):
