@@ -289,7 +289,8 @@ def _print_summary(summary: dict[str, Any], times: Any, imbalance: Any, out: Any
     if "checkpoints" in summary:
         c = summary["checkpoints"]
         print(f"checkpoints: {c['written']} written to {c['folder']} ({c['seconds']:.2f} s on rank 0)")
-    print(f"\nwrote {out}/returns.png, {out}/events.jsonl, {out}/history.jsonl, {out}/summary.json")
+    print(f"\nwrote {out}/returns.png, {out}/events.jsonl, {out}/history.jsonl, {out}/summary.json, {out}/tb/ "
+          f"(tensorboard --logdir), {out}/trace.json (https://ui.perfetto.dev)")
 
 
 def main(argv: list[str] | None = None) -> None:
