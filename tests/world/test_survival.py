@@ -98,7 +98,7 @@ def test_a_checkpoint_torn_by_a_killed_rank_is_never_loaded(tmp_path):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("mode", ["sync", "async-comm"])
+@pytest.mark.parametrize("mode", ["async-comm"])  # sync takes the same path, collecting at once (unit-tested)
 def test_the_buffer_service_carries_on_through_a_lost_agent(mode):
     """The manager keeps its store through the re-form; the surviving agent's batches are all stored,
     each once; the restarted agent is served again from its first batch."""
