@@ -34,6 +34,7 @@ _LAZY = {
     "topology.roles": ("Roles", "assign_roles"),
     "observe.timing": ("gather_timings", "report_timings", "report_imbalance"),
     "observe.board": ("Board",),
+    "observe.progress": ("Progress",),
     "core.ops": ("ReduceOp",),
     "core.trace": ("span",),
     "comm.world": ("init", "finalize", "current_world", "World", "Group"),

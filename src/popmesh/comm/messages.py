@@ -52,7 +52,8 @@ def internal_tag(offset: int) -> InternalTag:
     """The reserved tag ``INTERNAL_TAG_BASE + offset`` (0 <= offset < 1024), accepted by send/recv.
 
     Offsets 0-63 belong to the replay-buffer service (:data:`BUFFERS_TAGS`), 64-127 to population
-    policies (:data:`POPULATION_TAGS`); the rest is free for future services.
+    policies (:data:`POPULATION_TAGS`), 128-191 to ``popmesh.observe`` (progress reports); the rest
+    is free for future services.
     """
     if not 0 <= offset < TAG_LIMIT - INTERNAL_TAG_BASE:
         raise ConfigError(f"internal tag offset {offset} is outside [0, {TAG_LIMIT - INTERNAL_TAG_BASE})")

@@ -281,6 +281,9 @@ def _print_summary(summary: dict[str, Any], times: Any, imbalance: Any, out: Any
           + (f"rank {reached['rank']} after {reached['agent_steps']:,} steps" if reached else "not reached"))
     print_report(times)
     print_report(imbalance)
+    if summary["config"]["policy"] in ("async", "none"):
+        print(f"(the {summary['config']['policy']} policy never makes a rank wait for another: 'waiting' above is "
+              "what a run that synchronised every iteration would have spent waiting for its slowest rank)")
     for event in summary.get("restarts", ()):
         print(f"rank {event['rank']} was lost and rejoined after {event['downtime_s']:.1f} s at iteration "
               f"{event['iteration']}, seeded by mean({', '.join(f'rank {d}' for d in event['donors'])})")

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import popmesh
 import popmesh.compat.omnisafe as omnisafe
 from popmesh import CollectiveMismatch, ConfigError, NotInGroup, ReduceOp
 from popmesh.observe.stats import gather_rows, mean_std, reduce_value
@@ -223,6 +224,24 @@ def omnisafe_setup_distributed_shares_cores(w):
     lines = printed.getvalue().splitlines()
     assert len(lines) == (1 if w.is_main else 0), lines
     torch.set_num_threads(1)
+
+
+@check
+def progress_reports_reach_rank_0(w):
+    """popmesh.Progress: every rank reports its steps; after close() rank 0 has each rank's last step and
+    numbers (the throttled-away last update too) and prints one line naming all of them."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        progress = popmesh.Progress(total=40, title="loop", live=False, send_every_s=10.0, final_wait_s=20.0)
+        for step in range(1, 41):
+            progress.update(step, loss=1.0 / step, rank_value=w.rank + 1)
+        progress.close()
+    if w.rank != 0:
+        return
+    assert sorted(progress.rows) == list(range(w.size)), progress.rows
+    assert all(row["step"] == 40 and row["rank_value"] == r + 1 for r, row in progress.rows.items()), progress.rows
+    last = out.getvalue().strip().splitlines()[-1]
+    assert last.startswith("[loop] r0 step 40/40 (100%)") and f"r{w.size - 1} step 40/40" in last, last
 
 
 if __name__ == "__main__":
