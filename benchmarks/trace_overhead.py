@@ -17,10 +17,9 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import launch_json, write_result
+from _common import launch_json, median_time, write_result
 from grad_sync import BATCH, WIDTH, build_model
 
 ROUNDS = int(os.environ.get("TRACE_ROUNDS", "9"))
@@ -29,15 +28,11 @@ SMALL = int(os.environ.get("TRACE_SMALL", "300"))
 
 
 def _median_each(fn, reps: int) -> float:
+    """Median seconds of ``fn`` over ``reps`` calls, started together on every rank."""
     import popmesh
 
     popmesh.barrier()
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+    return median_time(fn, reps, warmup=0)
 
 
 def worker() -> None:

@@ -321,3 +321,20 @@ def test_loopback_tables_hold_only_tags_in_use():
     assert all(h.wait(5)[1].tobytes() == b"x" for h in handles)
     assert p2p.memory() == {"posted_tags": 0, "local_frames": 0}
     assert p2p._posted == {} and p2p._local == {}
+
+
+def test_every_service_tag_is_its_own_and_in_its_range():
+    """The reserved tags of popmesh's services never meet: each is distinct and inside its service's range."""
+    from popmesh.buffers import protocol
+    from popmesh.comm.guard import MISMATCH_TAG
+    from popmesh.engines.p2p_base import HEARTBEAT_TAG
+    from popmesh.observe.progress import PROGRESS_TAG
+    from popmesh.population.async_protocol import MAX_INSTANCES, channels
+
+    population = [t for i in range(MAX_INSTANCES) for t in channels(i).__dict__.values()]
+    buffers = [protocol.REQUEST_TAG, protocol.SCORE_TAG, protocol.METADATA_TAG, protocol.COORDINATOR_TAG,
+               protocol.STATS_TAG]
+    tags = [*buffers, *population, MISMATCH_TAG, PROGRESS_TAG, HEARTBEAT_TAG]
+    assert len(set(tags)) == len(tags)
+    assert all(t in m.BUFFERS_TAGS for t in buffers) and all(t in m.POPULATION_TAGS for t in population)
+    assert MISMATCH_TAG in m.GUARD_TAGS and PROGRESS_TAG in m.OBSERVE_TAGS

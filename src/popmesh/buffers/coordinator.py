@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from popmesh.buffers.baselines import reduce_baselines
-from popmesh.buffers.manager import Outgoing, next_message, send_outgoing
+from popmesh.buffers.manager import Outgoing, next_message, reform_service, send_outgoing
 from popmesh.buffers.protocol import (
     COORDINATOR_TAG,
     REQUEST_TAG,
@@ -167,10 +167,7 @@ class Coordinator:
         managers = lost & set(self.managers)
         if comm.world.restarts_lost_ranks:
             logger.warning("replay-buffer coordinator: rank(s) %s lost; re-forming the world", sorted(lost))
-            fresh = comm.world.reform()
-            if self.roles is not None:
-                self.roles.rebuild()
-            for rank in set(fresh) & set(self.managers):  # a restarted manager starts empty
+            for rank in reform_service(comm.world, self.roles) & set(self.managers):  # restarted: starts empty
                 self.exited.discard(rank)
                 self.baselines.pop(rank, None)
             return []

@@ -62,7 +62,7 @@ from popmesh.core.errors import CommTimeout, ConfigError, PeerFailure, PopmeshEr
 from popmesh.core.timeouts import check_timeout, resolve_timeout
 
 __all__ = ["ReplayBufferManager", "ManagerStats", "Outgoing", "ScoringFunction", "next_message", "novelty_score",
-           "send_outgoing"]
+           "reform_service", "send_outgoing"]
 
 logger = logging.getLogger(__name__)
 _AGENT_REQUESTS = (MessageType.DATA, MessageType.GET_METADATA, MessageType.EXIT)
@@ -337,10 +337,7 @@ class ReplayBufferManager:
             for rank in sorted(lost & self.served):
                 self.stats.lost[rank] += 1
             logger.warning("replay-buffer manager %s: rank(s) %s lost; re-forming the world", comm.rank, sorted(lost))
-            fresh = world.reform()
-            if self.roles is not None:
-                self.roles.rebuild()
-            for rank in set(fresh) & self.served:  # a restarted agent starts over: new process, new seqs
+            for rank in reform_service(world, self.roles) & self.served:  # restarted: new process, new seqs
                 self.exited.discard(rank)
                 self._answered.pop(rank, None)
             return []  # the old generation's sends went with it
@@ -376,6 +373,15 @@ class ReplayBufferManager:
         except ProtocolError as e:
             return [self.error_reply(src, f"malformed request from rank {src}: {e}")]
         return self.handle(src, message)
+
+
+def reform_service(world: Any, roles: Any) -> set[int]:
+    """A service's part of a re-form: the world's next generation, then the groups of the ``roles`` it
+    was made from (None: none), as every other rank makes them; the ranks that joined as new processes."""
+    fresh = world.reform()
+    if roles is not None:
+        roles.rebuild()
+    return set(fresh)
 
 
 def next_message(comm: Comm, group: Comm | None, limit: float, tag: int = REQUEST_TAG) -> tuple[int, Any]:

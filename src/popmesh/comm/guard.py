@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from popmesh.comm.messages import internal_tag, isend, recv
+from popmesh.comm.messages import GUARD_TAGS, INTERNAL_TAG_BASE, internal_tag, isend, recv
 from popmesh.comm.reduction import first_element, set_first_
 from popmesh.comm.signature import (
     Form,
@@ -48,7 +48,7 @@ StartBody = Callable[[list[Any]], Pending]  # issues the payload and returns at 
 
 _isfinite = math.isfinite
 _READERS = {"float32": ctypes.c_float, "float64": ctypes.c_double}  # element 0 of a CPU tensor, read in place
-MISMATCH_TAG = internal_tag(128)  # each rank's description of a mismatched call
+MISMATCH_TAG = internal_tag(GUARD_TAGS.start - INTERNAL_TAG_BASE)  # each rank's description of a mismatched call
 _SIGNATURES: dict[Any, tuple[int, str]] = {}  # a call's key -> (signature, description)
 _CACHE_LIMIT = 1 << 16
 
@@ -105,12 +105,11 @@ def checked(comm: Any, key: Any, describe: Callable[[], str], arrays: list[Any],
     if carried is not None:
         return settle(comm, carried, body(arrays, timeout), timeout, what, writes_input)
     sig, text = _prologue(history, key, describe, what)
+    form = history.carried  # the prediction, where it carries its check
+    if form is not None:
+        return _carried(comm, history, sig, form.signature, form, text, arrays, body, timeout, what, carry,
+                        writes_input, key=key)
     predicted = history.after.get(history.last, 0)
-    if predicted:
-        form = history.forms[predicted]
-        if form.sentinel is not None:
-            return _carried(comm, history, sig, predicted, form, text, arrays, body, timeout, what, carry,
-                            writes_input, key=key)
     engine = comm.world.engine
     overlap = engine.tuning.overlap_from_bytes
     hit = sig == predicted and (overlap == 0 or sum(int(a.nbytes) for a in arrays) >= overlap)
@@ -184,11 +183,12 @@ def start_checked(comm: Any, key: Any, describe: Callable[[], str], arrays: list
     calls already in flight): ``key`` and ``describe`` must tell them from blocking calls."""
     history: History = comm.history
     sig, text = _prologue(history, key, describe, what)
-    predicted = predict(history)
-    if predicted and history.forms[predicted].sentinel is not None:  # a miss of a carried prediction
-        _carried(comm, history, sig, predicted, history.forms[predicted], text, arrays, _no_payload, timeout,
+    carried = history.carried
+    if carried is not None:  # a miss of a carried prediction
+        _carried(comm, history, sig, carried.signature, carried, text, arrays, _no_payload, timeout,
                  what, None, False, key=key, replay=lambda a, t: start(a).wait(t))
         return start(arrays)
+    predicted = predict(history)
     word = np.array([guard_word(sig)], dtype=np.int64)
     guard = comm.world.engine.all_reduce_start(word, ReduceOp.SUM, comm.handle)
     if sig == predicted:
@@ -226,7 +226,6 @@ class _Guarded:
                 self._body.wait(timeout)  # the other ranks complete it with zeros
                 history: History = self._comm.history
                 if history.issued != self._number:  # later calls went out predicted from this one
-                    history.carried = None
                     history.broken = (f"a mismatch ({self._text} on this rank) was found while later calls of "
                                       "the group were in flight")
                 raise _mismatch(self._comm, history, True, self._predicted, self._text, self._what, timeout,
@@ -239,7 +238,8 @@ def _prologue(history: History, key: Any, describe: Callable[[], str], what: str
     if history.broken is not None:
         raise CollectiveMismatch(f"{what}: this group cannot be used any more: {history.broken}")
     history.issued += 1
-    return signature_of(key, describe)
+    known = _SIGNATURES.get(key)  # inline: small calls' latency is spent on this path
+    return known if known is not None else signature_of(key, describe)
 
 
 def _mismatch(comm: Any, history: History, issued: bool, predicted: int, text: str, what: str,

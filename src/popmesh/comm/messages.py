@@ -35,13 +35,16 @@ from popmesh.engines.p2p_base import TAG_LIMIT
 from popmesh.wire import decode, encode_message
 
 __all__ = [
-    "INTERNAL_TAG_BASE", "TAG_LIMIT", "BUFFERS_TAGS", "POPULATION_TAGS", "InternalTag", "internal_tag",
+    "INTERNAL_TAG_BASE", "TAG_LIMIT", "BUFFERS_TAGS", "POPULATION_TAGS", "GUARD_TAGS", "OBSERVE_TAGS",
+    "InternalTag", "internal_tag",
     "FrameError", "SendHandle", "RecvHandle", "send", "recv", "isend", "irecv", "on_arrival",
 ]
 
 INTERNAL_TAG_BASE = TAG_LIMIT - 1024
 BUFFERS_TAGS = range(INTERNAL_TAG_BASE, INTERNAL_TAG_BASE + 64)
 POPULATION_TAGS = range(INTERNAL_TAG_BASE + 64, INTERNAL_TAG_BASE + 128)
+GUARD_TAGS = range(INTERNAL_TAG_BASE + 128, INTERNAL_TAG_BASE + 192)
+OBSERVE_TAGS = range(INTERNAL_TAG_BASE + 192, INTERNAL_TAG_BASE + 256)
 
 
 class InternalTag(int):
@@ -52,8 +55,8 @@ def internal_tag(offset: int) -> InternalTag:
     """The reserved tag ``INTERNAL_TAG_BASE + offset`` (0 <= offset < 1024), accepted by send/recv.
 
     Offsets 0-63 belong to the replay-buffer service (:data:`BUFFERS_TAGS`), 64-127 to population
-    policies (:data:`POPULATION_TAGS`), 128-191 to ``popmesh.observe`` (progress reports); the rest
-    is free for future services.
+    policies (:data:`POPULATION_TAGS`), 128-191 to the collectives' mismatch guard (:data:`GUARD_TAGS`),
+    192-255 to ``popmesh.observe`` (:data:`OBSERVE_TAGS`); the rest is free for future services.
     """
     if not 0 <= offset < TAG_LIMIT - INTERNAL_TAG_BASE:
         raise ConfigError(f"internal tag offset {offset} is outside [0, {TAG_LIMIT - INTERNAL_TAG_BASE})")

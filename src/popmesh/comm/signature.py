@@ -145,7 +145,7 @@ def advance(history: History, signature: int) -> None:
 
 def _carried_prediction(history: History) -> Form | None:
     form = history.forms.get(history.after.get(history.last, 0))
-    return form if form is not None and form.sentinel is not None and history.broken is None else None
+    return form if form is not None and form.sentinel is not None else None
 
 
 def record(history: History, signature: int, form: Form | Callable[[], Form]) -> None:

@@ -184,7 +184,7 @@ def _align(world: Any, timeout: float) -> tuple[int, int, bool]:
         return 0, time.time_ns(), True
     if world.generation > 0:  # a re-formed world: its survivors are not in start_trace with us
         return 0, 0, world.hostname == world.hostnames[0]
-    engine = world.engine.inner if isinstance(world.engine, TracedEngine) else world.engine
+    engine = world.engine  # never a TracedEngine here: start() refuses while tracing is on
     stamps = np.zeros(ALIGN_ROUNDS + 1, dtype=np.int64)
     for k in range(ALIGN_ROUNDS):
         engine.barrier(world.handle, timeout)
@@ -205,11 +205,7 @@ def start(world: Any, directory: str | os.PathLike[str], *, capacity: int = trac
     """
     if trace.ACTIVE is not None:
         raise ConfigError(f"tracing is already on (into {trace.ACTIVE.directory}): call stop_trace() first")
-    folder = Path(directory)
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"cannot create the trace folder {folder} ({e.strerror}): give a writable folder") from e
+    folder = trace.trace_folder(directory)
     with contextlib.suppress(FileNotFoundError):
         trace.rank_file(folder, world.rank).unlink()  # a file of an earlier run must not be merged with ours
     offset, run, aligned = _align(world, world.default_timeout if timeout is None else timeout)
@@ -262,7 +258,7 @@ def stop(world: Any, *, merge: bool | None = None) -> Path | None:
         merge = os.environ.get(LAUNCHER_MERGES_ENV) != "launcher"
     if not merge:
         return own
-    if recorder.rank == 0 and not trace.all_ranks_written(recorder.directory, recorder.size):
+    if recorder.rank == 0:
         trace.wait_for_ranks(recorder.directory, recorder.size, MERGE_WAIT_S)
     if recorder.rank == 0 or trace.all_ranks_written(recorder.directory, recorder.size):
         return trace.merge_traces(recorder.directory) or own

@@ -28,7 +28,7 @@ from popmesh.core.errors import ConfigError
 
 __all__ = [
     "ACTIVE", "Recorder", "span", "record", "rank_file", "read_rank_file", "chrome_events", "merge_traces",
-    "all_ranks_written", "wait_for_ranks", "DEFAULT_CAPACITY", "MERGED_NAME", "TRACE_ENV",
+    "all_ranks_written", "wait_for_ranks", "trace_folder", "DEFAULT_CAPACITY", "MERGED_NAME", "TRACE_ENV",
 ]
 
 TRACE_ENV = "POPMESH_TRACE"  # the folder every rank's init() traces into (set by `popmesh launch --trace`)
@@ -201,6 +201,16 @@ def merge_traces(directory: str | os.PathLike[str], out: str | os.PathLike[str] 
     path = Path(out) if out is not None else folder / MERGED_NAME
     _write_json(path, {"traceEvents": chrome_events(ranks), "displayTimeUnit": "ms", "metadata": meta})
     return path
+
+
+def trace_folder(directory: str | os.PathLike[str]) -> Path:
+    """``directory`` as a Path, created if need be; ConfigError naming it if it cannot be."""
+    folder = Path(directory)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"cannot create the trace folder {folder} ({e.strerror}): give a writable folder") from e
+    return folder
 
 
 def all_ranks_written(directory: str | os.PathLike[str], size: int) -> bool:

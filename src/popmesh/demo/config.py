@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from popmesh.core.errors import ConfigError
 from popmesh.demo.learner import Hyper
+from popmesh.demo.outputs import history_file
 
 __all__ = ["POLICIES", "STRATEGIES", "LR_RANGE", "DemoConfig", "explore_lr", "rank_hyper", "rank_seed", "sample_lr"]
 
@@ -65,9 +65,8 @@ class DemoConfig:
             raise ConfigError("--max-restarts needs --engine torch: an MPI world cannot take a restarted rank back")
         if self.kill:
             self.kill_at()
-        if self.baseline and not (Path(self.baseline) / "history.jsonl").is_file():
-            raise ConfigError(f"--baseline {self.baseline}: no history.jsonl there (give a run folder that popmesh "
-                              "demo wrote)")
+        if self.baseline:
+            history_file(self.baseline)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -13,7 +13,7 @@ from typing import Any
 from popmesh.core.errors import ConfigError
 
 __all__ = ["new_run_dir", "steps_to_target", "write_jsonl", "write_summary", "plot_returns", "read_history",
-           "best_curve"]
+           "history_file", "best_curve"]
 
 
 def new_run_dir(root: str | Path) -> Path:
@@ -52,12 +52,17 @@ def write_summary(path: Path, summary: dict[str, Any]) -> None:
     path.write_text(json.dumps(summary, indent=2, default=float) + "\n")
 
 
-def read_history(run: str | Path) -> list[dict[str, Any]]:
-    """The rows of an earlier run's ``history.jsonl`` (``run``: its folder); ConfigError if it has none."""
+def history_file(run: str | Path) -> Path:
+    """An earlier run's ``history.jsonl`` (``run``: its folder); ConfigError if it has none."""
     path = Path(run) / "history.jsonl"
     if not path.is_file():
         raise ConfigError(f"--baseline {run}: no history.jsonl there (give a run folder that popmesh demo wrote)")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return path
+
+
+def read_history(run: str | Path) -> list[dict[str, Any]]:
+    """The rows of an earlier run's ``history.jsonl`` (``run``: its folder); ConfigError if it has none."""
+    return [json.loads(line) for line in history_file(run).read_text().splitlines() if line.strip()]
 
 
 def best_curve(history: Sequence[dict[str, Any]]) -> tuple[list[int], list[float]]:

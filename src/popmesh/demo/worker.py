@@ -122,6 +122,14 @@ def _train(world: Any, config: DemoConfig, learner: CartPoleLearner, policy: Any
     iteration, started, first_steps = start, time.monotonic(), learner.total_steps
     per_iteration = learner.hyper.rollout * learner.hyper.num_envs
     kill = config.kill_at()
+
+    def recover(error: PeerFailure) -> Any:
+        """The policy to go on with after ``error``, once the world re-formed (or ``error`` again)."""
+        if not config.max_restarts or isinstance(error, PeerClosed):
+            raise error
+        with timer.section("re-forming"):
+            return _survive(world, config, learner, policy, reporter, iteration, out, checkpoints)
+
     while learner.total_steps < config.steps and not reporter.should_stop():
         if kill == (world.rank, iteration) and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
             os.kill(os.getpid(), signal.SIGKILL)  # --kill: the demonstration's lost rank
@@ -137,20 +145,14 @@ def _train(world: Any, config: DemoConfig, learner: CartPoleLearner, policy: Any
                     checkpoints.save(iteration, learner.checkpoint(iteration, {"policy": state}))
                 reporter.agree_at_checkpoint()
         except PeerFailure as e:
-            if not config.max_restarts or isinstance(e, PeerClosed):
-                raise
             iteration = learner.total_steps // per_iteration
-            with timer.section("re-forming"):
-                policy = _survive(world, config, learner, policy, reporter, iteration, out, checkpoints)
+            policy = recover(e)
     while True:  # the run ends whole: every rank, a restarted one too, meets here in one generation
         try:
             popmesh.barrier(group=world)
             return policy
         except PeerFailure as e:  # a loss this rank had not seen before its last iteration
-            if not config.max_restarts or isinstance(e, PeerClosed):
-                raise
-            with timer.section("re-forming"):
-                policy = _survive(world, config, learner, policy, reporter, iteration, out, checkpoints)
+            policy = recover(e)
 
 
 def _iterate(world: Any, config: DemoConfig, learner: CartPoleLearner, policy: Any, reporter: Reporter,

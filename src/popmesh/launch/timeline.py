@@ -13,20 +13,14 @@ from pathlib import Path
 from typing import TextIO
 
 from popmesh.comm.tracing import LAUNCHER_MERGES_ENV
-from popmesh.core.errors import ConfigError
-from popmesh.core.trace import TRACE_ENV, merge_traces
+from popmesh.core.trace import TRACE_ENV, merge_traces, trace_folder
 
 __all__ = ["trace_env", "merge_after_exit"]
 
 
 def trace_env(directory: str) -> dict[str, str]:
     """The ranks' variables that make them trace into ``directory`` (created here, made absolute)."""
-    folder = Path(directory).resolve()
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"--trace {directory}: cannot create the folder ({e.strerror}); give a writable one") from e
-    return {TRACE_ENV: str(folder), LAUNCHER_MERGES_ENV: "launcher"}
+    return {TRACE_ENV: str(trace_folder(Path(directory).resolve())), LAUNCHER_MERGES_ENV: "launcher"}
 
 
 def merge_after_exit(directory: str, err: TextIO) -> Path | None:

@@ -22,7 +22,7 @@ from popmesh.core.errors import ConfigError, PopmeshError
 
 __all__ = ["Progress", "PROGRESS_TAG"]
 
-PROGRESS_TAG = messages.internal_tag(128)  # popmesh.observe's reserved range starts at offset 128
+PROGRESS_TAG = messages.internal_tag(messages.OBSERVE_TAGS.start - messages.INTERNAL_TAG_BASE)
 
 
 class Progress:

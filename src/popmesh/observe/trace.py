@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from popmesh.core.errors import ConfigError
+from popmesh.core.trace import MERGED_NAME
 from popmesh.observe.reports import ImbalanceReport, imbalance_report
 
 __all__ = ["load_trace", "span_timings", "imbalance_from_trace", "PHASE_CATEGORIES"]
@@ -29,7 +30,7 @@ Trace = Mapping[str, Any] | str | os.PathLike[str]
 def load_trace(path: str | os.PathLike[str]) -> dict[str, Any]:
     """A merged trace file (``trace.json``) as a dict with ``traceEvents``; ConfigError if it is not one."""
     folder = Path(path)
-    file = folder / "trace.json" if folder.is_dir() else folder
+    file = folder / MERGED_NAME if folder.is_dir() else folder
     try:
         data = json.loads(file.read_text())
     except (OSError, ValueError) as e:
