@@ -40,6 +40,7 @@ class Reporter:
         self.at_checkpoints = at_checkpoints
         self._agreed = False
         self.history: list[dict[str, Any]] = []
+        self.own: list[dict[str, Any]] = []  # this rank's rows: gathered at the end (see complete_history)
         self.events: list[dict[str, Any]] = []
         self.reached: dict[str, Any] | None = None
         self._sends: deque[Any] = deque()
@@ -52,6 +53,7 @@ class Reporter:
         """Report this rank's latest iteration (and replacement, if one happened); log it to this rank's
         TensorBoard run."""
         self._log(row, event)
+        self.own.append(row)
         if self.world.is_main:
             self._ingest(row, event)
             self.drain()
@@ -72,6 +74,15 @@ class Reporter:
         if event is not None:
             text = describe_event(event["rank"], event["donors"], event["weights"], event["strategy"])
             self.board.text("population/replacements", f"iteration {event['iteration']}: {text}", step)
+
+    def complete_history(self, rows_by_rank: list[list[dict[str, Any]]]) -> None:
+        """Rank 0, at the end: add every rank's own rows (gathered) to the streamed history. Rows sent
+        while the world re-formed can be lost with the old generation; the streamed ones keep the rows
+        of a process that was lost. Each row once, in time order."""
+        seen = {(r["rank"], r["iteration"], r["time"]) for r in self.history}
+        for rows in rows_by_rank:
+            self.history.extend(r for r in rows if (r["rank"], r["iteration"], r["time"]) not in seen)
+        self.history.sort(key=lambda r: r["time"])
 
     def flush(self, timeout: float = 5.0) -> None:
         """Before this rank leaves a generation: wait until rank 0 has its rows (they would be lost with

@@ -250,11 +250,13 @@ def _finish(world: Any, config: DemoConfig, learner: CartPoleLearner, reporter: 
             checkpoints: Checkpointer | None = None) -> dict[str, Any] | None:
     finals = popmesh.gather_object({"rank": world.rank, "steps": learner.total_steps,
                                     "mean_return": None if math.isnan(learner.mean_return()) else learner.mean_return(),
-                                    "lr": learner.learning_rate(), "entropy": learner.hyper.entropy}, dst=0)
+                                    "lr": learner.learning_rate(), "entropy": learner.hyper.entropy,
+                                    "rows": reporter.own}, dst=0)
     times = report_timings(timer, group=world, show=False)
     imbalance = report_imbalance(timer, group=world, show=False)
     if not world.is_main:
         return None
+    reporter.complete_history([agent.pop("rows") for agent in finals])
     survival = [e for e in reporter.events if "kind" in e]
     summary = {"config": config.to_dict(), "agents": finals, "reached_target": reporter.reached,
                "replacements": len(reporter.events) - len(survival), "engine": world.engine_name,
