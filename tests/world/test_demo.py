@@ -115,7 +115,7 @@ def test_demo_population_carries_on_when_a_rank_is_lost(tmp_path):
     assert summary["replacements"] == len(events) - 2
     assert "rank 1 was lost and rejoined after" in done.stdout
     rows = [json.loads(line) for line in (run / "history.jsonl").read_text().splitlines()]
-    for rank in (0, 2):  # the survivors' iterations ran on, none repeated (a row may be lost at the re-form)
+    for rank in (0, 2):  # the survivors' iterations ran on, none repeated
         its = [r["iteration"] for r in rows if r["rank"] == rank]
         assert its == sorted(set(its)) and len(its) >= 14, its
     newest = latest_checkpoint(run / "checkpoints")
