@@ -9,10 +9,14 @@ Model: 100 Linear(316, 316) layers = 200 parameter tensors, 10.0 M float32 eleme
   flatten        torch.cat the gradients, one raw all-reduce, divide, copy back
   flat floor     one raw all-reduce of an already-flat 40 MB buffer (the engine's floor)
 
-and, on gloo, a full training step (zero_grad, forward, backward, sync, SGD step) with
-GradientSync(overlap=True) against torch DDP. ``--sweep`` also times GradientSync at several caps,
-and the raw engine on the 40 MB in pieces, one call after another vs all queued at once (the
-measurements behind each engine adapter's ``tuning``: bucket cap and reductions in flight).
+and a full training step (zero_grad, forward, backward, sync, SGD step): on gloo, GradientSync
+against torch DDP; on MPI, GradientSync over MPICH (shared memory on one box) against torch DDP over a
+gloo process group that the same MPI ranks open beside it, so both run in one world, interleaved (a
+path DDP cannot take without an MPI-built torch). Each step is also timed by phase (forward,
+backward, sync wait, optimizer). Goal: popmesh-on-MPI step throughput >= 1.5x DDP-on-gloo on 2
+ranks. ``--sweep`` also times GradientSync at several caps, and the raw engine on the 40 MB in
+pieces, one call after another vs all queued at once (the measurements behind each engine adapter's
+``tuning``: bucket cap and reductions in flight).
 
 Run: .venv/bin/python benchmarks/grad_sync.py [--sweep]   (the driver launches both worlds)
 """
@@ -183,9 +187,63 @@ def step_contenders(world):
     fns = {"step popmesh overlap": make_step(ours, GradientSync(ours, overlap=True))}
     plain = build_model()
     fns["step popmesh no-overlap"] = make_step(plain, GradientSync(plain, overlap=False))
+    if world.engine_name == "mpi":
+        _gloo_beside_mpi(world)
     fns["step DDP"] = make_step(DistributedDataParallel(build_model()))
     fns["step compute only"] = make_step(build_model())
     return fns
+
+
+def _gloo_beside_mpi(world) -> None:
+    """Open torch's default gloo process group in the MPI world's own processes, for DDP."""
+    import torch.distributed as dist
+
+    import popmesh
+
+    port = popmesh.broadcast_object(_free_port() if world.rank == 0 else None, src=0)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=world.rank,
+                            world_size=world.size)
+
+
+def phase_breakdown(world, rounds: int) -> dict[str, dict[str, float]]:
+    """Median seconds per phase of one training step: forward, backward, sync wait, optimizer.
+
+    For DDP the sync happens inside backward (its hooks) and at its end, so its backward includes
+    the sync and its sync wait is 0; GradientSync(overlap=True) starts buckets in backward too and
+    its sync wait is what ``sync()`` still waits for after backward."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    import popmesh
+    from popmesh.torch import GradientSync
+
+    x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(world.rank))
+    ours = build_model()
+    setups = {"popmesh overlap": (ours, GradientSync(ours, overlap=True)),
+              "DDP": (DistributedDataParallel(build_model()), None)}
+    out: dict[str, dict[str, float]] = {}
+    for name, (model, sync) in setups.items():
+        opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+        samples: dict[str, list[float]] = {"forward": [], "backward": [], "sync wait": [], "optimizer": []}
+        for r in range(rounds + 2):
+            popmesh.barrier()
+            opt.zero_grad()
+            t0 = time.perf_counter()
+            loss = model(x).pow(2).mean()
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            if sync is not None:
+                sync()
+            t3 = time.perf_counter()
+            opt.step()
+            t4 = time.perf_counter()
+            if r >= 2:
+                for key, value in zip(samples, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+                    samples[key].append(value)
+        out[name] = {key: statistics.median(values) for key, values in samples.items()}
+    return out
+
 
 
 def worker() -> None:
@@ -203,11 +261,15 @@ def worker() -> None:
         contenders.update(sweep_contenders(world, world.rank))
         contenders.update(pieces_contenders(world, flat))
     rows = interleave(contenders, rounds=ROUNDS)
-    if world.engine_name == "torch":
-        rows.update(interleave(step_contenders(world), rounds=ROUNDS))
+    rows.update(interleave(step_contenders(world), rounds=ROUNDS))
+    phases = phase_breakdown(world, ROUNDS)
     if world.is_main:
-        write_result({"engine": world.engine_name, "rows": rows,
+        write_result({"engine": world.engine_name, "rows": rows, "phases": phases,
                       "params": sum(1 for _ in model.parameters()), "numel": flat.numel()})
+    if world.engine_name == "mpi":
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
     world.finalize()
 
 
@@ -255,10 +317,17 @@ def report(result: dict) -> None:
         print(f"{label:26} {t * 1e3:8.2f}ms {t / floor:7.2f}x {t / per_tensor:12.3f}x")
     if "step DDP" in rows:
         ddp = rows["step DDP"]
-        print(f"\n{'training step':26} {'median':>10} {'/ DDP':>8}")
+        engine = "MPICH" if result["engine"] == "mpi" else "gloo"
+        print(f"\n{'training step':26} {'median':>10} {'/ DDP':>8} {'throughput / DDP':>17}"
+              f"   (popmesh on {engine}, DDP on gloo)")
         for label, t in rows.items():
             if label.startswith("step"):
-                print(f"{label[5:]:26} {t * 1e3:8.2f}ms {t / ddp:7.3f}x")
+                print(f"{label[5:]:26} {t * 1e3:8.2f}ms {t / ddp:7.3f}x {ddp / t:16.2f}x")
+    phases = result.get("phases", {})
+    if phases:
+        print(f"\n{'step phases (median)':26} " + " ".join(f"{k:>11}" for k in next(iter(phases.values()))))
+        for label, parts in phases.items():
+            print(f"{label:26} " + " ".join(f"{v * 1e3:9.2f}ms" for v in parts.values()))
 
 
 def main() -> None:

@@ -44,11 +44,16 @@ class Tuning:
     ``max_in_flight``: how many bucket reductions may run at once (0: all).
     ``overlap_from_bytes``: from which payload size a small collective issued beside another on the
     same group costs less than one issued before it (the mismatch guard of popmesh.comm.guard asks).
+    ``reduce_in_backward``: whether GradientSync(overlap=True) starts bucket reductions during
+    backward (False: its hooks only move gradients into the buckets, and wait() reduces them; for
+    engines that make no progress between their calls, where a reduction started in backward only
+    makes the ranks wait for each other bucket by bucket).
     """
 
     cpu_bucket_cap_bytes: int | None = None
     max_in_flight: int = 0
     overlap_from_bytes: int = 0
+    reduce_in_backward: bool = True
 
 
 @dataclass

@@ -81,7 +81,8 @@ class FlatGrads:
     Contract: the parameters are exactly the ones ``plan`` was made from, in the same order.
     """
 
-    def __init__(self, plan: BucketPlan, params: Named) -> None:
+    def __init__(self, plan: BucketPlan, params: Named, memory: list[torch.Tensor | None] | None = None) -> None:
+        """``memory``: per bucket, a zeroed tensor to use as its buffer (None: a new one)."""
         self.plan = plan
         self.params = [p for _, p in params]
         self.names = [name for name, _ in params]
@@ -92,7 +93,9 @@ class FlatGrads:
         self.bucket_of = [0] * len(self.params)
         for b, bucket in enumerate(plan.buckets):
             like = self.params[bucket.indices[0]]
-            buf = torch.zeros(bucket.numel + len(bucket.indices), dtype=like.dtype, device=like.device)
+            given = memory[b] if memory is not None else None
+            buf = given if given is not None else torch.zeros(bucket.numel + len(bucket.indices), dtype=like.dtype,
+                                                                  device=like.device)
             self.buffers.append(buf)
             self.grad_parts.append(buf[:bucket.numel])
             self.flags.append(buf[bucket.numel:])

@@ -36,6 +36,8 @@ from popmesh.torch.layout import FlatGrads, Named, ParamSource, signature_of, sp
 
 __all__ = ["GradientSync", "default_cap_bytes"]
 
+_LENDABLE = {"float32": 4, "float64": 8}  # bucket dtypes an engine may reduce in shared memory
+
 
 def default_cap_bytes(group: Comm | None = None, device: str = "cpu") -> int:
     """The bucket cap GradientSync uses for parameters on ``device`` over ``group``'s engine: the
@@ -51,7 +53,10 @@ class GradientSync:
     ``module``: an ``nn.Module`` (its parameters with ``requires_grad``), a tensor, or a sequence
     of tensors. ``cap_bytes``: bucket size; None picks a tuned default (:func:`default_cap_bytes`:
     for CPU parameters 16 MiB on gloo and 4 MiB on MPI, else 25 MiB). ``overlap``: start each
-    bucket's reduction during backward.
+    bucket's reduction during backward (on engines that progress only inside their own calls, MPI,
+    backward only moves the gradients into the buckets and ``wait()`` reduces them: ``Tuning``).
+    On MPI with every member on one node the buckets live in a shared-memory window the engine
+    lends, and are reduced there in place (``popmesh.engines.mpi.shared_reduce``).
     ``weak``: hold the module by a weak reference (for caches keyed by the module).
 
     Use::
@@ -78,6 +83,7 @@ class GradientSync:
         self._cap = cap_bytes if cap_bytes is not None else self._default_cap()
         self._in_flight = self._comm.world.engine.tuning.max_in_flight
         self._overlap = bool(overlap)
+        self._reduce_in_backward = self._comm.world.engine.tuning.reduce_in_backward
         self._timeout = None if timeout is None else check_timeout(timeout, what="GradientSync")
         self._grads: FlatGrads | None = None
         self._signature: tuple[Any, ...] = ()
@@ -220,16 +226,14 @@ class GradientSync:
             return
         grads = self._layout()
         b = grads.bucket_of[i]
-        if self._ready[i]:
-            if self._handles[b] is not None:
-                raise ConfigError(
-                    f"GradientSync: a second backward pass reached {grads.names[i]!r} while its bucket was being "
-                    "reduced: call sync() after each backward, or run accumulation passes in sync.no_sync()")
-            return
+        if self._ready[i]:  # its hook fires once per backward: this is a second pass before wait()
+            raise ConfigError(
+                f"GradientSync: a second backward pass reached {grads.names[i]!r} before sync(): call sync() "
+                "after each backward, or run accumulation passes in sync.no_sync()")
         self._ready[i] = True
         grads.attach(i)
         self._left[b] -= 1
-        while self._next < len(self._left) and self._left[self._next] == 0:
+        while self._reduce_in_backward and self._next < len(self._left) and self._left[self._next] == 0:
             self._launch(self._next, self._timeout)
 
     # ---- (re)planning -------------------------------------------------------------------------
@@ -241,12 +245,40 @@ class GradientSync:
             plan = plan_buckets(specs, cap_bytes=self._cap, order="reverse")
             if self._comm.check and self._comm.size > 1:
                 self._agree(plan)
-            self._grads = FlatGrads(plan, params)
+            self._grads = FlatGrads(plan, params, self._lent_buffers(plan))
         self._signature = signature_of(params)
         self._install_hooks()
         for i in range(len(params)):
             self._grads.attach(i)
         self._reset_pass()
+
+    def _lent_buffers(self, plan: BucketPlan) -> list[torch.Tensor | None] | None:
+        """The buckets' buffers in shared memory the engine lends, where it does (MPI, every member on
+        one node: reduced in place there, without MPI's copies), else None. Every member decides
+        alike: the plan is the same and the engine and group are."""
+        lend = getattr(self._comm.world.engine, "lend_shared", None)
+        if lend is None or self._comm.size == 1 or not self._comm.is_member:
+            return None
+        sizes = [(b.numel + len(b.indices)) * _LENDABLE[b.dtype] if b.device == "cpu" and b.dtype in _LENDABLE
+                 else 0 for b in plan.buckets]
+        if not any(sizes):
+            return None
+        offsets = [0]
+        for size in sizes:
+            offsets.append(offsets[-1] + -(-size // 64) * 64)
+        seconds = self._comm.timeout if self._timeout is None else self._timeout
+        memory = lend(self._comm.handle, offsets[-1], seconds)
+        if memory is None:
+            return None
+        buffers: list[torch.Tensor | None] = []
+        for b, size in zip(plan.buckets, sizes):
+            if not size:
+                buffers.append(None)
+                continue
+            start = offsets[len(buffers)]
+            tensor = torch.from_numpy(memory[start:start + size]).view(getattr(torch, b.dtype))
+            buffers.append(tensor.zero_())
+        return buffers
 
     def _agree(self, plan: BucketPlan) -> None:
         numel = sum(s.numel for s in plan.specs)

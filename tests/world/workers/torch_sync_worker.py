@@ -324,5 +324,82 @@ def check_mode_catches_different_models(w):
         w.check_mode = False
 
 
+def large_model():
+    """Buckets of 256 KiB and more: on MPI on one node they are reduced in the engine's shared windows."""
+    torch.manual_seed(3)
+    return torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
+
+
+def lends_shared_windows(w):
+    """Whether this world's buckets live in shared memory (MPI, every rank on this host)."""
+    handle = getattr(w.handle, "shared", None)
+    return handle is not None and handle.lending
+
+
+@check
+def large_buckets_in_shared_memory_equal_per_tensor(w):
+    n, r = w.size, w.rank
+    model = large_model()
+    sync = GradientSync(model, cap_bytes=256 << 10, overlap=True)
+    assert len(sync.plan.buckets) >= 3
+    if w.engine_name == "mpi" and n > 1:
+        assert lends_shared_windows(w), "an MPI world on one host reduces GradientSync's buckets in place"
+    for step in range(3):
+        exact_grads(model, r + step)
+        reference = per_tensor_reference(model, n)
+        model.zero_grad(set_to_none=step % 2 == 0)
+        exact_grads(model, r + step)
+        sync()
+        for p, ref in zip(model.parameters(), reference):
+            assert torch.equal(bits(p.grad), bits(ref)), (step, p.grad.flatten()[:4], ref.flatten()[:4])
+    # after lending, large arrays elsewhere still reduce right (not in a window: MPI's own path),
+    # blocking and started, with waits out of order beside a small blocking call
+    big = torch.full((70_000,), float(r + 1))
+    other = torch.full((50_000,), float(2 * r))
+    first = popmesh.all_reduce_async_(big)
+    second = popmesh.all_reduce_async_(other, op="max")
+    small = popmesh.all_reduce(torch.tensor([r + 1.0]))
+    second.wait()
+    first.wait()
+    assert torch.equal(big, torch.full_like(big, n * (n + 1) / 2)) and small.item() == n * (n + 1) / 2
+    assert torch.equal(other, torch.full_like(other, 2.0 * (n - 1)))
+    exact_grads(model, r)
+    reference = per_tensor_reference(model, n)
+    sync()
+    for p, ref in zip(model.parameters(), reference):
+        assert torch.equal(bits(p.grad), bits(ref))
+
+
+@check
+def sync_against_another_collective_is_a_mismatch(w):
+    """A repeated (predicted) sync on most ranks against another call on one: CollectiveMismatch on
+    every rank, and the group goes on working (also where the bucket lives in shared memory). One
+    bucket: a mismatch found while later buckets are in flight leaves the group unusable."""
+    if w.size == 1:
+        return
+    model = large_model()
+    sync = GradientSync(model, cap_bytes=4 << 20, overlap=False)
+    assert len(sync.plan.buckets) == 1
+    for _ in range(3):
+        exact_grads(model, w.rank)
+        sync()
+    exact_grads(model, w.rank)
+    try:
+        if w.rank == w.size - 1:
+            popmesh.all_reduce(torch.zeros(5))
+        else:
+            sync()
+    except CollectiveMismatch as e:
+        assert f"rank {w.size - 1}" in str(e), str(e)
+    else:
+        raise AssertionError("a sync against another collective must raise CollectiveMismatch")
+    assert popmesh.all_reduce(torch.tensor([1.0])).item() == w.size
+    exact_grads(model, w.rank)
+    reference = per_tensor_reference(model, w.size)
+    sync()
+    for p, ref in zip(model.parameters(), reference):
+        assert torch.equal(bits(p.grad), bits(ref))
+
+
 if __name__ == "__main__":
     main()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -22,10 +22,12 @@ from popmesh.core.ops import ReduceOp
 from popmesh.engines.base import GroupSpec, SnapshotWindow, Tuning, poll_until, timeout_message
 from popmesh.engines.interop import numpy_bytes, torch_bytes
 from popmesh.engines.liveness import start_heartbeat
+from popmesh.engines.mpi.shared_reduce import SHARED_FROM_BYTES, SharedArrays
 
 __all__ = ["MpiEngine"]
 
 _DIAG_TAG = 31_999
+_FREE_GRACE_S = 2.0  # how long finalize waits for the other members to free a shared window together
 
 
 def _import_mpi() -> Any:
@@ -42,6 +44,9 @@ class _Handle:
     comm: Any
     seq: int = 0
     alive: Callable[[], None] | None = None  # raises PeerFailure once the heartbeat found a member failed
+    timeout: float = 300.0  # the world's default: for work a call without a timeout must finish first
+    shared: SharedArrays | None = None  # where every member is on this node: windows GradientSync borrows
+    lazy: list[_LazyShared] = field(default_factory=list)  # started all-reduces that run at their wait
 
 
 class MpiEngine:
@@ -51,11 +56,15 @@ class MpiEngine:
     one_sided = True
     generation = 0  # worlds of this engine never re-form
     newcomers: tuple[int, ...] = ()
-    tuning = Tuning(cpu_bucket_cap_bytes=4 << 20, max_in_flight=1)
+    tuning = Tuning(cpu_bucket_cap_bytes=4 << 20, max_in_flight=1, reduce_in_backward=False)
     """MPICH, measured like gloo's (benchmarks/grad_sync.py --sweep): 4 MiB pieces one after another
     took 0.4x the time of one 40 MB call; larger pieces lose that, smaller ones pay per call. MPI
     progresses only inside MPI calls, and several concurrent non-blocking all-reduces ran 1.2-1.3x
-    slower than the same reductions one after another, so one runs at a time."""
+    slower than the same reductions one after another, so one runs at a time. For the same reason
+    GradientSync reduces at wait(), not in backward: bucket by bucket in backward, each rank waited
+    for the other at every bucket (benchmarks/grad_sync.py's model, 2 ranks, buckets in shared
+    windows, interleaved in one run: a training step took 57.7 ms against 54.3 ms reducing at wait();
+    a second run 70.2 against 65.0 ms)."""
 
     def __init__(self) -> None:
         self._mpi = MPI = _import_mpi()
@@ -64,6 +73,9 @@ class MpiEngine:
         self.rank: int = self._world.Get_rank()
         self.size: int = self._world.Get_size()
         self._node = self._world.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        self._node_ranks = frozenset(self._node.Get_group().Translate_ranks(
+            list(range(self._node.Get_size())), self._world.Get_group()))
+        self._shared: list[_Handle] = []
         self._ops = {ReduceOp.SUM: MPI.SUM, ReduceOp.MAX: MPI.MAX, ReduceOp.MIN: MPI.MIN, ReduceOp.PROD: MPI.PROD}
         self._p2p_comm = self._world.Dup()  # point-to-point messages only (mpi_p2p); collective, so made here
         self._comms: list[Any] = [self._diag, self._node, self._p2p_comm]
@@ -107,30 +119,78 @@ class MpiEngine:
 
     def make_group(self, spec: GroupSpec, timeout: float) -> Any:
         if spec.gid == 0:
-            return _Handle(spec, self._world)
+            return self._with_shared(_Handle(spec, self._world, timeout=timeout))
         mpi_group = self._world.Get_group().Incl(list(spec.ranks))
         comm = self._world.Create(mpi_group)
         mpi_group.Free()
         if comm == self._mpi.COMM_NULL:
             return None
         self._comms.append(comm)
-        return _Handle(spec, comm)
+        return self._with_shared(_Handle(spec, comm, timeout=timeout))
+
+    def _with_shared(self, group: _Handle) -> _Handle:
+        """Give a group whose members all live on this node its shared-memory reducer (every member
+        decides alike: each sees the whole group on its node, or each sees a member elsewhere)."""
+        if len(group.spec.ranks) > 1 and self._node_ranks.issuperset(group.spec.ranks):
+            group.shared = SharedArrays(self._mpi, group.comm, lambda t, what: self._barrier(group, t, what))
+            self._shared.append(group)
+        return group
+
+    def lend_shared(self, group: _Handle, nbytes: int, timeout: float) -> np.ndarray | None:
+        """``nbytes`` of this member's copy of a new shared window over ``group`` (collective), or None
+        where the group spans nodes: arrays placed there are reduced in place (shared_reduce)."""
+        if group.shared is None:
+            return None
+        self._flush(group)
+        return group.shared.lend(nbytes, timeout)
 
     # ---- collectives -------------------------------------------------------------------------
     def all_reduce_(self, buf: Any, op: ReduceOp, group: _Handle, timeout: float) -> None:
+        if group.lazy:
+            self._flush(group, timeout)
         if type(buf) is np.ndarray and buf.dtype.itemsize != 2:
             # The common case (no staging, no widening): small-message latency lives here.
-            req = group.comm.Iallreduce(self._mpi.IN_PLACE, buf, op=self._ops[op])
-            self._wait(req, group, timeout, "all_reduce")
+            if group.shared is not None and buf.nbytes >= SHARED_FROM_BYTES and group.shared.lending:
+                group.shared.all_reduce_(buf, op, timeout, lambda a, o, t: self._mpi_all_reduce_(a, o, group, t))
+                return
+            self._mpi_all_reduce_(buf, op, group, timeout)
             return
-        self.all_reduce_start(buf, op, group).wait(timeout)
-
-    def all_reduce_start(self, buf: Any, op: ReduceOp, group: _Handle) -> _MpiPending:
         arr, finish = self._reducible(buf)
+        if group.shared is not None and arr.nbytes >= SHARED_FROM_BYTES and group.shared.lending:
+            group.shared.all_reduce_(arr, op, timeout, lambda a, o, t: self._mpi_all_reduce_(a, o, group, t))
+        else:
+            self._mpi_all_reduce_(arr, op, group, timeout)
+        finish(arr)
+
+    def _mpi_all_reduce_(self, arr: np.ndarray, op: ReduceOp, group: _Handle, timeout: float) -> None:
+        req = group.comm.Iallreduce(self._mpi.IN_PLACE, arr, op=self._ops[op])
+        self._wait(req, group, timeout, "all_reduce")
+
+    def all_reduce_start(self, buf: Any, op: ReduceOp, group: _Handle) -> _MpiPending | _LazyShared:
+        arr, finish = self._reducible(buf)
+        if group.shared is not None and arr.nbytes >= SHARED_FROM_BYTES and group.shared.lending:
+            # MPI would progress it only inside its wait anyway (no progress thread): it runs there,
+            # in start order, so that its path is chosen with the other members (shared_reduce).
+            pending = _LazyShared(self, group, arr, op, lambda: finish(arr))
+            group.lazy.append(pending)
+            return pending
+        if group.lazy:
+            self._flush(group)
         req = group.comm.Iallreduce(self._mpi.IN_PLACE, arr, op=self._op(op))
         return _MpiPending(self, req, group, lambda: finish(arr))
 
+    def _flush(self, group: _Handle, timeout: float | None = None, upto: _LazyShared | None = None) -> None:
+        """Run the group's started shared all-reduces, oldest first (up to ``upto``), before anything
+        else is issued on the group: every member issues its collectives in the same order."""
+        while group.lazy:
+            pending = group.lazy.pop(0)
+            pending.run(group.timeout if timeout is None else timeout)
+            if pending is upto:
+                return
+
     def all_gather(self, buf: Any, group: _Handle, timeout: float) -> Any:
+        if group.lazy:
+            self._flush(group, timeout)
         staged, _ = _stage(buf)
         out = _empty_like_stacked(staged, group.comm.Get_size())
         req = group.comm.Iallgather(_raw(staged), _raw(out))
@@ -138,12 +198,16 @@ class MpiEngine:
         return _to_device(out, buf)
 
     def broadcast_(self, buf: Any, root: int, group: _Handle, timeout: float) -> None:
+        if group.lazy:
+            self._flush(group, timeout)
         staged, finish = _stage(buf)
         req = group.comm.Ibcast(_raw(staged), root=root)
         self._wait(req, group, timeout, "broadcast")
         finish(staged)
 
     def gather(self, buf: Any, root: int, group: _Handle, timeout: float) -> Any:
+        if group.lazy:
+            self._flush(group, timeout)
         staged, _ = _stage(buf)
         is_root = group.comm.Get_rank() == root
         out = _empty_like_stacked(staged, group.comm.Get_size()) if is_root else None
@@ -152,6 +216,8 @@ class MpiEngine:
         return _to_device(out, buf) if out is not None else None
 
     def reduce_scatter(self, buf: Any, op: ReduceOp, group: _Handle, timeout: float) -> Any:
+        if group.lazy:
+            self._flush(group, timeout)
         arr, _ = self._reducible(buf)
         n = group.comm.Get_size()
         out = np.empty((arr.shape[0] // n,) + arr.shape[1:], dtype=arr.dtype)
@@ -160,7 +226,12 @@ class MpiEngine:
         return _back_to_kind(out, buf)
 
     def barrier(self, group: _Handle, timeout: float) -> None:
-        self._wait(group.comm.Ibarrier(), group, timeout, "barrier")
+        if group.lazy:
+            self._flush(group, timeout)
+        self._barrier(group, timeout, "barrier")
+
+    def _barrier(self, group: _Handle, timeout: float, what: str) -> None:
+        self._wait(group.comm.Ibarrier(), group, timeout, what)
 
     def native_group(self, group: _Handle | None) -> Any:
         """The MPI communicator of ``group`` (``MPI.COMM_NULL`` where this rank is no member)."""
@@ -191,10 +262,25 @@ class MpiEngine:
             self._heartbeat.stop()  # says bye first: its successor stops watching
         if self._p2p is not None:
             self._p2p.close()  # sends in flight complete before their communicator goes
+        self._free_shared()
         for comm in reversed(self._comms):
             if comm != self._mpi.COMM_NULL:
                 comm.Free()
         self._comms = []
+
+    def _free_shared(self) -> None:
+        """Free the shared windows where every member is here to free them too (freeing is collective):
+        a short barrier decides; past it, or with a member lost, the window goes with the process."""
+        for group in self._shared:
+            if group.shared is None or not group.shared.lending:
+                continue
+            try:
+                if self.peer_failure(group.spec.ranks) is None:
+                    self._barrier(group, _FREE_GRACE_S, "finalize")
+                    group.shared.free()
+            except (CommTimeout, PeerFailure):
+                pass
+        self._shared = []
 
     # ---- helpers -----------------------------------------------------------------------------
     def _op(self, op: ReduceOp) -> Any:
@@ -273,6 +359,30 @@ class _MpiPending:
         if self._finished:
             return
         self._engine._wait(self._req, self._group, timeout, "all_reduce")
+        self._complete()
+        self._finished = True
+
+
+class _LazyShared:
+    """An all-reduce on a lending group, started: it runs when it (or a later call of the group) waits."""
+
+    def __init__(self, engine: MpiEngine, group: _Handle, arr: np.ndarray, op: ReduceOp,
+                 complete: Callable[[], None]) -> None:
+        self._engine, self._group, self._arr, self._op, self._complete = engine, group, arr, op, complete
+        self._finished = False
+
+    def done(self) -> bool:
+        return self._finished
+
+    def wait(self, timeout: float) -> None:
+        if not self._finished:
+            self._engine._flush(self._group, timeout, upto=self)
+
+    def run(self, timeout: float) -> None:
+        engine, group = self._engine, self._group
+        assert group.shared is not None
+        group.shared.all_reduce_(self._arr, self._op, timeout,
+                                 lambda a, o, t: engine._mpi_all_reduce_(a, o, group, t))
         self._complete()
         self._finished = True
 
