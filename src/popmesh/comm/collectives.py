@@ -270,10 +270,19 @@ def all_gather_ragged(x: Any, *, group: Comm | None = None, timeout: float | Non
             raise ConfigError("all_gather_ragged needs arrays with a leading dimension; use all_gather for scalars")
     if comm.size == 1:
         return [x]
-    _check(comm, "all_gather_ragged", tree, [_trailing(a) for a in arrays], seconds)
-    shapes = exchange_all_shapes(comm, arrays, "all_gather_ragged", seconds, same_leading=False)
-    per_leaf = [_ragged_leaf(a, comm, seconds, s) for a, s in zip(arrays, shapes)]
-    return [unflatten(tree, [pieces[i] for pieces in per_leaf]) for i in range(comm.size)]
+    trailing = [_trailing(a) for a in arrays]
+
+    def body(bufs: list[Any], t: float) -> list[Any]:
+        shapes = exchange_all_shapes(comm, arrays, "all_gather_ragged", t, same_leading=False)
+        per_leaf = [_ragged_leaf(a, comm, t, s) for a, s in zip(arrays, shapes)]
+        return [unflatten(tree, [pieces[i] for pieces in per_leaf]) for i in range(comm.size)]
+
+    if comm.check:
+        _check(comm, "all_gather_ragged", tree, trailing, seconds)
+        return body(arrays, seconds)
+    text = _describe("all_gather_ragged", "", tree, trailing)
+    return checked(comm, ("all_gather_ragged", text), lambda: text, [], body, seconds, "all_gather_ragged",
+                   beside=False)
 
 
 def _trailing(a: Any) -> Any:
@@ -327,8 +336,26 @@ def _broadcast(x: Any, src: int, group: Comm | None, timeout: float | None, *, i
 def barrier(*, group: Comm | None = None, timeout: float | None = None) -> None:
     """Wait until every rank of the group arrives (CommTimeout names the ranks that did not)."""
     comm, seconds = _setup(group, timeout, "barrier")
-    if comm.size > 1:
+    if comm.size == 1:
+        return
+    if comm.check:
+        agree(comm, "barrier()", "barrier", seconds)
         comm.world.engine.barrier(comm.handle, seconds)
+        return
+    # The guard's own round is an all-reduce, which no rank leaves before every rank joined: the
+    # barrier itself, and a rank calling another collective meanwhile is a CollectiveMismatch.
+    checked(comm, _BARRIER, _describe_barrier, [], _nothing, seconds, "barrier", beside=False)
+
+
+_BARRIER = ("barrier",)
+
+
+def _describe_barrier() -> str:
+    return "barrier()"
+
+
+def _nothing(bufs: list[Any], timeout: float) -> None:
+    return None
 
 
 # ---- objects ----------------------------------------------------------------------------------
@@ -339,8 +366,17 @@ def all_gather_object(obj: Any, *, group: Comm | None = None, timeout: float | N
     raw = encode_object(obj, allow_pickle=allow_pickle)  # also in a world of one: same errors everywhere
     if comm.size == 1:
         return [decode_object(raw, allow_pickle=allow_pickle)]
-    pieces = _ragged_leaf(raw, comm, seconds)
+    pieces = _objects_checked(comm, ("all_gather_object",), lambda t: _ragged_leaf(raw, comm, t), seconds)
     return [decode_object(p, allow_pickle=allow_pickle) for p in pieces]
+
+
+def _objects_checked(comm: Comm, key: tuple[Any, ...], run: Any, seconds: float) -> Any:
+    """An object collective (sizes first, then bytes) once every rank is known to make it too."""
+    text = f"{key[0]}({', '.join(map(str, key[1:]))})"
+    if comm.check:
+        agree(comm, text, key[0], seconds)
+        return run(seconds)
+    return checked(comm, key, lambda: text, [], lambda _, t: run(t), seconds, key[0], beside=False)
 
 
 def gather_object(obj: Any, dst: int = 0, *, group: Comm | None = None, timeout: float | None = None,
@@ -359,8 +395,13 @@ def broadcast_object(obj: Any, src: int = 0, *, group: Comm | None = None, timeo
     if comm.size == 1:
         return obj
     engine = comm.world.engine
-    length = np.array([0 if raw is None else raw.size], dtype=np.int64)
-    engine.broadcast_(length, root, comm.handle, seconds)
-    payload = raw if raw is not None else np.empty(int(length[0]), dtype=np.uint8)
-    engine.broadcast_(payload, root, comm.handle, seconds)
+
+    def run(t: float) -> Any:
+        length = np.array([0 if raw is None else raw.size], dtype=np.int64)
+        engine.broadcast_(length, root, comm.handle, t)
+        payload = raw if raw is not None else np.empty(int(length[0]), dtype=np.uint8)
+        engine.broadcast_(payload, root, comm.handle, t)
+        return payload
+
+    payload = _objects_checked(comm, ("broadcast_object", src), run, seconds)
     return obj if comm.rank == src else decode_object(payload, allow_pickle=allow_pickle)

@@ -94,12 +94,16 @@ def settle(comm: Any, form: Form, result: Any, timeout: float, what: str, writes
 
 
 def checked(comm: Any, key: Any, describe: Callable[[], str], arrays: list[Any], body: Body,
-            timeout: float, what: str, *, carry: Lowering | None = None, writes_input: bool = False) -> Any:
+            timeout: float, what: str, *, carry: Lowering | None = None, writes_input: bool = False,
+            beside: bool = True) -> Any:
     """Run ``body(arrays, timeout)`` on every rank of ``comm`` once the call is known to match.
 
     ``carry``: the call is one reduction of the one array ``arrays[0]`` lowered so, whose result
     ``body`` returns: its payload may carry its own check (:class:`~popmesh.comm.signature.Sentinel`).
-    ``writes_input``: ``body`` writes into the caller's arrays (an in-place call)."""
+    ``writes_input``: ``body`` writes into the caller's arrays (an in-place call).
+    ``beside``: a predicted call may run ``body`` while the guard is in flight. False for bodies of
+    several engine calls whose later calls depend on earlier results (sizes exchanged first): paired
+    with another rank's different call those could ask for absurd memory before the guard answers."""
     history: History = comm.history
     carried = carried_hit(history, key)
     if carried is not None:
@@ -112,7 +116,7 @@ def checked(comm: Any, key: Any, describe: Callable[[], str], arrays: list[Any],
     predicted = history.after.get(history.last, 0)
     engine = comm.world.engine
     overlap = engine.tuning.overlap_from_bytes
-    hit = sig == predicted and (overlap == 0 or sum(int(a.nbytes) for a in arrays) >= overlap)
+    hit = beside and sig == predicted and (overlap == 0 or sum(int(a.nbytes) for a in arrays) >= overlap)
     size = comm.size
     word = np.array([guard_word(sig)], dtype=np.int64)
     guard = engine.all_reduce_start(word, ReduceOp.SUM, comm.handle)

@@ -345,3 +345,42 @@ def gathers_are_checked_like_reductions(w):
     out = popmesh.gather(x, dst=n - 1)
     assert (out is None) == (r != n - 1) and (out is None or out[:, 0].tolist() == [i + 1.0 for i in range(n)])
     still_works(w)
+
+
+@check
+def barrier_ragged_and_objects_are_checked(w):
+    """barrier, all_gather_ragged and the object collectives go through the guard too: against a
+    reduction (MPI used to pair a barrier with an all-reduce and return garbage to it), a predicted
+    one included, against each other, and against another root or trailing shape."""
+    need_ranks(w, 2)
+    n, r = w.size, w.rank
+    x = np.full(4, r + 1.0, dtype=np.float32)
+
+    def reduce():
+        return popmesh.all_reduce(x)
+
+    for other, text in ((popmesh.barrier, "barrier()"),
+                        (lambda: popmesh.all_gather_ragged(np.ones((r + 1, 2))), "all_gather_ragged("),
+                        (lambda: popmesh.all_gather_object({"r": r}), "all_gather_object()"),
+                        (lambda: popmesh.broadcast_object("x", src=0), "broadcast_object(0)")):
+        call = other if odd(w) else reduce
+        expect_mismatch(call, text, "all_reduce(sum)", ranks=range(n))
+        for _ in range(3):
+            reduce()
+            popmesh.barrier()
+        assert predict(w.history) != 0
+        expect_mismatch(call, text, "all_reduce(sum)", ranks=range(n))  # against a prediction
+        still_works(w)
+    call = (lambda: popmesh.all_gather_object(r)) if odd(w) else popmesh.barrier
+    expect_mismatch(call, "barrier()", "all_gather_object()", ranks=range(n))
+    call = (lambda: popmesh.broadcast_object(r, src=n - 1)) if odd(w) else (lambda: popmesh.broadcast_object(r))
+    expect_mismatch(call, "broadcast_object(0)", f"broadcast_object({n - 1})", ranks=range(n))
+    rows = np.ones((r, 3 if odd(w) else 2), dtype=np.float32)
+    expect_mismatch(lambda: popmesh.all_gather_ragged(rows), "all_gather_ragged", ranks=range(n))
+    for _ in range(3):  # and the correct calls work, repeated (predicted)
+        popmesh.barrier()
+        assert popmesh.all_gather_object(r) == list(range(n))
+        assert popmesh.broadcast_object(r, src=n - 1) == n - 1
+        parts = popmesh.all_gather_ragged(np.full((r, 2), r, dtype=np.float32))
+        assert [p.shape[0] for p in parts] == list(range(n))
+    still_works(w)
