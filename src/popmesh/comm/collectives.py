@@ -12,6 +12,7 @@ group of one every collective returns its input.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -21,6 +22,7 @@ from popmesh.comm.fusion import apply_fused, fresh_copy, fuse_groups, is_contigu
 from popmesh.comm.guard import Body, checked, settle
 from popmesh.comm.reduction import engine_view, finish_, lowering_of
 from popmesh.comm.world import Comm, resolve_group
+from popmesh.core import trace
 from popmesh.core.arrays import flatten, is_torch, restore_scalar, to_array, unflatten
 from popmesh.core.errors import ConfigError
 from popmesh.core.ops import Lowering, ReduceOp
@@ -344,7 +346,11 @@ def barrier(*, group: Comm | None = None, timeout: float | None = None) -> None:
         return
     # The guard's own round is an all-reduce, which no rank leaves before every rank joined: the
     # barrier itself, and a rank calling another collective meanwhile is a CollectiveMismatch.
+    recorder = trace.ACTIVE
+    start = time.perf_counter_ns() if recorder is not None else 0
     checked(comm, _BARRIER, _describe_barrier, [], _nothing, seconds, "barrier", beside=False)
+    if recorder is not None:  # the timeline shows a barrier, around the guard's all-reduce
+        recorder.add("barrier", "comm", start, time.perf_counter_ns(), None)
 
 
 _BARRIER = ("barrier",)
