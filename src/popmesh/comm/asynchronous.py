@@ -19,11 +19,13 @@ from popmesh.comm.fusion import fresh_copy, is_contiguous, write_back
 from popmesh.comm.guard import start_checked
 from popmesh.comm.reduction import engine_view, finish_, lowering_of
 from popmesh.comm.world import Comm
-from popmesh.core.arrays import is_torch
+from popmesh.core.arrays import dtype_name, is_torch
 from popmesh.core.handles import Completed, Handle, Pending
 from popmesh.core.ops import ReduceOp
 
 __all__ = ["AsyncHandle", "all_reduce_async", "all_reduce_async_"]
+
+_NATIVE_AVERAGE = frozenset({"float32", "float64"})  # an engine's own average is then bitwise sum-then-divide
 
 
 class AsyncHandle(Handle[Any]):
@@ -52,9 +54,13 @@ def _start(x: Any, op: Any, group: Comm | None, timeout: float | None, *, in_pla
     if comm.size == 1:
         return AsyncHandle(Completed(), seconds, lambda _: x if in_place else buf)
     engine = comm.world.engine
+    # An engine that averages float32/64 itself (MPI's shared windows divide each chunk as they sum
+    # it) saves the pass over the whole buffer that dividing afterwards costs.
+    native = lowering.divide and engine.tuning.averages and dtype_name(x) in _NATIVE_AVERAGE
+    engine_op = ReduceOp.AVG if native else lowering.engine_op
 
     def start(bufs: list[Any]) -> Pending:
-        return engine.all_reduce_start(engine_view(bufs[0], lowering), lowering.engine_op, comm.handle)
+        return engine.all_reduce_start(engine_view(bufs[0], lowering), engine_op, comm.handle)
 
     if comm.check:
         agree(comm, describe_one(reduce_op, x), "all_reduce", seconds)
@@ -65,7 +71,8 @@ def _start(x: Any, op: Any, group: Comm | None, timeout: float | None, *, in_pla
                                 seconds, "all_reduce", writes_input=buf is x)
 
     def finish(_: Any) -> Any:
-        finish_(buf, lowering, comm.size)
+        if not native:
+            finish_(buf, lowering, comm.size)
         if in_place and buf is not x:
             write_back(x, buf)
         return x if in_place else buf

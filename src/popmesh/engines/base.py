@@ -48,12 +48,15 @@ class Tuning:
     backward (False: its hooks only move gradients into the buckets, and wait() reduces them; for
     engines that make no progress between their calls, where a reduction started in backward only
     makes the ranks wait for each other bucket by bucket).
+    ``averages``: ``all_reduce_start`` takes ``ReduceOp.AVG`` for float32/float64 buffers (the sum
+    divided by the group size, to the bit as dividing afterwards would give).
     """
 
     cpu_bucket_cap_bytes: int | None = None
     max_in_flight: int = 0
     overlap_from_bytes: int = 0
     reduce_in_backward: bool = True
+    averages: bool = False
 
 
 @dataclass

@@ -34,9 +34,10 @@ would be a large share of MPI's own latency, and GradientSync's buckets are mega
 
 _ALIGN = 64  # bytes: chunk and bucket boundaries on cache lines, so no two ranks write one line
 _UFUNCS = {ReduceOp.SUM: np.add, ReduceOp.MAX: np.maximum, ReduceOp.MIN: np.minimum,
-           ReduceOp.PROD: np.multiply}
+           ReduceOp.PROD: np.multiply, ReduceOp.AVG: np.add}  # AVG: the sum, then each chunk divided
 _OP_CODES = {op: code for code, op in enumerate(_UFUNCS, start=1)}
 _DTYPES = frozenset(np.dtype(t) for t in (np.float32, np.float64, np.int32, np.int64, np.uint32, np.uint64))
+_FLOATS = frozenset(np.dtype(t) for t in (np.float32, np.float64))
 _HEADER_WORDS = 8  # int64: seq, window (-1: not lent), offset, nbytes, dtype number, op code, 0, 0
 
 
@@ -125,6 +126,8 @@ class SharedArrays:
             ufunc, acc = _UFUNCS[op], copies[0][lo:hi]
             for k in range(1, self._size):
                 ufunc(acc, copies[k][lo:hi], out=acc)
+            if op is ReduceOp.AVG:
+                np.divide(acc, self._size, out=acc)
             for copy in copies[1:]:
                 copy[lo:hi] = acc
         self._meet(timeout)
@@ -139,7 +142,8 @@ class SharedArrays:
 
     def _place(self, arr: np.ndarray, op: ReduceOp) -> tuple[int, int, int, int, int, int, int] | None:
         """Where ``arr`` lives in a lent window of this member: (window, offset, nbytes, dtype, op, 0, 0)."""
-        if op not in _UFUNCS or arr.dtype not in _DTYPES or not arr.flags.c_contiguous:
+        if (op not in _UFUNCS or arr.dtype not in _DTYPES or not arr.flags.c_contiguous
+                or (op is ReduceOp.AVG and arr.dtype not in _FLOATS)):
             return None
         start = arr.__array_interface__["data"][0]
         for index, window in enumerate(self._windows):
