@@ -38,7 +38,7 @@ def test_small_frames_are_the_general_frames_bytes(payload):
 
 def test_golden_frame_through_the_fast_path():
     frame = encode_message(np.arange(6, dtype="<i4").reshape(2, 3))
-    assert frame.hex().startswith("504d53480102010400020000" "3df80c85" "1800000000000000" "00000000" "24d2f17d")
+    assert frame.hex().startswith("504d53480202010400020000" "54582d2debab3259" "1800000000000000" "9e7a6967")
 
 
 @pytest.mark.parametrize("payload", [
@@ -88,8 +88,8 @@ def test_corrupt_small_frames_raise_like_the_general_path(payload):
     bad = [
         frame[:-1], frame + b"\0", frame[:20],
         _corrupt(frame, 0, ord("X")),  # magic
-        _corrupt(frame, 4, 2),  # version
-        _corrupt(frame, 12, frame[12] ^ 1),  # payload CRC (header CRC still covers it: header mismatch)
+        _corrupt(frame, 4, 1),  # version (1: the zlib-CRC format)
+        _corrupt(frame, 12, frame[12] ^ 1),  # payload checksum (header CRC still covers it: header mismatch)
         _corrupt(frame, len(frame) - 1, frame[-1] ^ 0xFF),  # payload byte
         _corrupt(frame, 33, frame[33] ^ 1),  # shape
     ]

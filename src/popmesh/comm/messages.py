@@ -133,9 +133,9 @@ def send(payload: Any, dst: int, tag: int = 0, *, group: Comm | None = None, tim
 
     ``dst`` must be a member of ``group`` (default: the world). Raises MessageError if the payload
     needs pickle and ``allow_pickle`` is False, CommTimeout/PeerFailure if it cannot be delivered.
-    ``checksum``: the payload CRC (:mod:`popmesh.wire.encoding`): None covers payloads up to 1 MiB, True all,
-    False none beyond small frames (the header is always covered); CRC32 runs at ~3-6 GB/s, so
-    False saves ~0.1 ms per 300 KB on each side where the transport's own checks suffice.
+    ``checksum``: the payload checksum (XXH3-64, :mod:`popmesh.wire.format`): None covers payloads up to
+    1 MiB, True all, False none beyond small frames (the header is always covered); it runs at ~9-39
+    GB/s, ~9 us per 336 KB on each side.
     """
     comm, p2p, seconds = _setup(group, timeout, "send")
     frame = encode_message(payload, allow_pickle=allow_pickle, checksum=checksum)

@@ -35,7 +35,7 @@ from popmesh.wire.format import join_frame
 
 __all__ = [
     "ENVELOPE_MAX_NBYTES", "GOODBYE_TAG", "HEADER_NBYTES", "INLINE_NBYTES", "MAX_SEGMENTS", "PAGE_NBYTES", "Envelope",
-    "goodbye_envelope", "plan_frame", "parse_envelope",
+    "goodbye_envelope", "inline_envelope", "inline_frame", "plan_frame", "parse_envelope",
 ]
 
 MAX_SEGMENTS = 16
@@ -82,6 +82,26 @@ def plan_frame(parts: list[np.ndarray], tag: int,
     head = _HEAD.pack(_MAGIC, _VERSION, len(segments), total, sum(len(b) for b in inline), tag, page_offset)
     lengths = struct.pack(f"<{len(segments)}Q", *(s.size for s in segments))
     return bytearray(b"".join([head, lengths, *inline])), segments
+
+
+def inline_envelope(frame: bytes, tag: int) -> bytes:
+    """The envelope carrying the one-buffer ``frame`` (at most the engine's inline limit) whole on ``tag``:
+    :func:`plan_frame`'s bytes for it, built without numpy (a small message's send path)."""
+    n = len(frame)
+    return _HEAD.pack(_MAGIC, _VERSION, 0, n, n, tag, 0) + frame
+
+
+def inline_frame(env: np.ndarray, tag: int, inline_nbytes: int = INLINE_NBYTES) -> np.ndarray | None:
+    """The frame of ``env`` (a received envelope, exactly its length) when it is a well-formed envelope
+    on ``tag`` carrying its frame whole, else None: then :func:`parse_envelope` says what is wrong, or
+    the envelope has segments. A small message's receive path: one unpack, one slice."""
+    if env.size < HEADER_NBYTES:
+        return None
+    magic, version, nseg, total, inline, env_tag, page_offset = _HEAD.unpack_from(env)  # type: ignore[arg-type]  # numpy stubs: ndarray is a Buffer only on 3.12+
+    if (magic != _MAGIC or version != _VERSION or nseg or page_offset or env_tag != tag or inline != total
+            or inline > inline_nbytes or HEADER_NBYTES + inline != env.size):
+        return None
+    return env[HEADER_NBYTES:]
 
 
 def goodbye_envelope() -> bytearray:
