@@ -11,8 +11,10 @@ from __future__ import annotations
 import json
 import math
 import pickle
+import struct
 import zlib
 from typing import Any
+from zlib import crc32
 
 import numpy as np
 
@@ -44,6 +46,9 @@ from popmesh.wire.format import (
 )
 
 __all__ = ["decode", "read_header"]
+
+WHOLE_HEADER = struct.Struct(FIXED_HEADER.format + "I")  # the 32 fixed bytes with the header CRC, in one unpack
+SHAPE_1 = SHAPE_STRUCTS[1]
 
 
 def _input_view(buf: Any) -> memoryview:
@@ -173,26 +178,31 @@ def _decode_plain(mv: memoryview) -> Any:
     n = len(mv)
     if n < HEADER_NBYTES:
         return None
-    magic, version, kind, flags, dtype, device, ndim, reserved, digest, nbytes = FIXED_HEADER.unpack_from(mv)
+    magic, version, kind, flags, dtype, device, ndim, reserved, digest, nbytes, stored = WHOLE_HEADER.unpack_from(mv)
     header_nbytes = HEADER_NBYTES + 8 * ndim
     if (magic != MAGIC or version != FORMAT_VERSION or flags & ~FLAG_PAYLOAD_CRC or device or reserved
             or ndim > MAX_NDIM or n != header_nbytes + nbytes or not 1 <= kind <= 2 or (digest and not flags)):
         return None
-    (stored,) = CRC.unpack_from(mv, FIXED_HEADER.size)
-    if zlib.crc32(mv[HEADER_NBYTES:header_nbytes], zlib.crc32(mv[:FIXED_HEADER.size])) != stored:
+    if crc32(mv[HEADER_NBYTES:header_nbytes], crc32(mv[:FIXED_HEADER.size])) != stored:
         return None
     data = mv[header_nbytes:]
     if flags and payload_digest(data) != digest:
         return None
-    shape = SHAPE_STRUCTS[ndim].unpack_from(mv, HEADER_NBYTES)
     if kind == Kind.BYTES:
-        return bytes(data) if dtype == UINT8_CODE and ndim == 1 and shape[0] == nbytes else None
+        plain = dtype == UINT8_CODE and ndim == 1 and nbytes == SHAPE_1.unpack_from(mv, HEADER_NBYTES)[0]
+        return bytes(data) if plain else None
     np_dtype = NUMPY_BY_CODE.get(dtype)
-    if np_dtype is None or (ndim and min(shape) < 0) or math.prod(shape) * np_dtype.itemsize != nbytes:
+    if np_dtype is None:
         return None
-    arr = np.frombuffer(data, dtype=np_dtype)
-    if ndim != 1:  # frombuffer's array is 1-d already
-        arr = arr.reshape(shape)
+    if ndim == 1:  # frombuffer's array is 1-d already, and its length is the shape
+        if SHAPE_1.unpack_from(mv, HEADER_NBYTES)[0] * np_dtype.itemsize != nbytes:
+            return None
+        arr = np.frombuffer(data, dtype=np_dtype)
+    else:
+        shape = SHAPE_STRUCTS[ndim].unpack_from(mv, HEADER_NBYTES)
+        if (ndim and min(shape) < 0) or math.prod(shape) * np_dtype.itemsize != nbytes:
+            return None
+        arr = np.frombuffer(data, dtype=np_dtype).reshape(shape)
     if data.readonly or not arr.flags.aligned or not np_dtype.isnative:
         arr = arr.astype(np_dtype.newbyteorder("="))
     return arr

@@ -39,7 +39,7 @@ from __future__ import annotations
 import enum
 import math
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -174,13 +174,14 @@ def frame_nbytes(parts: Sequence[bytes | memoryview]) -> int:
     return sum(len(as_bytes_view(p)) for p in parts)
 
 
-def join_frame(parts: Sequence[Any], head: int = 0) -> np.ndarray:
+def join_frame(parts: Sequence[Any], head: int = 0, take: Callable[[int], np.ndarray] | None = None) -> np.ndarray:
     """Copy byte buffers (those :func:`popmesh.wire.encoding.encode` returns, or flat uint8 arrays) into one
-    new contiguous, writable uint8 numpy array (one copy), after ``head`` bytes left for the caller
-    to fill (not zeroed)."""
+    contiguous, writable uint8 numpy array (one copy), after ``head`` bytes left for the caller to fill
+    (not zeroed). The array is new, or ``take(nbytes)``'s (a transport's recycled send buffer)."""
     arrays = [p if isinstance(p, np.ndarray) and p.dtype == np.uint8 and p.ndim == 1
               else np.frombuffer(as_bytes_view(p), dtype=np.uint8) for p in parts]
-    out = np.empty(head + sum(a.size for a in arrays), dtype=np.uint8)
+    nbytes = head + sum(a.size for a in arrays)
+    out = np.empty(nbytes, dtype=np.uint8) if take is None else take(nbytes)
     pos = head
     for a in arrays:
         out[pos:pos + a.size] = a
