@@ -1,17 +1,19 @@
-"""Point-to-point messages through popmesh vs the raw engine call, same processes, same run: 2 ranks.
+"""Point-to-point messages: popmesh vs the raw engine call vs what users write today; 2 ranks, same run.
 
 Ping-pong between ranks 0 and 1. 64 MB (float32): one-way time = round trip / 2, reported as
 throughput; 336 KB (a population policy's weight stream, 84 k float32) and 4 B: round-trip latency.
-Contenders: ``raw`` (``dist.send/recv`` on gloo,
-``comm.Send/Recv`` on MPI, into preallocated buffers), ``popmesh`` (``popmesh.send/recv``: wire
-frame, tags, timeouts, a new receive buffer per message) and ``p2p`` (the engine's frame
-transport under it, bytes only). On MPI at 4 B also ``floor``: the same frame and envelope over bare
-mpi4py calls (:func:`codec_floor_pingpong`), the least a pure-Python implementation of the wire
-format can cost. At 336 KB also ``no CRC``: popmesh with ``checksum=False``, as the population
-policies send weights (the payload CRC, on by default up to 1 MiB, costs four passes over the bytes
-per round trip).
-Targets: popmesh >= 0.9x raw throughput at 64 MB, <= 1.5x raw round trip at 4 B.
-Run: .venv/bin/python benchmarks/messages.py   (the driver launches both worlds itself)
+Contenders, alternating in the same processes:
+
+* ``raw``: ``dist.send/recv`` (gloo) or ``comm.Send/Recv`` (MPI) into preallocated buffers;
+* ``users``: what programs write without popmesh: on MPI mpi4py's pickle ``comm.send/recv`` of the
+  numpy array; on gloo torchgfn's protocol (``dist.send`` of a length tensor, then the
+  ``pickle.dumps`` bytes as a uint8 tensor; the receiver allocates from the length and unpickles);
+* ``popmesh``: ``popmesh.send/recv`` (wire frame, tags, timeouts, integrity checks);
+* ``p2p``: the engine's frame transport under it, bytes only (no codec).
+
+Goals (issue #22), printed per row: popmesh <= 1.0x users everywhere; MPI 4 B <= 0.5x users;
+gloo 4 B <= 2.0x raw; 336 KB <= 1.5x raw; 64 MB >= 0.95x raw throughput.
+Run: .venv/bin/python benchmarks/messages.py [torch|mpi]   (the driver launches the worlds itself; default both)
 """
 
 from __future__ import annotations
@@ -46,13 +48,51 @@ def raw_pingpong(engine: str, rank: int, numel: int):
     return lambda: (comm.Recv(buf, 0), comm.Send(buf, 0))
 
 
-def popmesh_pingpong(rank: int, numel: int, checksum: bool | None = None):
+def users_pingpong(engine: str, rank: int, numel: int):
+    """What programs write without popmesh: mpi4py's pickle send/recv on MPI, torchgfn's protocol on gloo
+    (a length tensor, then the pickled bytes as a uint8 tensor; the receiver allocates from the length)."""
+    data = np.ones(numel, dtype=np.float32)
+    other = 1 - rank
+    if engine == "torch":
+        import pickle
+
+        import torch
+        import torch.distributed as dist
+
+        def send(x: object) -> None:
+            raw = torch.frombuffer(bytearray(pickle.dumps(x)), dtype=torch.uint8)
+            dist.send(torch.tensor([raw.numel()], dtype=torch.long), other)
+            dist.send(raw, other)
+
+        def recv() -> object:
+            length = torch.zeros(1, dtype=torch.long)
+            dist.recv(length, other)
+            buf = torch.empty(int(length.item()), dtype=torch.uint8)
+            dist.recv(buf, other)
+            return pickle.loads(buf.numpy().tobytes())
+    else:
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+
+        def send(x: object) -> None:
+            comm.send(x, dest=other, tag=3)
+
+        def recv() -> object:
+            return comm.recv(source=other, tag=3)
+
+    if rank == 0:
+        return lambda: (send(data), recv())
+    return lambda: send(recv())
+
+
+def popmesh_pingpong(rank: int, numel: int):
     import popmesh
 
     data = np.ones(numel, dtype=np.float32)
     if rank == 0:
-        return lambda: (popmesh.send(data, 1, tag=1, checksum=checksum), popmesh.recv(1, tag=1))
-    return lambda: popmesh.send(popmesh.recv(0, tag=1)[1], 0, tag=1, checksum=checksum)
+        return lambda: (popmesh.send(data, 1, tag=1), popmesh.recv(1, tag=1))
+    return lambda: popmesh.send(popmesh.recv(0, tag=1)[1], 0, tag=1)
 
 
 def p2p_pingpong(world, rank: int, numel: int):
@@ -63,35 +103,6 @@ def p2p_pingpong(world, rank: int, numel: int):
     return lambda: p2p.send(p2p.recv(0, 2, 60)[1], 0, 2, 60)
 
 
-def codec_floor_pingpong(rank: int, numel: int):
-    """The least Python that moves popmesh's bytes over MPI: the same wire frame and envelope
-    (``encode_message``, ``plan_frame``, ``parse_envelope``, ``decode``) over bare mpi4py calls, with
-    no group or tag checks, no timeouts, no locks and no matching. What is left over raw is the cost
-    of building and checking the frame in Python; popmesh cannot get below it without compiled code."""
-    from mpi4py import MPI
-
-    from popmesh.engines.envelope import parse_envelope, plan_frame
-    from popmesh.wire import decode, encode_message
-
-    comm, status, other, tag = MPI.COMM_WORLD, MPI.Status(), 1 - rank, 7
-
-    def send(x: np.ndarray) -> None:
-        env, _ = plan_frame([np.frombuffer(encode_message(x), np.uint8)], tag)
-        comm.Isend(env, dest=other, tag=tag).Wait()
-
-    def recv() -> np.ndarray:
-        while (message := comm.Improbe(source=other, tag=tag, status=status)) is None:
-            pass
-        env = np.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)
-        message.Recv(env)
-        return decode(parse_envelope(env).inline)
-
-    data = np.ones(numel, dtype=np.float32)
-    if rank == 0:
-        return lambda: (send(data), recv())
-    return lambda: send(recv())
-
-
 def worker() -> None:
     import popmesh
 
@@ -99,12 +110,9 @@ def worker() -> None:
     rows = {}
     for label, numel in SIZES.items():
         fns = {"raw": raw_pingpong(world.engine_name, world.rank, numel),
+               "users": users_pingpong(world.engine_name, world.rank, numel),
                "popmesh": popmesh_pingpong(world.rank, numel),
                "p2p": p2p_pingpong(world, world.rank, numel)}
-        if world.engine_name == "mpi" and label == "4 B":
-            fns["floor"] = codec_floor_pingpong(world.rank, numel)
-        if label == "336 KB":  # without the payload CRC (default up to 1 MiB), as the population streams
-            fns["no CRC"] = popmesh_pingpong(world.rank, numel, checksum=False)
         rows[label] = interleaved(fns, REPS[label], rounds=ROUNDS[label])
         popmesh.barrier()
     if world.is_main:
@@ -113,25 +121,44 @@ def worker() -> None:
     world.finalize()
 
 
+def goals(engine: str, label: str, t: dict[str, float]) -> list[tuple[str, float, float]]:
+    """(what, measured, limit) for every goal of issue #22 that applies to this row: time ratios must
+    be at most the limit, except the 64 MB throughput ratio (``thr``), which must be at least it."""
+    rows = [("popmesh/users", t["popmesh"] / t["users"], 0.5 if (engine, label) == ("mpi", "4 B") else 1.0)]
+    if label == "64 MB":
+        rows.append(("thr popmesh/raw", t["raw"] / t["popmesh"], 0.95))
+    elif label == "336 KB":
+        rows.append(("popmesh/raw", t["popmesh"] / t["raw"], 1.5))
+    elif engine == "torch":
+        rows.append(("popmesh/raw", t["popmesh"] / t["raw"], 2.0))
+    else:
+        rows.append(("popmesh/raw", t["popmesh"] / t["raw"], float("inf")))
+    return rows
+
+
 def main() -> None:
-    print(f"{'engine':7} {'size':>6} {'raw':>14} {'popmesh':>14} {'p2p':>14} {'popmesh/raw':>12} {'extra':>10} "
-          f"{'extra/raw':>10}   (extra: 4 B on MPI the pure-Python floor, 336 KB popmesh without payload CRC)")
-    for engine in ("torch", "mpi"):
+    print(f"{'engine':7} {'size':>6} {'raw':>14} {'users':>14} {'popmesh':>14} {'p2p':>14} {'popmesh/raw':>12} "
+          f"{'popmesh/users':>14}   goals")
+    engines = [a for a in sys.argv[1:] if a in ("torch", "mpi")] or ["torch", "mpi"]
+    for engine in engines:
         result = launch_json(os.path.abspath(__file__), 2, engine, "--worker")
         name = "gloo" if engine == "torch" else "mpich"
         for label, t in result["rows"].items():
+            names = ("raw", "users", "popmesh", "p2p")
             if label == "64 MB":
                 nbytes = SIZES[label] * 4
-                gbps = {k: 2 * nbytes / v / 1e9 for k, v in t.items()}  # two one-way transfers per round trip
-                cells = [f"{gbps[k]:9.2f} GB/s" for k in ("raw", "popmesh", "p2p")]
-                ratio = f"{t['raw'] / t['popmesh']:.2f}x thr"
+                cells = [f"{2 * nbytes / t[k] / 1e9:9.2f} GB/s" for k in names]  # two one-way transfers a round trip
             else:
-                cells = [f"{t[k] * 1e6:9.1f} us  " for k in ("raw", "popmesh", "p2p")]
-                ratio = f"{t['popmesh'] / t['raw']:.2f}x rtt"
-            extra = "floor" if "floor" in t else "no CRC" if "no CRC" in t else None
-            floor = (f"{t[extra] * 1e6:7.1f} us", f"{t[extra] / t['raw']:.2f}x") if extra else ("-", "-")
-            print(f"{name:7} {label:>6} {cells[0]:>14} {cells[1]:>14} {cells[2]:>14} {ratio:>12} {floor[0]:>10} "
-                  f"{floor[1]:>10}")
+                cells = [f"{t[k] * 1e6:9.1f} us  " for k in names]
+            checks = []
+            for what, value, limit in goals(engine, label, t):
+                if limit == float("inf"):
+                    continue
+                met = value >= limit if what.startswith("thr") else value <= limit
+                checks.append(f"{what} {value:.2f}x {'>=' if what.startswith('thr') else '<='} {limit}: "
+                              f"{'met' if met else 'MISSED'}")
+            print(f"{name:7} {label:>6} {' '.join(f'{c:>14}' for c in cells)} {t['popmesh'] / t['raw']:>11.2f}x "
+                  f"{t['popmesh'] / t['users']:>13.2f}x   {'; '.join(checks)}")
 
 
 if __name__ == "__main__":

@@ -74,3 +74,35 @@ def test_eager_sends_wait_once_every_channel_together_holds_64_mib():
         time.sleep(0.01)
     assert workers.eager_nbytes() == 0
     workers.close(5)
+
+
+def test_eager_envelope_buffers_are_recycled_once_their_send_completed():
+    from popmesh.engines.torch.send import RECYCLE_MIN, SendBuffers
+
+    pool = SendBuffers(cap=3 * RECYCLE_MIN)
+    small = pool.take(100)
+    assert small.size == 100 and pool.base(small) is None  # small ones are plain new arrays
+    first = pool.take(RECYCLE_MIN + 5)
+    base = pool.base(first)
+    assert first.size == RECYCLE_MIN + 5 and base is not None and base.size == 2 * RECYCLE_MIN
+    assert pool.base(pool.take(RECYCLE_MIN + 5)) is not base  # still in flight: not handed out twice
+    pool.give_back(base)
+    assert pool.idle_nbytes() == 2 * RECYCLE_MIN
+    assert pool.base(pool.take(2 * RECYCLE_MIN - 1)) is base and pool.idle_nbytes() == 0  # same size class
+    pool.give_back(base)
+    pool.give_back(np.empty(2 * RECYCLE_MIN, np.uint8))  # past the cap: dropped
+    assert pool.idle_nbytes() == 2 * RECYCLE_MIN
+
+
+def test_a_failed_send_never_recycles_its_buffer():
+    from popmesh.engines.torch.send import RECYCLE_MIN, SendBuffers
+
+    class FailedWork:
+        def wait(self, timeout) -> None:
+            raise RuntimeError("Connection closed by peer")
+
+    pool = SendBuffers()
+    env = pool.take(RECYCLE_MIN)
+    op = TorchSend([FailedWork()], [env], True, Outbox(1, 0), (pool, pool.base(env)))
+    op.complete()
+    assert op.error is not None and pool.idle_nbytes() == 0

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from popmesh import MessageError, wire
-from popmesh.engines.envelope import INLINE_NBYTES, parse_envelope, plan_frame
+from popmesh.engines.envelope import INLINE_NBYTES, inline_envelope, inline_frame, parse_envelope, plan_frame
 from popmesh.engines.p2p_base import frame_parts
 from popmesh.wire import SMALL_FRAME_NBYTES, decode, encode, encode_message, join_frame
 
@@ -38,7 +38,7 @@ def test_small_frames_are_the_general_frames_bytes(payload):
 
 def test_golden_frame_through_the_fast_path():
     frame = encode_message(np.arange(6, dtype="<i4").reshape(2, 3))
-    assert frame.hex().startswith("504d53480102010400020000" "3df80c85" "1800000000000000" "00000000" "24d2f17d")
+    assert frame.hex().startswith("504d53480202010400020000" "54582d2debab3259" "1800000000000000" "9e7a6967")
 
 
 @pytest.mark.parametrize("payload", [
@@ -88,8 +88,8 @@ def test_corrupt_small_frames_raise_like_the_general_path(payload):
     bad = [
         frame[:-1], frame + b"\0", frame[:20],
         _corrupt(frame, 0, ord("X")),  # magic
-        _corrupt(frame, 4, 2),  # version
-        _corrupt(frame, 12, frame[12] ^ 1),  # payload CRC (header CRC still covers it: header mismatch)
+        _corrupt(frame, 4, 1),  # version (1: the zlib-CRC format)
+        _corrupt(frame, 12, frame[12] ^ 1),  # payload checksum (header CRC still covers it: header mismatch)
         _corrupt(frame, len(frame) - 1, frame[-1] ^ 0xFF),  # payload byte
         _corrupt(frame, 33, frame[33] ^ 1),  # shape
     ]
@@ -204,3 +204,41 @@ def test_unchecksummed_large_frames_decode_in_place_and_refuse_damage():
     for b in bad:
         with pytest.raises(MessageError):
             decode(np.frombuffer(b, np.uint8).copy())
+
+
+# --- the small-message envelope paths (MPI) -----------------------------------------------------
+
+
+@pytest.mark.parametrize("payload", SMALL, ids=lambda p: f"{type(p).__name__}")
+def test_inline_envelope_is_plan_frames_envelope_and_inline_frame_reads_it_back(payload):
+    frame = encode_message(payload)
+    fast = inline_envelope(frame, 9)
+    planned, segments = plan_frame([np.frombuffer(frame, np.uint8)], 9)
+    assert not segments and fast == bytes(planned)
+    env = np.frombuffer(fast, np.uint8).copy()
+    assert inline_frame(env, 9).tobytes() == frame == parse_envelope(env).inline.tobytes()
+
+
+def test_inline_frame_leaves_anything_unusual_to_parse_envelope():
+    env = np.frombuffer(inline_envelope(encode_message(b"abcd"), 9), np.uint8).copy()
+    assert inline_frame(env, 8) is None  # another tag
+    assert inline_frame(env[:-1], 9) is None and inline_frame(env[:10], 9) is None  # truncated
+    assert inline_frame(np.concatenate([env, np.zeros(1, np.uint8)]), 9) is None  # padded
+    for offset, value in ((0, ord("X")), (4, 2), (6, 1)):  # magic, version, a segment count
+        bad = env.copy()
+        bad[offset] = value
+        assert inline_frame(bad, 9) is None
+        with pytest.raises(MessageError):
+            parse_envelope(bad)
+    segmented, segments = plan_frame([np.ones(INLINE_NBYTES + 1, np.uint8)], 9)
+    assert segments and inline_frame(np.frombuffer(bytes(segmented), np.uint8), 9) is None
+
+
+def test_mpi_relies_on_mpi_for_payloads_and_gloo_checks_them():
+    from popmesh.engines.mpi.p2p import MpiP2P
+    from popmesh.engines.p2p_base import P2PBase
+
+    assert MpiP2P.payload_checksum is False and P2PBase.payload_checksum is None
+    medium = np.ones(SMALL_FRAME_NBYTES + 8, np.uint8)
+    assert not wire.read_header(encode_message(medium, checksum=MpiP2P.payload_checksum)[0]).payload_checksummed
+    assert wire.read_header(encode_message(medium, checksum=P2PBase.payload_checksum)[0]).payload_checksummed

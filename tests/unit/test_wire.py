@@ -12,6 +12,7 @@ import zlib
 
 import numpy as np
 import pytest
+import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -361,15 +362,14 @@ def test_golden_header_is_stable():
     arr = np.arange(6, dtype="<i4").reshape(2, 3)
     frame = frame_bytes(arr)
     assert frame.hex() == (
-        "504d5348" "01" "02" "01" "04" "00" "02" "0000"  # magic, version 1, NDARRAY, payload CRC, int32, cpu, ndim 2
-        "3df80c85"  # payload CRC32
+        "504d5348" "02" "02" "01" "04" "00" "02" "0000"  # magic, version 2, NDARRAY, checksummed, int32, cpu, ndim 2
+        "54582d2debab3259"  # payload XXH3-64
         "1800000000000000"  # payload length 24
-        "00000000"  # reserved
-        "24d2f17d"  # header CRC32
+        "9e7a6967"  # header CRC32
         "0200000000000000" "0300000000000000"  # shape (2, 3)
         "000000000100000002000000030000000400000005000000"  # payload
     )
-    assert struct.unpack_from("<I", frame, 12)[0] == zlib.crc32(arr.tobytes())
+    assert struct.unpack_from("<Q", frame, 12)[0] == xxhash.xxh3_64_intdigest(arr.tobytes())
     assert struct.unpack_from("<I", frame, 28)[0] == zlib.crc32(frame[:28] + frame[32:48])
 
 
@@ -397,7 +397,7 @@ def test_checksum_flag_modes():
     assert not read_header(encode(large)[0]).payload_checksummed
     assert read_header(encode(large, checksum=True)[0]).payload_checksummed
     unchecked = read_header(encode(small, checksum=False)[0])
-    assert not unchecked.payload_checksummed and unchecked.payload_crc == 0
+    assert not unchecked.payload_checksummed and unchecked.payload_checksum == 0
     assert_same_array(decode(encode(large, checksum=True)), large)
 
 
@@ -439,15 +439,16 @@ def test_every_single_bit_flip_raises(payload):
 
 @pytest.mark.parametrize("offset,fmt,value,match", [
     (0, "<4s", b"HTTP", "not a popmesh frame"),
-    (4, "<B", 2, "version 2 is not supported"),
+    (4, "<B", 1, "version 1 is not supported"),  # version 1 had a zlib CRC32 where the XXH3-64 sits now
+    (4, "<B", 3, "version 3 is not supported"),
     (5, "<B", 9, "kind 9"),
     (6, "<B", 3, "flags 0x3"),
     (7, "<B", 99, "unknown dtype code 99"),
     (7, "<B", 12, "needs 48 bytes but the header says 24"),
     (8, "<B", 1, "device code 1 for a NDARRAY"),
     (10, "<H", 1, "reserved"),
-    (24, "<I", 7, "reserved"),
-    (16, "<Q", 2**62, "needs 24 bytes but the header says"),
+    (12, "<Q", 5, "payload checksum mismatch"),
+    (20, "<Q", 2**62, "needs 24 bytes but the header says"),
     (32, "<q", -2, "negative shape"),
     (40, "<q", 4, "needs 32 bytes"),
 ])

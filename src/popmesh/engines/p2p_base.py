@@ -145,6 +145,9 @@ class P2PBase:
     """
 
     _tells_arrivals = False  # engines whose every arrival runs _notify set this (see watch)
+    # The payload checksum of ``send(checksum=None)``: None covers payloads up to the wire's
+    # CHECKSUM_AUTO_LIMIT; False covers small frames only, for engines that guarantee the bytes (MPI).
+    payload_checksum: bool | None = None
 
     def __init__(self, rank: int, size: int) -> None:
         self.rank, self.size = rank, size

@@ -11,8 +11,10 @@ from __future__ import annotations
 import json
 import math
 import pickle
+import struct
 import zlib
 from typing import Any
+from zlib import crc32
 
 import numpy as np
 
@@ -40,9 +42,13 @@ from popmesh.wire.format import (
     import_torch,
     join_frame,
     numpy_dtype,
+    payload_digest,
 )
 
 __all__ = ["decode", "read_header"]
+
+WHOLE_HEADER = struct.Struct(FIXED_HEADER.format + "I")  # the 32 fixed bytes with the header CRC, in one unpack
+SHAPE_1 = SHAPE_STRUCTS[1]
 
 
 def _input_view(buf: Any) -> memoryview:
@@ -70,7 +76,7 @@ def read_header(buf: Any) -> FrameHeader:
     mv = _input_view(buf)
     if len(mv) < HEADER_NBYTES:
         raise MessageError(f"truncated frame: {len(mv)} bytes, a frame header needs at least {HEADER_NBYTES}")
-    magic, version, kind, flags, dtype, device, ndim, res1, pcrc, nbytes, res2 = FIXED_HEADER.unpack_from(mv)
+    magic, version, kind, flags, dtype, device, ndim, reserved, digest, nbytes = FIXED_HEADER.unpack_from(mv)
     if magic != MAGIC:
         raise MessageError(f"not a popmesh frame (magic {bytes(magic)!r}, expected {MAGIC!r}): the sender did not "
                            "use popmesh.wire.encoding or the stream is misaligned")
@@ -84,9 +90,9 @@ def read_header(buf: Any) -> FrameHeader:
     (stored,) = CRC.unpack_from(mv, FIXED_HEADER.size)
     if zlib.crc32(shape_bytes, zlib.crc32(mv[:FIXED_HEADER.size])) != stored:
         raise MessageError("corrupt frame: header checksum mismatch (the bytes were damaged or misaligned in transit)")
-    if res1 or res2 or flags & ~FLAG_PAYLOAD_CRC or kind not in KIND_VALUES:
+    if reserved or flags & ~FLAG_PAYLOAD_CRC or kind not in KIND_VALUES:
         raise MessageError(f"foreign frame: kind {kind}, flags {flags:#x} or reserved fields not understood")
-    if (dtype and dtype not in DTYPE_NAMES) or (pcrc and not flags & FLAG_PAYLOAD_CRC):
+    if (dtype and dtype not in DTYPE_NAMES) or (digest and not flags & FLAG_PAYLOAD_CRC):
         raise MessageError(f"foreign frame: unknown dtype code {dtype} or stray payload checksum")
     shape = SHAPE_STRUCTS[ndim].unpack(shape_bytes)
     if ndim and min(shape) < 0:
@@ -95,7 +101,7 @@ def read_header(buf: Any) -> FrameHeader:
     kind = KINDS[kind]
     check_meta(kind, name, shape, nbytes, device)
     return FrameHeader(kind, name, DEVICE_NAMES[device] if kind == Kind.TORCH else None, shape, nbytes,
-                       HEADER_NBYTES + 8 * ndim, bool(flags & FLAG_PAYLOAD_CRC), pcrc)
+                       HEADER_NBYTES + 8 * ndim, bool(flags & FLAG_PAYLOAD_CRC), digest)
 
 
 def _payload(mv: memoryview, head: FrameHeader, exact: bool) -> memoryview:
@@ -105,7 +111,7 @@ def _payload(mv: memoryview, head: FrameHeader, exact: bool) -> memoryview:
         raise MessageError(f"truncated or overlong frame: the header announces a {head.payload_nbytes}-byte payload, "
                            f"{have} bytes follow it")
     data = mv[head.header_nbytes:head.frame_nbytes]
-    if head.payload_checksummed and zlib.crc32(data) != head.payload_crc:
+    if head.payload_checksummed and payload_digest(data) != head.payload_checksum:
         raise MessageError("corrupt frame: payload checksum mismatch (the bytes were damaged in transit)")
     return data
 
@@ -172,24 +178,31 @@ def _decode_plain(mv: memoryview) -> Any:
     n = len(mv)
     if n < HEADER_NBYTES:
         return None
-    magic, version, kind, flags, dtype, device, ndim, res1, pcrc, nbytes, res2 = FIXED_HEADER.unpack_from(mv)
+    magic, version, kind, flags, dtype, device, ndim, reserved, digest, nbytes, stored = WHOLE_HEADER.unpack_from(mv)
     header_nbytes = HEADER_NBYTES + 8 * ndim
-    if (magic != MAGIC or version != FORMAT_VERSION or flags & ~FLAG_PAYLOAD_CRC or device or res1 or res2
-            or ndim > MAX_NDIM or n != header_nbytes + nbytes or not 1 <= kind <= 2 or (pcrc and not flags)):
+    if (magic != MAGIC or version != FORMAT_VERSION or flags & ~FLAG_PAYLOAD_CRC or device or reserved
+            or ndim > MAX_NDIM or n != header_nbytes + nbytes or not 1 <= kind <= 2 or (digest and not flags)):
         return None
-    (stored,) = CRC.unpack_from(mv, FIXED_HEADER.size)
-    if zlib.crc32(mv[HEADER_NBYTES:header_nbytes], zlib.crc32(mv[:FIXED_HEADER.size])) != stored:
+    if crc32(mv[HEADER_NBYTES:header_nbytes], crc32(mv[:FIXED_HEADER.size])) != stored:
         return None
     data = mv[header_nbytes:]
-    if flags and zlib.crc32(data) != pcrc:
+    if flags and payload_digest(data) != digest:
         return None
-    shape = SHAPE_STRUCTS[ndim].unpack_from(mv, HEADER_NBYTES)
     if kind == Kind.BYTES:
-        return bytes(data) if dtype == UINT8_CODE and ndim == 1 and shape[0] == nbytes else None
+        plain = dtype == UINT8_CODE and ndim == 1 and nbytes == SHAPE_1.unpack_from(mv, HEADER_NBYTES)[0]
+        return bytes(data) if plain else None
     np_dtype = NUMPY_BY_CODE.get(dtype)
-    if np_dtype is None or (ndim and min(shape) < 0) or math.prod(shape) * np_dtype.itemsize != nbytes:
+    if np_dtype is None:
         return None
-    arr = np.frombuffer(data, dtype=np_dtype).reshape(shape)
+    if ndim == 1:  # frombuffer's array is 1-d already, and its length is the shape
+        if SHAPE_1.unpack_from(mv, HEADER_NBYTES)[0] * np_dtype.itemsize != nbytes:
+            return None
+        arr = np.frombuffer(data, dtype=np_dtype)
+    else:
+        shape = SHAPE_STRUCTS[ndim].unpack_from(mv, HEADER_NBYTES)
+        if (ndim and min(shape) < 0) or math.prod(shape) * np_dtype.itemsize != nbytes:
+            return None
+        arr = np.frombuffer(data, dtype=np_dtype).reshape(shape)
     if data.readonly or not arr.flags.aligned or not np_dtype.isnative:
         arr = arr.astype(np_dtype.newbyteorder("="))
     return arr

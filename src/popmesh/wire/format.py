@@ -8,18 +8,17 @@ A frame is a fixed 32-byte header, ``ndim`` shape entries, then the payload (all
 offset  size    field
 ======  ======  ==============================================================================
 0       4       magic ``b"PMSH"``
-4       1       format version (1)
+4       1       format version (2; version 1 carried a zlib CRC32 of the payload)
 5       1       kind: 1 BYTES, 2 NDARRAY, 3 TORCH, 4 JSON, 5 PICKLE, 6 DICT (batch of arrays)
-6       1       flags: bit 0 set = the payload is covered by the payload CRC
+6       1       flags: bit 0 set = the payload is covered by the payload checksum
 7       1       dtype code (:data:`DTYPE_CODES`; 0 for JSON, PICKLE and DICT)
 8       1       device type the sender's tensor lived on (TORCH: 0 cpu, 1 cuda, 2 mps, 3 xpu,
                 4 hpu, 255 other; 0 for other kinds)
 9       1       ndim (0..64)
 10      2       reserved, zero
-12      4       payload CRC32 (zlib), zero when flag bit 0 is clear
-16      8       payload length in bytes (uint64)
-24      4       reserved, zero
-28      4       header CRC32 of bytes [0, 28) followed by the shape entries: always checked
+12      8       payload checksum: XXH3-64 (seed 0, xxhash), zero when flag bit 0 is clear
+20      8       payload length in bytes (uint64)
+28      4       header CRC32 (zlib) of bytes [0, 28) followed by the shape entries: always checked
 32      8*ndim  shape, int64 each (BYTES: ``(n,)``; DICT: ``(length of the JSON index,)``)
 32+8n   ...     payload
 ======  ======  ==============================================================================
@@ -28,6 +27,11 @@ Payloads: BYTES raw bytes; NDARRAY/TORCH the C-order element bytes, reinterprete
 value-cast (bfloat16 included); JSON compact UTF-8 JSON (``ensure_ascii``); PICKLE protocol 5;
 DICT a JSON index ``{"keys": [...]}`` padded with spaces to 8 bytes, then one NDARRAY or TORCH
 frame per key (header CRC only), each zero-padded to 8 bytes. Offsets of array data are 8-aligned.
+
+Why XXH3-64 for the payload: it runs at ~39 GB/s on a 336 KB payload in cache on the 2-vCPU
+development box (zlib's CRC32 there: 2.5 GB/s; crc32c's hardware CRC32C: 21 GB/s), from the
+maintained ``xxhash`` wheel, and 64 bits miss a random corruption far more rarely than 32. The
+header keeps zlib's CRC32: it covers 28-540 bytes, where either costs ~0.1 us.
 """
 
 from __future__ import annotations
@@ -35,29 +39,32 @@ from __future__ import annotations
 import enum
 import math
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
+import xxhash
 
 from popmesh.core.dtypes import DTYPES, ITEMSIZE, WIRE_CODES
 from popmesh.core.errors import MessageError
 
 __all__ = [
     "CHECKSUM_AUTO_LIMIT", "DTYPE_CODES", "FORMAT_VERSION", "HEADER_NBYTES", "MAGIC", "SMALL_FRAME_NBYTES",
-    "FrameHeader", "Kind", "frame_nbytes", "join_frame",
+    "FrameHeader", "Kind", "PayloadHasher", "frame_nbytes", "join_frame", "payload_digest",
 ]
 
 MAGIC = b"PMSH"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 HEADER_NBYTES = 32
 CHECKSUM_AUTO_LIMIT = 1 << 20
 MAX_NDIM = 64
 FLAG_PAYLOAD_CRC = 1
-FIXED_HEADER = struct.Struct("<4sBBBBBBHIQI")  # bytes [0, 28): everything before the header CRC
+FIXED_HEADER = struct.Struct("<4sBBBBBBHQQ")  # bytes [0, 28): everything before the header CRC
 CRC = struct.Struct("<I")
 SHAPE_STRUCTS = [struct.Struct(f"<{n}q") for n in range(MAX_NDIM + 1)]  # shape entries, precompiled per ndim
 SMALL_FRAME_NBYTES = 4096  # encode_message joins frames of up to this many payload bytes into one buffer
+payload_digest = xxhash.xxh3_64_intdigest  # the payload checksum of one buffer (seed 0)
+PayloadHasher = xxhash.xxh3_64  # ... and of several, fed in order: the same value as over their concatenation
 
 
 class Kind(enum.IntEnum):
@@ -101,7 +108,7 @@ class FrameHeader(NamedTuple):
     payload_nbytes: int
     header_nbytes: int
     payload_checksummed: bool
-    payload_crc: int
+    payload_checksum: int
 
     @property
     def frame_nbytes(self) -> int:
@@ -167,13 +174,14 @@ def frame_nbytes(parts: Sequence[bytes | memoryview]) -> int:
     return sum(len(as_bytes_view(p)) for p in parts)
 
 
-def join_frame(parts: Sequence[Any], head: int = 0) -> np.ndarray:
+def join_frame(parts: Sequence[Any], head: int = 0, take: Callable[[int], np.ndarray] | None = None) -> np.ndarray:
     """Copy byte buffers (those :func:`popmesh.wire.encoding.encode` returns, or flat uint8 arrays) into one
-    new contiguous, writable uint8 numpy array (one copy), after ``head`` bytes left for the caller
-    to fill (not zeroed)."""
+    contiguous, writable uint8 numpy array (one copy), after ``head`` bytes left for the caller to fill
+    (not zeroed). The array is new, or ``take(nbytes)``'s (a transport's recycled send buffer)."""
     arrays = [p if isinstance(p, np.ndarray) and p.dtype == np.uint8 and p.ndim == 1
               else np.frombuffer(as_bytes_view(p), dtype=np.uint8) for p in parts]
-    out = np.empty(head + sum(a.size for a in arrays), dtype=np.uint8)
+    nbytes = head + sum(a.size for a in arrays)
+    out = np.empty(nbytes, dtype=np.uint8) if take is None else take(nbytes)
     pos = head
     for a in arrays:
         out[pos:pos + a.size] = a

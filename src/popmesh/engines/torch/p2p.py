@@ -57,7 +57,7 @@ from popmesh.engines.envelope import (
     plan_frame,
 )
 from popmesh.engines.p2p_base import BufferPool, Item, P2PBase, RecvRequest
-from popmesh.engines.torch.send import LONG, Outbox, SendWorkers, TorchSend, failure, is_gone, tensor
+from popmesh.engines.torch.send import LONG, Outbox, SendBuffers, SendWorkers, TorchSend, failure, is_gone, tensor
 
 __all__ = ["TorchP2P", "EXIT_GRACE_S", "GOODBYE_GRACE_S", "PEER_PUMPS_MAX", "BUFFER_NBYTES", "buffer_cap"]
 
@@ -314,6 +314,7 @@ class TorchP2P(P2PBase):
         self._outbox_limit = _OUTBOXES_KEPT
         self._next_prune = 0.0  # a new channel after this prunes the idle ones too
         self._workers = SendWorkers()
+        self._send_buffers = SendBuffers()  # eager envelopes' buffers, recycled (page faults cost ~20x the copy)
         # One lock per destination keeps a frame's envelope and segments together in that peer's
         # stream; a gloo send of a large segment can block for milliseconds (a full socket), and a
         # single lock made every other destination's sends wait for it.
@@ -414,7 +415,7 @@ class TorchP2P(P2PBase):
         if outbox.error is not None:
             error, outbox.error = outbox.error, None
             raise PeerFailure(f"an earlier send to rank {dst} on tag {tag} failed: {error}", (dst,)) from error
-        env, segments = plan_frame(parts, tag, GLOO_INLINE_NBYTES)
+        env, segments = plan_frame(parts, tag, GLOO_INLINE_NBYTES, self._send_buffers.take)
         try:
             pg = self._pg
             with self._post_lock(dst):
@@ -422,7 +423,9 @@ class TorchP2P(P2PBase):
                 works += [pg.send([tensor(s)], dst, _SEG_TAG) for s in segments]
         except RuntimeError as e:
             raise failure(e, f"send to rank {dst} on tag {tag}", dst) from e
-        op = TorchSend(works, [env, *segments], not segments, outbox)
+        base = None if segments else self._send_buffers.base(env)
+        op = TorchSend(works, [env, *segments], not segments, outbox,
+                       None if base is None else (self._send_buffers, base))
         outbox.push(op)
         return op
 
@@ -525,7 +528,8 @@ class TorchP2P(P2PBase):
         with self._lock:
             return {**super().memory(), "held_bytes": self._held, "cap": self._cap,
                     "held_frames": sum(len(q) for q in self._inbox.values()), "inbox_tags": len(self._inbox),
-                    "send_channels": len(self._outboxes), "queued_send_bytes": self._workers.eager_nbytes()}
+                    "send_channels": len(self._outboxes), "queued_send_bytes": self._workers.eager_nbytes(),
+                    "recycled_send_bytes": self._send_buffers.idle_nbytes()}
 
     def fail_peer(self, rank: int, error: PopmeshError) -> None:
         """Declare ``rank`` failed and close gloo's connection to it, so that anything waiting on it in

@@ -24,8 +24,8 @@ import numpy as np
 
 from popmesh.core.errors import CommTimeout, PeerFailure, PopmeshError
 
-__all__ = ["LONG", "REAP_S", "SEND_THREADS", "EAGER_TOTAL_NBYTES", "TorchSend", "Outbox", "SendWorkers", "failure",
-           "is_gone", "tensor"]
+__all__ = ["LONG", "REAP_S", "SEND_THREADS", "EAGER_TOTAL_NBYTES", "RECYCLE_NBYTES", "TorchSend", "Outbox",
+           "SendBuffers", "SendWorkers", "failure", "is_gone", "tensor"]
 
 LONG = timedelta(days=30)  # gloo closes the connection when a wait expires: never let one expire
 REAP_S = 0.05
@@ -35,6 +35,9 @@ _EAGER_BACKLOG = 256
 _EAGER_NBYTES = 16 << 20  # what 256 envelopes of 64 KiB held before gloo inlined larger frames
 EAGER_TOTAL_NBYTES = 64 << 20  # queued send bytes per rank, all channels together, past which sends wait
 _ZERO_COPY_MIN = 1 << 16
+RECYCLE_MIN = 1 << 16  # envelope buffers from this size on are recycled (SendBuffers)
+RECYCLE_STEP = 1 << 16  # ... in size classes of this many bytes
+RECYCLE_NBYTES = 16 << 20  # idle recycled envelope buffers kept per rank, at most
 _GONE = ("connection closed", "connection reset", "broken pipe", "socket closed", "connection refused",
          "pair closure", "closed by peer")
 
@@ -71,15 +74,61 @@ def tensor(buf: np.ndarray | bytearray) -> Any:
 _torch: Any = None
 
 
+class SendBuffers:
+    """Envelope buffers of eager sends, recycled once gloo has completed the send that used them.
+
+    An eager frame is copied into its envelope so that ``send`` returns at once. The send workers
+    complete eager sends only every :data:`REAP_S`, so a ping-pong has dozens in flight, and a fresh
+    336 KB buffer per send was mostly page faults (213 us for the copy on the 2-vCPU development VM,
+    ~20x a copy into memory already mapped): the memory went back to the OS between sends. Buffers of
+    :data:`RECYCLE_MIN` bytes or more come in size classes of :data:`RECYCLE_STEP` and return to a
+    free list when their send completes, up to :data:`RECYCLE_NBYTES` idle per rank.
+    """
+
+    def __init__(self, cap: int = RECYCLE_NBYTES) -> None:
+        self._free: dict[int, list[np.ndarray]] = {}
+        self._idle, self._cap = 0, cap
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A writable uint8 buffer of ``nbytes`` (a view of a recycled one from :data:`RECYCLE_MIN` on)."""
+        if nbytes < RECYCLE_MIN:
+            return np.empty(nbytes, dtype=np.uint8)
+        size = -(-nbytes // RECYCLE_STEP) * RECYCLE_STEP
+        with self._lock:
+            free = self._free.get(size)
+            base = free.pop() if free else None
+            if base is not None:
+                self._idle -= size
+        return (np.empty(size, dtype=np.uint8) if base is None else base)[:nbytes]
+
+    def base(self, buf: np.ndarray | bytearray) -> np.ndarray | None:
+        """The recycled buffer ``buf`` (from :meth:`take`) is a view of, or None."""
+        base = getattr(buf, "base", None)
+        return base if isinstance(base, np.ndarray) and base.size >= RECYCLE_MIN and base.base is None else None
+
+    def give_back(self, base: np.ndarray) -> None:
+        """``base`` (from :meth:`base`) is no longer read by gloo: keep it for a later send, within the cap."""
+        with self._lock:
+            if self._idle + base.size <= self._cap:
+                self._free.setdefault(base.size, []).append(base)
+                self._idle += base.size
+
+    def idle_nbytes(self) -> int:
+        return self._idle
+
+
 class TorchSend:
     """One frame in flight; its buffers live until the channel thread has seen it complete."""
 
-    def __init__(self, works: list[Any], keep: list[np.ndarray | bytearray], eager: bool, outbox: Outbox) -> None:
+    def __init__(self, works: list[Any], keep: list[np.ndarray | bytearray], eager: bool, outbox: Outbox,
+                 recycle: tuple[SendBuffers, np.ndarray] | None = None) -> None:
         self._works: list[Any] | None = works
         self._keep: list[np.ndarray | bytearray] | None = keep
         self.nbytes = sum(len(b) for b in keep)
         self.eager, self.outbox = eager, outbox
         self.error: PopmeshError | None = None
+        self._recycle = recycle  # (pool, buffer): given back once the send completed without error
         self._event = threading.Event()
 
     def complete(self) -> None:
@@ -88,8 +137,13 @@ class TorchSend:
                 work.wait(LONG)
         except RuntimeError as e:
             self.error = failure(e, f"send to rank {self.outbox.dst} on tag {self.outbox.tag}", self.outbox.dst)
+            self._recycle = None  # gloo may not be done with it: never reuse
         finally:
             self._works = self._keep = None
+            if self._recycle is not None:
+                pool, base = self._recycle
+                self._recycle = None
+                pool.give_back(base)
             self._event.set()
 
     def done(self) -> bool:
