@@ -24,7 +24,11 @@ training again on the donor's checkpoint, per exploit).
 
 Ray is needed only here: `pip install -e '.[demo,bench]'` (the `bench` extra is `ray[tune]`), then
 
-    python benchmarks/population_vs_pbt.py [--seeds 5] [--first-seed 0] [--steps 150000]
+    python benchmarks/population_vs_pbt.py [--seeds 5] [--first-seed 0] [--steps 150000] [-- DEMO OPTIONS]
+
+`--quick` checks the plumbing (one seed, 20,000 steps); `--results LOG...` prints the tables of earlier
+calls' JSON lines (one seed per call, e.g. each under a shared CPU lock); options after `--` go to
+`popmesh demo` (e.g. `-- --strategy best_only`, PBT's exploit of one donor). Figures: docs/population.md.
 """
 
 from __future__ import annotations
@@ -33,7 +37,6 @@ import argparse
 import itertools
 import json
 import math
-import os
 import random
 import statistics
 import subprocess
@@ -51,10 +54,11 @@ PER_ITERATION = 512  # the demo's rollout (64) times its environments (8)
 RANKS = 4
 
 
-def run_popmesh(seed: int, steps: int, tmp: Path) -> dict[str, Any]:
-    """One `popmesh demo` run; its figures from summary.json, history.jsonl and trace.json."""
+def run_popmesh(seed: int, steps: int, tmp: Path, extra: list[str]) -> dict[str, Any]:
+    """One `popmesh demo` run (with ``extra`` options); its figures from summary.json, history.jsonl and
+    trace.json."""
     cmd = [sys.executable, "-m", "popmesh", "demo", "--seed", str(seed), "--steps", str(steps), "--ranks",
-           str(RANKS), "--stop-at-target", "--no-live", "--out", str(tmp)]
+           str(RANKS), "--stop-at-target", "--no-live", "--out", str(tmp), *extra]
     started = time.time()
     done = subprocess.run(cmd, timeout=1800, capture_output=True, text=True)
     total = time.time() - started
@@ -264,10 +268,14 @@ def ray_child(out: Path, seed: int, steps: int) -> None:
     space = {"rank": tune.grid_search(list(range(RANKS))), "seed": seed, "steps": steps, "out": str(out),
              "lr": tune.sample_from(lambda c: rank_hyper(seed, c["rank"]).lr),
              "entropy": tune.sample_from(lambda c: rank_hyper(seed, c["rank"]).entropy)}
+
+    class Stopper(TargetStopper, tune.Stopper):
+        """The target stopper as Ray Tune takes it."""
+
     tuner = tune.Tuner(tune.with_resources(trainable, {"cpu": 1}), param_space=space,
                        tune_config=tune.TuneConfig(scheduler=pbt, reuse_actors=True, max_concurrent_trials=RANKS),
                        run_config=tune.RunConfig(name="pbt", storage_path=str(out / "results"), verbose=0,
-                                                 stop=type("Stopper", (TargetStopper, tune.Stopper), {})(steps)))
+                                                 stop=Stopper(steps)))
     tuner.fit()
     ray.shutdown()
 
@@ -283,8 +291,9 @@ def spread(values: list[Any], unit: str = "") -> str:
 
 
 def table(rows: list[dict[str, Any]], cap: int) -> str:
+    """Median (range) of each figure per contender, as docs/population.md shows them."""
     lines = ["| | steps to 475 (agent) | population steps | wall to 475 | without start-up | start-up | "
-             "missed | exploits | overhead per exploit |", "|---|---|---|---|---|---|---|---|---|"]
+             "missed | exploits | overhead per exploit | per iteration |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name in ("popmesh", "ray"):
         mine = [r for r in rows if r["contender"] == name]
         missed = sum(r["steps"] is None for r in mine)
@@ -292,7 +301,23 @@ def table(rows: list[dict[str, Any]], cap: int) -> str:
                      f"{spread([r['population_steps'] for r in mine])} | {spread([r['wall_s'] for r in mine], ' s')} | "
                      f"{spread([r['train_s'] for r in mine], ' s')} | {spread([r['startup_s'] for r in mine], ' s')} | "
                      f"{missed} of {len(mine)} (cap {cap:,}) | {spread([r['exploits'] for r in mine])} | "
-                     f"{spread([r['overhead_ms'] for r in mine], ' ms')} |")
+                     f"{spread([r['overhead_ms'] for r in mine], ' ms')} | "
+                     f"{spread([r.get('iteration_ms') for r in mine], ' ms')} |")
+    return "\n".join(lines)
+
+
+def per_seed(rows: list[dict[str, Any]]) -> str:
+    """One line per seed: each contender's steps to 475 (the agent that got there first, * if the
+    population had replaced it before) and its wall time to 475."""
+    lines = ["| seed | popmesh steps (agent) | Ray steps (agent) | popmesh wall | Ray wall |", "|---|---|---|---|---|"]
+    for seed in sorted({r["seed"] for r in rows}):
+        cells = []
+        for name in ("popmesh", "ray"):
+            run = next((r for r in rows if r["seed"] == seed and r["contender"] == name), None)
+            hit = run is not None and run["steps"] is not None
+            cells.append((f"{run['steps']:,} (rank {run['rank']}{'*' if run['was_replaced'] else ''})",
+                          f"{run['wall_s']:.1f} s") if hit else ("—", "—"))
+        lines.append(f"| {seed} | {cells[0][0]} | {cells[1][0]} | {cells[0][1]} | {cells[1][1]} |")
     return "\n".join(lines)
 
 
@@ -303,22 +328,29 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=150_000, help="cap on env steps per agent, both contenders")
     parser.add_argument("--quick", action="store_true", help="one seed, 20,000 steps: checks the plumbing")
     parser.add_argument("--only", choices=("popmesh", "ray"), help="run one contender")
+    parser.add_argument("--results", type=Path, nargs="+", metavar="LOG",
+                        help="run nothing: the table of the runs these logs of earlier calls hold (their JSON lines)")
     parser.add_argument("--ray-child", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("demo_args", nargs="*", help="popmesh demo options after --, e.g. -- --strategy best_only")
     ns = parser.parse_args()
     if ns.ray_child is not None:
         return ray_child(ns.ray_child, ns.first_seed, ns.steps)
+    if ns.results:
+        rows = [r for log in ns.results for r in read_jsonl(log)]
+        print(table(rows, ns.steps) + "\n\n" + per_seed(rows))
+        return
     seeds, steps = (1, 20_000) if ns.quick else (ns.seeds, ns.steps)
-    contenders = {"popmesh": run_popmesh, "ray": run_ray}
+    contenders: dict[str, Any] = {"popmesh": lambda seed, tmp: run_popmesh(seed, steps, tmp, ns.demo_args),
+                                  "ray": lambda seed, tmp: run_ray(seed, steps, tmp)}
     rows = []
     for seed in range(ns.first_seed, ns.first_seed + seeds):
         for name, run in contenders.items():
             if ns.only in (None, name):
                 with tempfile.TemporaryDirectory(prefix="pbt-") as tmp:
-                    rows.append(run(seed, steps, Path(tmp)))
+                    rows.append(run(seed, Path(tmp)))
                 print(json.dumps(rows[-1]), flush=True)
-    print("\n" + table(rows, steps))
+    print("\n" + table(rows, steps) + "\n\n" + per_seed(rows))
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     main()
