@@ -1,7 +1,7 @@
 """Does the population help? Env steps until the best agent's mean return (last 20 episodes)
 reaches 475 on CartPole-v1, policy `async` vs `none`, 4 ranks on torch/gloo, over several seeds.
 
-Run: .venv/bin/python benchmarks/population_effect.py [--seeds 5] [--steps 150000]
+Run: .venv/bin/python benchmarks/population_effect.py [--seeds 5] [--first-seed 0] [--steps 150000]
 Each run is `popmesh demo --stop-at-target`; its summary.json says which rank got there and when.
 """
 
@@ -39,6 +39,7 @@ def describe(values: list[int | None], cap: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--first-seed", type=int, default=0, help="run seeds first-seed .. first-seed + seeds - 1")
     parser.add_argument("--steps", type=int, default=150_000, help="cap on env steps per agent")
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--policies", default="async,none", help="comma-separated demo policies to compare")
@@ -46,7 +47,7 @@ def main() -> None:
                         help="extra `popmesh demo` options after --, e.g. -- --strategy best_only")
     ns = parser.parse_args()
     rows = []
-    for seed in range(ns.seeds):
+    for seed in range(ns.first_seed, ns.first_seed + ns.seeds):
         for policy in ns.policies.split(","):
             rows.append(run_once(policy, seed, ns.steps, ns.ranks, ns.demo_args))
             print(json.dumps(rows[-1]), flush=True)
