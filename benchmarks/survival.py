@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-STEPS_PER_ITERATION = 512  # the demo's rollout (128) times its environments per agent (4)
+STEPS_PER_ITERATION = 512  # the demo's rollout (64 steps) times its environments per agent (8)
 
 
 def demo(out: Path, seed: int, steps: int, *extra: str, check: bool = True) -> tuple[dict[str, Any] | None, float]:
