@@ -51,7 +51,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import launch_json, write_result
+from _common import launch_json, threads_line, world_threads, write_result
 
 WIDTH, BATCH = 256, 256
 RANKS = int(sys.argv[sys.argv.index("--ranks") + 1]) if "--ranks" in sys.argv else 4
@@ -250,6 +250,7 @@ def worker() -> None:
             for b in range(RUN):
                 popmesh.barrier()  # every block starts with all ranks computing (2 shared cores here)
                 c.block(counted=b > 0)
+    threads = world_threads()  # before shutdown: every policy's background thread still alive
     for c in contenders:
         if hasattr(c.policy, "shutdown"):
             c.policy.shutdown(timeout=60)
@@ -267,7 +268,8 @@ def worker() -> None:
                                "in_policy": float(p), "p90": statistics.quantiles(c.steps, n=10)[-1],
                                "cpu": float(u), "world_blocks": wbs.tolist(), "cpu_blocks": ubs.tolist()}
                       for c, m, s, wb, n, p, u, wbs, ubs in zip(contenders, medians, slowest, world_step, replaced,
-                                                                in_policy, cpu, world_blocks, cpu_blocks)})
+                                                                in_policy, cpu, world_blocks, cpu_blocks)}
+                     | {"threads": threads})
     world.finalize()
 
 
@@ -329,8 +331,11 @@ def main() -> None:
                  f"got {','.join(ONLY)}")
     args = ["--worker", "--rounds", str(ROUNDS), "--run", str(RUN), "--every", str(EVERY), "--only", ",".join(ONLY)]
     rows = launch_json(os.path.abspath(__file__), RANKS, ENGINE, *args, timeout=900)
+    threads = rows.pop("threads", None)
     report(rows)
     report_paired(rows)
+    if threads:
+        print(f"\n{threads_line({'threads': threads})}")
 
 
 if __name__ == "__main__":
