@@ -58,7 +58,9 @@ RANKS = int(sys.argv[sys.argv.index("--ranks") + 1]) if "--ranks" in sys.argv el
 ENGINE = sys.argv[sys.argv.index("--engine") + 1] if "--engine" in sys.argv else "torch"
 EVERY = int(sys.argv[sys.argv.index("--every") + 1]) if "--every" in sys.argv else 100
 ROUNDS = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else max(10, 2000 // max(EVERY, 1))
-RUN = int(sys.argv[sys.argv.index("--run") + 1]) if "--run" in sys.argv else 3
+# the driver hands --run to its ranks as --run-blocks: `popmesh launch` would take --run for its --run-path
+_RUN = "--run-blocks" if "--worker" in sys.argv else "--run"
+RUN = int(sys.argv[sys.argv.index(_RUN) + 1]) if _RUN in sys.argv else 3
 ALL = ("none", "average", "selective", "async", "async_report", "raw_streams", "bare")
 ONLY = tuple(sys.argv[sys.argv.index("--only") + 1].split(",")) if "--only" in sys.argv else ALL
 
@@ -329,7 +331,8 @@ def main() -> None:
     if "none" not in ONLY or unknown:
         sys.exit(f"--only takes a comma-separated subset of {','.join(ALL)} that includes none (the baseline); "
                  f"got {','.join(ONLY)}")
-    args = ["--worker", "--rounds", str(ROUNDS), "--run", str(RUN), "--every", str(EVERY), "--only", ",".join(ONLY)]
+    args = ["--worker", "--rounds", str(ROUNDS), "--run-blocks", str(RUN), "--every", str(EVERY),
+            "--only", ",".join(ONLY)]
     rows = launch_json(os.path.abspath(__file__), RANKS, ENGINE, *args, timeout=900)
     threads = rows.pop("threads", None)
     report(rows)
