@@ -8,6 +8,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -55,3 +56,34 @@ def interleaved(fns: dict[str, Callable[[], object]], reps: int, rounds: int = 5
         for name, fn in order if r % 2 == 0 else order[::-1]:
             per[name].append(median_time(fn, reps))
     return {name: statistics.median(values) for name, values in per.items()}
+
+
+def reps(n: int) -> int:
+    """``n`` scaled by $BENCH_REPS_SCALE (default 1, at least 1 rep): shorter runs at more ranks."""
+    return max(1, round(n * float(os.environ.get("BENCH_REPS_SCALE", "1"))))
+
+
+def thread_counts() -> tuple[int, int]:
+    """This process's threads now: Python's (``threading.active_count()``) and the OS's (the
+    ``Threads:`` line of /proc/self/status: engine and BLAS threads too; 0 where there is no /proc)."""
+    try:
+        status = Path("/proc/self/status").read_text()
+        os_threads = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("Threads:"))
+    except (OSError, StopIteration):
+        os_threads = 0
+    return threading.active_count(), os_threads
+
+
+def world_threads() -> dict[str, int]:
+    """Every rank must call this: the most threads on any rank, Python's and the OS's."""
+    import numpy as np
+
+    import popmesh
+
+    most = popmesh.all_reduce(np.array(thread_counts(), dtype=np.int64), "max")
+    return {"python": int(most[0]), "os": int(most[1])}
+
+
+def threads_line(result: dict) -> str:
+    t = result.get("threads")
+    return f"threads per rank (max over ranks): {t['python']} Python, {t['os']} OS" if t else ""

@@ -12,6 +12,7 @@ Targets (issue #19): the guard costs <= 5 % at 4 B on MPI, <= 1 % at 1 MB and up
 More ranks than cores (a 2-core box at 4 or more) measure oversubscription as much as the algorithm:
 see docs/scaling.md.
 Run: .venv/bin/python benchmarks/collectives.py [--nproc 2,4,8] [--sizes "4 B,1 MB"] [--engines torch,mpi] [--swap]
+     [--reps-scale F]   (F scales the repetitions: shorter runs at more ranks)
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import interleaved, launch_json, write_result
+from _common import interleaved, launch_json, reps, threads_line, world_threads, write_result
 
 SIZES = {"4 B": 1, "1 KB": 256, "1 MB": 1 << 18, "16 MB": 1 << 22, "64 MB": 1 << 24}  # float32 elements
 DEFAULT_SIZES = "4 B,1 KB,1 MB,16 MB"
@@ -84,10 +85,11 @@ def worker() -> None:
                       "unguarded": unguarded_call(buf)}
         if os.environ.get("BENCH_ORDER") == "swap":  # the middle place may carry a bias of its own
             contenders = {k: contenders[k] for k in ("raw", "unguarded", "popmesh")}
-        times = interleaved(contenders, REPS[label], rounds=5)
+        times = interleaved(contenders, reps(REPS[label]), rounds=5)
         rows[label] = times
+    threads = world_threads()
     if world.is_main:
-        write_result({"engine": world.engine_name, "rows": rows})
+        write_result({"engine": world.engine_name, "rows": rows, "threads": threads})
     world.finalize()
 
 
@@ -96,10 +98,12 @@ def main() -> None:
     parser.add_argument("--nproc", default="2", help="world sizes, comma-separated")
     parser.add_argument("--sizes", default=DEFAULT_SIZES, help=f"a subset of {list(SIZES)}")
     parser.add_argument("--engines", default="torch,mpi")
+    parser.add_argument("--reps-scale", default="1", help="scale the repetitions (shorter runs at more ranks)")
     parser.add_argument("--swap", action="store_true", help="time the unchecked path between the other two")
     opts = parser.parse_args()
     os.environ["BENCH_SIZES"] = opts.sizes
     os.environ["BENCH_ORDER"] = "swap" if opts.swap else "plain"
+    os.environ["BENCH_REPS_SCALE"] = opts.reps_scale
     print(f"{'engine':7} {'ranks':>5} {'size':>6} {'raw':>12} {'popmesh':>12} {'ratio':>7} {'overhead':>10} "
           f"{'unguarded':>12} {'check':>7} {'check cost':>10}")
     for engine in opts.engines.split(","):
@@ -111,6 +115,7 @@ def main() -> None:
                 print(f"{name:7} {n:5} {label:>6} {raw * 1e6:10.1f}us {ours * 1e6:10.1f}us {ours / raw:6.2f}x "
                       f"{(ours - raw) * 1e6:+8.1f}us {old * 1e6:10.1f}us {ours / old:6.3f}x "
                       f"{(ours - old) * 1e6:+8.1f}us", flush=True)
+            print(f"{name:7} {n:5} {threads_line(result)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,8 @@ ranks. ``--sweep`` also times GradientSync at several caps, and the raw engine o
 pieces, one call after another vs all queued at once (the measurements behind each engine adapter's
 ``tuning``: bucket cap and reductions in flight).
 
-Run: .venv/bin/python benchmarks/grad_sync.py [--sweep]   (the driver launches both worlds)
+Run: .venv/bin/python benchmarks/grad_sync.py [--sweep] [--ranks N]   (the driver launches both worlds;
+     $GRAD_SYNC_ROUNDS sets the rounds, default 21)
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import launch_json, write_result
+from _common import launch_json, threads_line, world_threads, write_result
 
 LAYERS, WIDTH, BATCH = 100, 316, 16
 SWEEP_CAPS = (256 << 10, 1 << 20, 4 << 20, 8 << 20, 16 << 20, 25 << 20, 64 << 20)
@@ -263,8 +264,10 @@ def worker() -> None:
     rows = interleave(contenders, rounds=ROUNDS)
     rows.update(interleave(step_contenders(world), rounds=ROUNDS))
     phases = phase_breakdown(world, ROUNDS)
+    threads = world_threads()  # DDP's and GradientSync's threads are all alive here
     if world.is_main:
-        write_result({"engine": world.engine_name, "rows": rows, "phases": phases,
+        write_result({"engine": world.engine_name, "rows": rows, "phases": phases, "threads": threads,
+                      "ranks": world.size,
                       "params": sum(1 for _ in model.parameters()), "numel": flat.numel()})
     if world.engine_name == "mpi":
         import torch.distributed as dist
@@ -299,17 +302,18 @@ def _spawn_json(n: int, engine: str, args: list[str]) -> dict:
         return json.loads(out.read_text())
 
 
-def run_world(engine: str, args: list[str]) -> dict:
+def run_world(engine: str, args: list[str], ranks: int = 2) -> dict:
     if importlib.util.find_spec("popmesh.launch.cli") is not None:
-        return launch_json(os.path.abspath(__file__), 2, engine, *args, timeout=900)
-    return _spawn_json(2, engine, args)
+        return launch_json(os.path.abspath(__file__), ranks, engine, *args, timeout=900)
+    return _spawn_json(ranks, engine, args)
 
 
 def report(result: dict) -> None:
     name = "gloo" if result["engine"] == "torch" else "mpich"
     rows = result["rows"]
     floor, per_tensor = rows["flat floor"], rows["per-tensor"]
-    print(f"\n{name}: {result['params']} tensors, {result['numel'] / 1e6:.1f} M float32, 2 ranks")
+    ranks = result.get("ranks", 2)
+    print(f"\n{name}: {result['params']} tensors, {result['numel'] / 1e6:.1f} M float32, {ranks} ranks")
     print(f"{'contender':26} {'median':>10} {'/ floor':>8} {'/ per-tensor':>13}")
     for label, t in rows.items():
         if label.startswith("step"):
@@ -328,13 +332,16 @@ def report(result: dict) -> None:
         print(f"\n{'step phases (median)':26} " + " ".join(f"{k:>11}" for k in next(iter(phases.values()))))
         for label, parts in phases.items():
             print(f"{label:26} " + " ".join(f"{v * 1e3:9.2f}ms" for v in parts.values()))
+    if "threads" in result:
+        print(f"\n{threads_line(result)}")
 
 
 def main() -> None:
     args = ["--worker"] + (["--sweep"] if "--sweep" in sys.argv else [])  # --only-torch / --only-mpi: one world
     engines = [e for e in ("torch", "mpi") if f"--only-{'mpi' if e == 'torch' else 'torch'}" not in sys.argv]
+    ranks = int(sys.argv[sys.argv.index("--ranks") + 1]) if "--ranks" in sys.argv else 2
     for engine in engines:
-        report(run_world(engine, args))
+        report(run_world(engine, args, ranks))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """Point-to-point messages: popmesh vs the raw engine call vs what users write today; 2 ranks, same run.
 
-Ping-pong between ranks 0 and 1. 64 MB (float32): one-way time = round trip / 2, reported as
+Ping-pong between ranks 0 and 1 (``--ranks N``, N even: N/2 pairs ping-pong at once, rank 2k with
+2k + 1; the figures are pair 0's, measured while the other pairs run; ``--reps-scale F`` scales the
+repetitions). 64 MB (float32): one-way time = round trip / 2, reported as
 throughput; 336 KB (a population policy's weight stream, 84 k float32) and 4 B: round-trip latency.
 Contenders, alternating in the same processes:
 
@@ -13,7 +15,8 @@ Contenders, alternating in the same processes:
 
 Goals (issue #22), printed per row: popmesh <= 1.0x users everywhere; MPI 4 B <= 0.5x users;
 gloo 4 B <= 2.0x raw; 336 KB <= 1.5x raw; 64 MB >= 0.95x raw throughput.
-Run: .venv/bin/python benchmarks/messages.py [torch|mpi]   (the driver launches the worlds itself; default both)
+Run: .venv/bin/python benchmarks/messages.py [torch|mpi] [--ranks N] [--reps-scale F]
+     (the driver launches the worlds itself; default both engines, 2 ranks)
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import interleaved, launch_json, write_result
+from _common import interleaved, launch_json, reps, threads_line, world_threads, write_result
 
 SIZES = {"64 MB": 16 << 20, "336 KB": 84_000, "4 B": 1}  # float32 elements
 REPS = {"64 MB": 3, "336 KB": 40, "4 B": 400}
@@ -32,27 +35,28 @@ ROUNDS = {"64 MB": 9, "336 KB": 5, "4 B": 5}  # 64 MB: the VM drifts by up to 40
 
 
 def raw_pingpong(engine: str, rank: int, numel: int):
+    other = rank ^ 1  # the pair: 0 with 1, 2 with 3, ...
     if engine == "torch":
         import torch
         import torch.distributed as dist
 
         buf = torch.ones(numel, dtype=torch.float32)
-        if rank == 0:
-            return lambda: (dist.send(buf, 1), dist.recv(buf, 1))
-        return lambda: (dist.recv(buf, 0), dist.send(buf, 0))
+        if rank % 2 == 0:
+            return lambda: (dist.send(buf, other), dist.recv(buf, other))
+        return lambda: (dist.recv(buf, other), dist.send(buf, other))
     from mpi4py import MPI
 
     comm, buf = MPI.COMM_WORLD, np.ones(numel, dtype=np.float32)
-    if rank == 0:
-        return lambda: (comm.Send(buf, 1), comm.Recv(buf, 1))
-    return lambda: (comm.Recv(buf, 0), comm.Send(buf, 0))
+    if rank % 2 == 0:
+        return lambda: (comm.Send(buf, other), comm.Recv(buf, other))
+    return lambda: (comm.Recv(buf, other), comm.Send(buf, other))
 
 
 def users_pingpong(engine: str, rank: int, numel: int):
     """What programs write without popmesh: mpi4py's pickle send/recv on MPI, torchgfn's protocol on gloo
     (a length tensor, then the pickled bytes as a uint8 tensor; the receiver allocates from the length)."""
     data = np.ones(numel, dtype=np.float32)
-    other = 1 - rank
+    other = rank ^ 1
     if engine == "torch":
         import pickle
 
@@ -81,7 +85,7 @@ def users_pingpong(engine: str, rank: int, numel: int):
         def recv() -> object:
             return comm.recv(source=other, tag=3)
 
-    if rank == 0:
+    if rank % 2 == 0:
         return lambda: (send(data), recv())
     return lambda: send(recv())
 
@@ -89,18 +93,18 @@ def users_pingpong(engine: str, rank: int, numel: int):
 def popmesh_pingpong(rank: int, numel: int):
     import popmesh
 
-    data = np.ones(numel, dtype=np.float32)
-    if rank == 0:
-        return lambda: (popmesh.send(data, 1, tag=1), popmesh.recv(1, tag=1))
-    return lambda: popmesh.send(popmesh.recv(0, tag=1)[1], 0, tag=1)
+    data, other = np.ones(numel, dtype=np.float32), rank ^ 1
+    if rank % 2 == 0:
+        return lambda: (popmesh.send(data, other, tag=1), popmesh.recv(other, tag=1))
+    return lambda: popmesh.send(popmesh.recv(other, tag=1)[1], other, tag=1)
 
 
 def p2p_pingpong(world, rank: int, numel: int):
     p2p = world.engine.p2p()
-    data = np.ones(numel, dtype=np.float32).view(np.uint8)
-    if rank == 0:
-        return lambda: (p2p.send(data, 1, 2, 60), p2p.recv(1, 2, 60))
-    return lambda: p2p.send(p2p.recv(0, 2, 60)[1], 0, 2, 60)
+    data, other = np.ones(numel, dtype=np.float32).view(np.uint8), rank ^ 1
+    if rank % 2 == 0:
+        return lambda: (p2p.send(data, other, 2, 60), p2p.recv(other, 2, 60))
+    return lambda: p2p.send(p2p.recv(other, 2, 60)[1], other, 2, 60)
 
 
 def worker() -> None:
@@ -113,10 +117,11 @@ def worker() -> None:
                "users": users_pingpong(world.engine_name, world.rank, numel),
                "popmesh": popmesh_pingpong(world.rank, numel),
                "p2p": p2p_pingpong(world, world.rank, numel)}
-        rows[label] = interleaved(fns, REPS[label], rounds=ROUNDS[label])
+        rows[label] = interleaved(fns, reps(REPS[label]), rounds=ROUNDS[label])
         popmesh.barrier()
+    threads = world_threads()
     if world.is_main:
-        write_result({"engine": world.engine_name, "rows": rows})
+        write_result({"engine": world.engine_name, "rows": rows, "threads": threads})
     popmesh.barrier()
     world.finalize()
 
@@ -140,8 +145,13 @@ def main() -> None:
     print(f"{'engine':7} {'size':>6} {'raw':>14} {'users':>14} {'popmesh':>14} {'p2p':>14} {'popmesh/raw':>12} "
           f"{'popmesh/users':>14}   goals")
     engines = [a for a in sys.argv[1:] if a in ("torch", "mpi")] or ["torch", "mpi"]
+    ranks = int(sys.argv[sys.argv.index("--ranks") + 1]) if "--ranks" in sys.argv else 2
+    if ranks < 2 or ranks % 2:
+        sys.exit(f"--ranks must be even and at least 2 (pairs ping-pong at once); got {ranks}")
+    if "--reps-scale" in sys.argv:
+        os.environ["BENCH_REPS_SCALE"] = sys.argv[sys.argv.index("--reps-scale") + 1]
     for engine in engines:
-        result = launch_json(os.path.abspath(__file__), 2, engine, "--worker")
+        result = launch_json(os.path.abspath(__file__), ranks, engine, "--worker")
         name = "gloo" if engine == "torch" else "mpich"
         for label, t in result["rows"].items():
             names = ("raw", "users", "popmesh", "p2p")
@@ -159,6 +169,7 @@ def main() -> None:
                               f"{'met' if met else 'MISSED'}")
             print(f"{name:7} {label:>6} {' '.join(f'{c:>14}' for c in cells)} {t['popmesh'] / t['raw']:>11.2f}x "
                   f"{t['popmesh'] / t['users']:>13.2f}x   {'; '.join(checks)}")
+        print(f"{name:7} {ranks} ranks ({ranks // 2} pair{'s' if ranks > 2 else ''} at once); {threads_line(result)}")
 
 
 if __name__ == "__main__":

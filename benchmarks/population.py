@@ -51,14 +51,16 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import launch_json, write_result
+from _common import launch_json, threads_line, world_threads, write_result
 
 WIDTH, BATCH = 256, 256
 RANKS = int(sys.argv[sys.argv.index("--ranks") + 1]) if "--ranks" in sys.argv else 4
 ENGINE = sys.argv[sys.argv.index("--engine") + 1] if "--engine" in sys.argv else "torch"
 EVERY = int(sys.argv[sys.argv.index("--every") + 1]) if "--every" in sys.argv else 100
 ROUNDS = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else max(10, 2000 // max(EVERY, 1))
-RUN = int(sys.argv[sys.argv.index("--run") + 1]) if "--run" in sys.argv else 3
+# the driver hands --run to its ranks as --run-blocks: `popmesh launch` would take --run for its --run-path
+_RUN = "--run-blocks" if "--worker" in sys.argv else "--run"
+RUN = int(sys.argv[sys.argv.index(_RUN) + 1]) if _RUN in sys.argv else 3
 ALL = ("none", "average", "selective", "async", "async_report", "raw_streams", "bare")
 ONLY = tuple(sys.argv[sys.argv.index("--only") + 1].split(",")) if "--only" in sys.argv else ALL
 
@@ -250,6 +252,7 @@ def worker() -> None:
             for b in range(RUN):
                 popmesh.barrier()  # every block starts with all ranks computing (2 shared cores here)
                 c.block(counted=b > 0)
+    threads = world_threads()  # before shutdown: every policy's background thread still alive
     for c in contenders:
         if hasattr(c.policy, "shutdown"):
             c.policy.shutdown(timeout=60)
@@ -267,7 +270,8 @@ def worker() -> None:
                                "in_policy": float(p), "p90": statistics.quantiles(c.steps, n=10)[-1],
                                "cpu": float(u), "world_blocks": wbs.tolist(), "cpu_blocks": ubs.tolist()}
                       for c, m, s, wb, n, p, u, wbs, ubs in zip(contenders, medians, slowest, world_step, replaced,
-                                                                in_policy, cpu, world_blocks, cpu_blocks)})
+                                                                in_policy, cpu, world_blocks, cpu_blocks)}
+                     | {"threads": threads})
     world.finalize()
 
 
@@ -327,10 +331,14 @@ def main() -> None:
     if "none" not in ONLY or unknown:
         sys.exit(f"--only takes a comma-separated subset of {','.join(ALL)} that includes none (the baseline); "
                  f"got {','.join(ONLY)}")
-    args = ["--worker", "--rounds", str(ROUNDS), "--run", str(RUN), "--every", str(EVERY), "--only", ",".join(ONLY)]
+    args = ["--worker", "--rounds", str(ROUNDS), "--run-blocks", str(RUN), "--every", str(EVERY),
+            "--only", ",".join(ONLY)]
     rows = launch_json(os.path.abspath(__file__), RANKS, ENGINE, *args, timeout=900)
+    threads = rows.pop("threads", None)
     report(rows)
     report_paired(rows)
+    if threads:
+        print(f"\n{threads_line({'threads': threads})}")
 
 
 if __name__ == "__main__":
