@@ -268,3 +268,8 @@ def test_rank0_terminal_cannot_also_be_logged(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="rank0_terminal"):
         launch(str(script), rank0_terminal=True, log_dir=str(tmp_path))
     assert [p.name for p in tmp_path.iterdir()] == ["s.py"]  # refused before any log folder was made
+
+
+def test_script_options_after_the_script_pass_through_even_as_prefixes_of_launcher_options() -> None:
+    ns = cli.build_parser().parse_args(["launch", "-n", "2", "train.py", "--run", "3", "--nproc", "x", "-n", "5"])
+    assert ns.nproc == 2 and ns.args == ["--run", "3", "--nproc", "x", "-n", "5"]

@@ -119,7 +119,10 @@ def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     parsers = {}
     for command in _COMMANDS.values():
-        parsers[command.name] = sub.add_parser(command.name, help=command.help, description=command.help)
+        # No abbreviations: argparse would take a script's own `--run 3` after the script's name for
+        # an abbreviation of `--run-path` (ambiguous option) instead of passing it to the script.
+        parsers[command.name] = sub.add_parser(command.name, help=command.help, description=command.help,
+                                               allow_abbrev=False)
         command.configure(parsers[command.name])
     return parser, parsers
 
