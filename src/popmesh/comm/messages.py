@@ -28,7 +28,7 @@ from collections.abc import Callable, Collection
 from typing import Any
 
 from popmesh.comm.world import Comm, resolve_group
-from popmesh.core.errors import ConfigError, MessageError
+from popmesh.core.errors import ConfigError, MessageError, PopmeshError
 from popmesh.core.handles import Handle
 from popmesh.core.timeouts import resolve_timeout
 from popmesh.engines.p2p_base import TAG_LIMIT
@@ -37,7 +37,7 @@ from popmesh.wire import decode, encode_message
 __all__ = [
     "INTERNAL_TAG_BASE", "TAG_LIMIT", "BUFFERS_TAGS", "POPULATION_TAGS", "GUARD_TAGS", "OBSERVE_TAGS",
     "InternalTag", "internal_tag",
-    "FrameError", "SendHandle", "RecvHandle", "send", "recv", "isend", "irecv", "on_arrival",
+    "FrameError", "SendHandle", "RecvHandle", "send", "recv", "isend", "irecv", "take_arrived", "on_arrival",
 ]
 
 INTERNAL_TAG_BASE = TAG_LIMIT - 1024
@@ -193,6 +193,23 @@ def irecv(src: int | Collection[int] | None = None, tag: int = 0, *, group: Comm
 
     return RecvHandle(p2p.irecv(_sources(comm, src), value), seconds, decode)
 
+
+
+def take_arrived(standing: RecvHandle | None, tag: int,
+                 closed_by: type[Exception] = PopmeshError) -> tuple[RecvHandle | None, list[tuple[int, Any]]]:
+    """Every message a standing any-source receive on ``tag`` has got, without blocking, and the
+    receive to keep standing: posted again after each message, None once waiting raised
+    ``closed_by`` (no sender left) or when ``standing`` was None already."""
+    arrived: list[tuple[int, Any]] = []
+    while standing is not None:
+        try:
+            if not standing.done():
+                break
+            arrived.append(standing.wait())
+        except closed_by:
+            return None, arrived
+        standing = irecv(None, tag)
+    return standing, arrived
 
 def on_arrival(callback: Callable[[], None], *, group: Comm | None = None) -> Callable[[], None] | None:
     """Call ``callback`` whenever a message may have arrived for this rank (any tag, any source).

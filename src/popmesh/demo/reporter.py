@@ -133,15 +133,9 @@ class Reporter:
 
     def drain(self) -> None:
         """Rank 0: take in every message that has arrived, without blocking."""
-        while self._stats is not None:
-            try:
-                if not self._stats.done():
-                    return
-                src, message = self._stats.wait()
-            except PeerFailure:  # every other rank is lost or re-forming: nothing can come until reconnect()
-                self._stats = None
-                return
-            self._stats = messages.irecv(None, STATS_TAG)
+        # None once every other rank is lost or re-forming: nothing can come until reconnect()
+        self._stats, arrived = messages.take_arrived(self._stats, STATS_TAG, PeerFailure)
+        for src, message in arrived:
             if message.get("done"):
                 self._done.add(src)
             else:

@@ -119,15 +119,8 @@ class Progress:
 
     def _take_in(self) -> None:
         """Rank 0: every report that has arrived, without blocking."""
-        while self._inbox is not None:
-            try:
-                if not self._inbox.done():
-                    return
-                src, row = self._inbox.wait()
-            except PopmeshError:  # every other rank is gone: nothing more can come
-                self._inbox = None
-                return
-            self._inbox = messages.irecv(None, PROGRESS_TAG)
+        self._inbox, arrived = messages.take_arrived(self._inbox, PROGRESS_TAG)  # None: every other rank is gone
+        for src, row in arrived:
             if row.get("done"):
                 self._finished.add(src)
             if "step" in row:

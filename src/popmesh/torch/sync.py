@@ -263,22 +263,12 @@ class GradientSync:
                  else 0 for b in plan.buckets]
         if not any(sizes):
             return None
-        offsets = [0]
-        for size in sizes:
-            offsets.append(offsets[-1] + -(-size // 64) * 64)
         seconds = self._comm.timeout if self._timeout is None else self._timeout
-        memory = lend(self._comm.handle, offsets[-1], seconds)
+        memory = lend(self._comm.handle, sizes, seconds)
         if memory is None:
             return None
-        buffers: list[torch.Tensor | None] = []
-        for b, size in zip(plan.buckets, sizes):
-            if not size:
-                buffers.append(None)
-                continue
-            start = offsets[len(buffers)]
-            tensor = torch.from_numpy(memory[start:start + size]).view(getattr(torch, b.dtype))
-            buffers.append(tensor.zero_())
-        return buffers
+        return [torch.from_numpy(m).view(getattr(torch, b.dtype)).zero_() if m.size else None
+                for b, m in zip(plan.buckets, memory)]
 
     def _agree(self, plan: BucketPlan) -> None:
         numel = sum(s.numel for s in plan.specs)

@@ -132,17 +132,25 @@ class MpiEngine:
         """Give a group whose members all live on this node its shared-memory reducer (every member
         decides alike: each sees the whole group on its node, or each sees a member elsewhere)."""
         if len(group.spec.ranks) > 1 and self._node_ranks.issuperset(group.spec.ranks):
-            group.shared = SharedArrays(self._mpi, group.comm, lambda t, what: self._barrier(group, t, what))
+            group.shared = SharedArrays(self._mpi, group.comm, lambda t, what: self._barrier(group, t, what),
+                                        lambda a, op, t: self._mpi_all_reduce_(a, op, group, t))
             self._shared.append(group)
         return group
 
-    def lend_shared(self, group: _Handle, nbytes: int, timeout: float) -> np.ndarray | None:
-        """``nbytes`` of this member's copy of a new shared window over ``group`` (collective), or None
-        where the group spans nodes: arrays placed there are reduced in place (shared_reduce)."""
+    def lend_shared(self, group: _Handle, sizes: list[int], timeout: float) -> list[np.ndarray] | None:
+        """Arrays of ``sizes`` bytes in this member's copy of a new shared window over ``group``
+        (collective), or None where the group spans nodes: arrays placed there are reduced in place
+        (shared_reduce)."""
         if group.shared is None:
             return None
         self._flush(group)
-        return group.shared.lend(nbytes, timeout)
+        return group.shared.lend(sizes, timeout)
+
+    def _in_window(self, group: _Handle, arr: np.ndarray) -> SharedArrays | None:
+        """The group's shared arrays where an all-reduce of ``arr`` meets in their header (the same
+        answer on every member of a matched call: it depends on the size alone)."""
+        shared = group.shared
+        return shared if shared is not None and arr.nbytes >= SHARED_FROM_BYTES and shared.lending else None
 
     # ---- collectives -------------------------------------------------------------------------
     def all_reduce_(self, buf: Any, op: ReduceOp, group: _Handle, timeout: float) -> None:
@@ -150,14 +158,16 @@ class MpiEngine:
             self._flush(group, timeout)
         if type(buf) is np.ndarray and buf.dtype.itemsize != 2:
             # The common case (no staging, no widening): small-message latency lives here.
-            if group.shared is not None and buf.nbytes >= SHARED_FROM_BYTES and group.shared.lending:
-                group.shared.all_reduce_(buf, op, timeout, lambda a, o, t: self._mpi_all_reduce_(a, o, group, t))
-                return
-            self._mpi_all_reduce_(buf, op, group, timeout)
+            shared = self._in_window(group, buf)
+            if shared is not None:
+                shared.all_reduce_(buf, op, timeout)
+            else:
+                self._mpi_all_reduce_(buf, op, group, timeout)
             return
         arr, finish = self._reducible(buf)
-        if group.shared is not None and arr.nbytes >= SHARED_FROM_BYTES and group.shared.lending:
-            group.shared.all_reduce_(arr, op, timeout, lambda a, o, t: self._mpi_all_reduce_(a, o, group, t))
+        shared = self._in_window(group, arr)
+        if shared is not None:
+            shared.all_reduce_(arr, op, timeout)
         else:
             self._mpi_all_reduce_(arr, op, group, timeout)
         finish(arr)
@@ -170,7 +180,7 @@ class MpiEngine:
 
     def all_reduce_start(self, buf: Any, op: ReduceOp, group: _Handle) -> _MpiPending | _LazyShared:
         arr, finish = self._reducible(buf)
-        if group.shared is not None and arr.nbytes >= SHARED_FROM_BYTES and group.shared.lending:
+        if self._in_window(group, arr) is not None:
             # MPI would progress it only inside its wait anyway (no progress thread): it runs there,
             # in start order, so that its path is chosen with the other members (shared_reduce).
             pending = _LazyShared(self, group, arr, op, lambda: finish(arr))
@@ -385,10 +395,8 @@ class _LazyShared:
             self._engine._flush(self._group, timeout, upto=self)
 
     def run(self, timeout: float) -> None:
-        engine, group = self._engine, self._group
-        assert group.shared is not None
-        group.shared.all_reduce_(self._arr, self._op, timeout,
-                                 lambda a, o, t: engine._mpi_all_reduce_(a, o, group, t))
+        assert self._group.shared is not None
+        self._group.shared.all_reduce_(self._arr, self._op, timeout)
         self._complete()
         self._finished = True
 

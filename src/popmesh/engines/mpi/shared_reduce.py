@@ -26,7 +26,7 @@ import numpy as np
 
 from popmesh.core.ops import ReduceOp
 
-__all__ = ["SHARED_FROM_BYTES", "SharedArrays", "chunk_bounds"]
+__all__ = ["SHARED_FROM_BYTES", "SharedArrays", "aligned", "chunk_bounds"]
 
 SHARED_FROM_BYTES = 64 << 10
 """Arrays from this size on a lending group take the shared header round (below it the barrier
@@ -80,8 +80,9 @@ class SharedArrays:
     are not all in the same place of one window.
     """
 
-    def __init__(self, mpi: Any, comm: Any, barrier: Callable[[float, str], None]) -> None:
-        self._mpi, self._comm, self._barrier = mpi, comm, barrier
+    def __init__(self, mpi: Any, comm: Any, barrier: Callable[[float, str], None],
+                 fallback: Callable[[np.ndarray, ReduceOp, float], None]) -> None:
+        self._mpi, self._comm, self._barrier, self._fallback = mpi, comm, barrier, fallback
         self._rank, self._size = comm.Get_rank(), comm.Get_size()
         self._windows: list[_Window] = []
         self._headers: _Window | None = None
@@ -92,19 +93,23 @@ class SharedArrays:
         """Whether a window was lent: from then on large all-reduces of the group meet in the header."""
         return bool(self._windows)
 
-    def lend(self, nbytes: int, timeout: float) -> np.ndarray:
-        """A new window of ``nbytes`` per member; this member's copy, as bytes. Collective."""
+    def lend(self, sizes: list[int], timeout: float) -> list[np.ndarray]:
+        """One new window holding an array of each of ``sizes`` bytes per member, each starting on a
+        cache line (no two ranks' chunks share one); this member's arrays, as bytes. Collective."""
         self._barrier(timeout, "GradientSync (shared buckets)")  # a missing member: a timeout, not a hang in MPI
         if self._headers is None:
             self._headers = _Window(self._mpi, self._comm, _HEADER_WORDS * 8)
-        window = _Window(self._mpi, self._comm, max(nbytes, 1))
+        starts = [0]
+        for size in sizes:
+            starts.append(starts[-1] + aligned(size))
+        window = _Window(self._mpi, self._comm, max(starts[-1], 1))
         self._windows.append(window)
-        return window.copies[self._rank][:nbytes]
+        mine = window.copies[self._rank]
+        return [mine[start:start + size] for start, size in zip(starts, sizes)]
 
-    def all_reduce_(self, arr: np.ndarray, op: ReduceOp, timeout: float,
-                    fallback: Callable[[np.ndarray, ReduceOp, float], None]) -> None:
+    def all_reduce_(self, arr: np.ndarray, op: ReduceOp, timeout: float) -> None:
         """Reduce ``arr`` (at least SHARED_FROM_BYTES) in place: inside its window when every member's
-        array is the same place of one, else through ``fallback``."""
+        array is the same place of one, else through the fallback."""
         assert self._headers is not None, "only a lending group meets in the header"
         self._seq += 1
         place = self._place(arr, op)
@@ -115,7 +120,7 @@ class SharedArrays:
         first = self._header(0)
         same = place is not None and all(np.array_equal(self._header(k), first) for k in range(1, self._size))
         if not same:
-            fallback(arr, op, timeout)
+            self._fallback(arr, op, timeout)
             return
         window = self._windows[int(first[1])]
         offset, nbytes = int(first[2]), int(first[3])
