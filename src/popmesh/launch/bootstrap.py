@@ -41,7 +41,8 @@ _PR_SET_PDEATHSIG = 1
 PID_NOTE = ".pid"  # beside the error record rank-R.json: "PID HOST" once the rank runs
 WATCHED_NOTE = ".watched"  # the launcher's answer: it holds a pidfd of this rank (or cannot watch it)
 EXIT_NOTE = ".exit"  # "STATUS" once it exits normally
-_WATCH_WAIT_S = 1.0  # how long a rank waits for that answer before it runs unwatched
+_WATCH_WAIT_S = 5.0  # how long a rank waits for that answer before it runs unwatched (1 s was too short on a
+# loaded box: a killed rank went unwatched and the rank Hydra killed after it was named the root cause)
 _MPI_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
 
 
