@@ -14,7 +14,8 @@ For each seed, three runs of `popmesh demo` (4 ranks, CartPole, async policy, --
 It prints per run the env steps per agent to the target (the best agent's last-20 mean return >= 475;
 for the whole restart also counting the iterations between the checkpoint and the kill, trained twice),
 the wall time (both processes for the whole restart), and for survive the downtime (kill to rejoin)
-and whether every survivor's iterations ran on (none repeated); then medians.
+and whether every survivor's iterations ran on (none repeated), the survivors' longest wait in the
+re-form and the iterations they trained alone while the lost rank restarted; then medians.
 
     python benchmarks/survival.py [--seeds 5] [--checkpoint-every 10] [--steps 150000]
 """
@@ -89,9 +90,17 @@ def one_seed(seed: int, steps: int, every: int) -> dict[str, Any]:
     return {"seed": seed, "kill": kill, "calm_steps": steps_to_target(calm), "calm_s": round(calm_s, 1),
             "survive_steps": steps_to_target(survived), "survive_s": round(survive_s, 1),
             "downtime_s": rejoin.get("downtime_s"), "survivors_ran_on": ran_on,
+            # the survivors train on alone while the lost rank restarts, then wait only for each other
+            "survivor_wait_s": max(_survivors(rejoin, "survivor_wait_s", victim), default=None),
+            "survivor_iterations_alone": min(_survivors(rejoin, "iterations_alone", victim), default=None),
             "whole_steps": whole, "whole_redone_steps": redone, "whole_computed_steps": whole and whole + redone,
             "whole_s": round(died_s + resume_s, 1),
             "resumed_from": resumed.get("resumed_from")}
+
+
+def _survivors(rejoin: dict[str, Any], field: str, victim: int) -> list[Any]:
+    """The survivors' entries of a per-rank list in the rejoin event (none in runs before it had them)."""
+    return [v for rank, v in enumerate(rejoin.get(field) or []) if rank != victim]
 
 
 def median(values: list[Any]) -> str:
@@ -125,6 +134,9 @@ def main() -> None:
     print(f"\nsurvive: downtime kill → rejoined, median {median([r['downtime_s'] for r in rows])} s "
           f"(per seed {[r['downtime_s'] for r in rows]}); survivors repeated no iteration in "
           f"{sum(r['survivors_ran_on'] for r in rows)} of {len(rows)} runs")
+    print(f"survivors waited (longest per run) median {median([r['survivor_wait_s'] for r in rows])} s "
+          f"(per seed {[r['survivor_wait_s'] for r in rows]}), having trained on alone for at least "
+          f"{[r['survivor_iterations_alone'] for r in rows]} iterations meanwhile")
 
 
 if __name__ == "__main__":

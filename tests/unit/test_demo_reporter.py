@@ -31,6 +31,26 @@ def test_with_checkpoints_the_ranks_stop_together_after_the_next_checkpoint():
     assert reporter.should_stop()
 
 
+def test_rows_kept_back_by_a_detached_rank_that_reached_the_target_earlier_take_the_credit():
+    """Rank 0 learns of a survivor's rows only after the world re-formed: the earliest row at the target
+    counts, not the first to arrive."""
+    reporter = Reporter(popmesh.init("local"), None, target=100.0, stop_at_target=False)
+    early = _row(5, 130.0)
+    late = {**_row(9, 120.0), "rank": 1}
+    reporter._ingest(late, None)
+    reporter._ingest({**early, "rank": 2}, None)
+    assert reporter.reached is not None and reporter.reached["rank"] == 2 and reporter.reached["iteration"] == 5
+
+
+def test_a_detached_rank_keeps_its_rows_and_sends_no_message():
+    reporter = Reporter(popmesh.init("local"), None, target=100.0, stop_at_target=True)
+    reporter.detach()
+    reporter.record(_row(0, 120.0), None)  # rank 0 of a world of one: its own rows are taken in at once
+    assert reporter.should_stop() and reporter.own and reporter.history
+    reporter.reconnect()
+    assert reporter.should_stop()
+
+
 def test_without_stop_at_target_the_run_never_stops_early():
     reporter = Reporter(popmesh.init("local"), None, target=100.0, stop_at_target=False, at_checkpoints=True)
     reporter.record(_row(0, 500.0), None)

@@ -104,3 +104,23 @@ def test_a_rank_that_never_comes_back_is_named():
 def test_a_newcomer_with_no_formed_world_times_out_clearly():
     with pytest.raises(CommTimeout, match="no world has formed yet"):
         g.newcomer_attempt(MemoryStore(), 0.05)
+
+
+def test_survivors_see_a_newcomer_waiting_only_once_it_checked_in_under_a_newer_attempt():
+    store = _formed_world()
+    assert not g.newcomer_waiting(store, 0)  # nobody restarted yet
+    g.check_in(store, g.next_attempt(store, 0), 2, fresh=False)  # a survivor that re-forms at once: no newcomer
+    assert not g.newcomer_waiting(store, 0)
+    attempt = g.newcomer_attempt(store, 1.0)
+    assert attempt == 1 and not g.newcomer_waiting(store, 0)
+    g.check_in(store, attempt, 1, fresh=True)
+    assert g.newcomer_waiting(store, 0) and not g.newcomer_waiting(store, 1)  # a later generation waits for more
+
+
+def test_a_newcomer_that_moved_to_a_newer_attempt_is_still_seen():
+    store = _formed_world()
+    g.check_in(store, g.newcomer_attempt(store, 1.0), 1, fresh=True)
+    newer = g.next_attempt(store, 1)  # attempt 1 failed while it formed
+    assert not g.newcomer_waiting(store, 0)  # until the newcomer checks in again under it
+    g.check_in(store, newer, 1, fresh=True)
+    assert g.newcomer_waiting(store, 0)

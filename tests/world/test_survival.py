@@ -22,8 +22,9 @@ SCRIPT = str(Path(__file__).parent / "scripts" / "survive.py")
 _DONE = re.compile(r"DONE rank=(\d+) gen=(\d+) step=(\d+) good=(\w+) restart=(\d+)")
 
 
-def _launch(*args: str, budget: int = 2, nproc: int = 3, op: str = "all_reduce") -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "SURVIVE_OP": op, "POPMESH_TIMEOUT": "60"}
+def _launch(*args: str, budget: int = 2, nproc: int = 3, op: str = "all_reduce",
+            mode: str = "wait") -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "SURVIVE_OP": op, "POPMESH_TIMEOUT": "60", "SURVIVE_MODE": mode, "SURVIVE_PROBE": "1"}
     return subprocess.run([sys.executable, "-m", "popmesh", "launch", "-n", str(nproc), "--max-restarts", str(budget),
                            SCRIPT, *args], capture_output=True, text=True, timeout=100, env=env)
 
@@ -42,6 +43,36 @@ def test_a_killed_rank_is_restarted_and_the_world_carries_on(victim, op):
     expected = {r: (1, 150, True, 1 if r == victim else 0) for r in range(3)}
     assert _done(done.stdout) == expected, done.stdout[-3000:]
     assert f"rank {victim} was killed by SIGKILL" in done.stderr and "restarted (1 of 2)" in done.stderr
+
+
+_ALONE = re.compile(r"ALONE rank=(\d+) n=(\d+)")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("victim,op", [(1, "all_reduce"), (2, "ring")])
+def test_survivors_carry_on_alone_until_the_restarted_rank_is_there(victim, op):
+    """world.try_reform(): the survivors leave the broken generation at once, work on while the lost rank
+    restarts (it takes seconds to import torch), and re-form once it waits; a collective in between is a
+    ConfigError that says what to do, not torch's uninitialised-group error."""
+    done = _launch("150", str(victim), "60", op=op, mode="carry-on")
+    assert done.returncode == 0, done.stderr[-3000:]
+    expected = {r: (1, 150, True, 1 if r == victim else 0) for r in range(3)}
+    assert _done(done.stdout) == expected, done.stdout[-3000:]
+    alone = {int(m[1]): int(m[2]) for m in _ALONE.finditer(done.stdout)}
+    survivors = sorted(set(range(3)) - {victim})
+    assert sorted(alone) == survivors and all(n > 0 for n in alone.values()), done.stdout[-3000:]
+    probes = re.findall(r"PROBE rank=(\d+) ConfigError: this rank left generation 0", done.stdout)
+    assert sorted(int(r) for r in probes) == survivors, done.stdout[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_a_second_loss_while_survivors_carry_on_is_taken_in():
+    """Rank 2 dies as it learns of rank 1's loss, before carrying on: both come back."""
+    done = _launch("150", "1", "40", "2", "-1", mode="carry-on")
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = _done(done.stdout)
+    assert sorted(result) == [0, 1, 2] and all(steps == 150 and good for _, steps, good, _ in result.values())
+    assert result[1][3] == 1 and result[2][3] == 1 and result[0][3] == 0, done.stdout[-3000:]
 
 
 @pytest.mark.timeout(120)

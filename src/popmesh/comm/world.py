@@ -160,12 +160,31 @@ class World(Comm):
         make them again, in the same order on every rank. torch engine only (MPI: ConfigError)."""
         seconds = resolve_timeout(timeout, self.default_timeout, "timeout", "reform")
         fresh = self.engine.reform(seconds)
+        self._formed_again(seconds)
+        return fresh
+
+    def try_reform(self, timeout: float | None = None) -> tuple[int, ...] | None:
+        """:meth:`reform` for survivors that carry on while the lost rank restarts: the first call leaves
+        the generation that lost it (its groups, transport and heartbeat are gone, so nothing of it can
+        block this rank); every call returns None at once until the restarted process waits to join,
+        then forms the next generation (waiting only for the other survivors, within ``timeout``) and
+        returns :attr:`newcomers`. Between the first call and the last, use no collective or message
+        of this world: train alone, and call this again (for example once per iteration)."""
+        seconds = resolve_timeout(timeout, self.default_timeout, "timeout", "try_reform")
+        fresh = self.engine.try_reform(seconds)
+        if fresh is None:
+            self.handle = _LeftGeneration(self.generation)
+        else:
+            self._formed_again(seconds)
+        return fresh
+
+    def _formed_again(self, timeout: float) -> None:
+        """After the engine formed the next generation: the world's group and host map are new."""
         self._next_gid = 1
-        self.handle = self.engine.make_group(self.spec, seconds)
+        self.handle = self.engine.make_group(self.spec, timeout)
         self.history = History()  # the mismatch guard's predictions start over: a newcomer has no history
         self.hostnames = self._gather_hostnames()
         know_hosts(self.hostnames)
-        return fresh
 
     def new_group(self, ranks: Sequence[int]) -> Group:
         """A sub-communicator over ``ranks`` (global). Every rank of the world must call this, in the
@@ -233,6 +252,21 @@ class Group(Comm):
 
 
 _CURRENT: World | None = None
+
+
+class _LeftGeneration:
+    """The world's group handle between the first :meth:`World.try_reform` and the last: any collective
+    on it says what to do, instead of torch's "default process group has not been initialized"."""
+
+    __slots__ = ("_generation",)
+
+    def __init__(self, generation: int) -> None:
+        self._generation = generation
+
+    def __getattr__(self, name: str) -> Any:
+        raise ConfigError(f"this rank left generation {self._generation} of the world after a lost rank "
+                          "(world.try_reform()) and is not in the next one yet: call world.try_reform() until it "
+                          "returns the newcomers (or world.reform() to wait for them) before any collective")
 
 
 def init(engine: str = "auto", timeout: float | None = None, check: bool | None = None,

@@ -6,7 +6,8 @@ and keeps the history and replacement events for the files written at the end. W
 target reached (and the run asked to stop there) it tells everyone on a second tag; with checkpoints
 the ranks instead agree at each checkpoint (a broadcast from rank 0), so they all stop right after
 writing the same one (a checkpoint needs every rank: a rank that stopped earlier would leave the
-others waiting in it).
+others waiting in it). While the world is short of a lost rank (:meth:`Reporter.detach`) rows are
+kept back and sent once it has re-formed (:meth:`Reporter.reconnect`).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class Reporter:
         self._sends: deque[Any] = deque()
         self._done: set[int] = set()
         self._stop_sent = False
+        self._backlog: list[dict[str, Any]] | None = None  # rows kept while detached (None: streaming)
         self._stats = messages.irecv(None, STATS_TAG) if world.is_main and world.size > 1 else None
         self._stop = messages.irecv(0, STOP_TAG) if not world.is_main else None
 
@@ -57,6 +59,9 @@ class Reporter:
         if self.world.is_main:
             self._ingest(row, event)
             self.drain()
+            return
+        if self._backlog is not None:
+            self._backlog.append({"row": row, "event": event})
             return
         self._sends.append(messages.isend({"row": row, "event": event}, 0, STATS_TAG))
         while self._sends and self._sends[0].done():
@@ -94,11 +99,25 @@ class Reporter:
                 break
         self._sends.clear()
 
+    def detach(self) -> None:
+        """This rank left a generation that lost a rank and trains on alone: keep rows back, and
+        touch no message of the world, until :meth:`reconnect`."""
+        self.flush()
+        self._backlog = []
+        self._stats = self._stop = None
+
     def reconnect(self) -> None:
-        """After the world re-formed: post this generation's receives; sends of the old one are gone with it."""
+        """After the world re-formed: post this generation's receives (sends of the old one are gone with
+        it); send the rows kept back while detached, and the stop if rank 0 has said it (a rank that had
+        not taken it before the loss would never see it)."""
         self._sends.clear()
         self._stats = messages.irecv(None, STATS_TAG) if self.world.is_main and self.world.size > 1 else None
         self._stop = messages.irecv(0, STOP_TAG) if not self.world.is_main else None
+        backlog, self._backlog = self._backlog or [], None
+        if backlog and not self.world.is_main:
+            self._sends.append(messages.isend({"rows": backlog}, 0, STATS_TAG))
+        if self.world.is_main and self._stop_sent and not self.at_checkpoints:
+            self._sends.extend(messages.isend({"stop": True}, rank, STOP_TAG) for rank in range(1, self.world.size))
 
     def survival(self, event: dict[str, Any]) -> None:
         """Rank 0: a rank was lost, or rejoined (``event["kind"]``); shown and kept with the events."""
@@ -108,7 +127,10 @@ class Reporter:
                 self.view.add_event(f"rank {event['rank']} lost")
             else:
                 seeded = describe_event(event["rank"], event["donors"], event["weights"], "mean")
-                self.view.add_event(f"rank {event['rank']} rejoined after {event['downtime_s']:.1f} s: {seeded}")
+                alone = max(event.get("iterations_alone") or [0])
+                meanwhile = f" (the others trained on: up to {alone} iterations)" if alone else ""
+                self.view.add_event(f"rank {event['rank']} rejoined after {event['downtime_s']:.1f} s: {seeded}"
+                                    + meanwhile)
 
     def should_stop(self) -> bool:
         """True once rank 0 has seen the target reached and the run stops there (with checkpoints:
@@ -138,6 +160,9 @@ class Reporter:
         for src, message in arrived:
             if message.get("done"):
                 self._done.add(src)
+            elif "rows" in message:  # kept back while the world was short of a lost rank
+                for kept in message["rows"]:
+                    self._ingest(kept["row"], kept.get("event"))
             else:
                 self._ingest(message["row"], message.get("event"))
 
@@ -175,13 +200,18 @@ class Reporter:
 
     def _check_target(self, row: dict[str, Any]) -> None:
         value = row["mean_return"]
-        if self.reached is None and value is not None and value >= self.target:
+        if value is None or value < self.target:
+            return
+        first = self.reached is None
+        if self.reached is None or row["time"] < self.reached["time"]:  # rows kept back by a detached rank come late
             self.reached = {"rank": row["rank"], "agent_steps": row["steps"], "time": row["time"],
                             "iteration": row["iteration"]}
+        if first:
             if self.view is not None:
                 self.view.add_event(f"rank {row['rank']} reached {self.target:g} after {row['steps']:,} steps")
             if self.stop_at_target and not self._stop_sent:
-                told = [] if self.at_checkpoints else range(1, self.world.size)  # else: agreed at the next checkpoint
+                # else agreed at the next checkpoint, or (detached) sent by reconnect()
+                told = [] if self.at_checkpoints or self._backlog is not None else range(1, self.world.size)
                 for rank in told:
                     self._sends.append(messages.isend({"stop": True}, rank, STOP_TAG))
                 self._stop_sent = True

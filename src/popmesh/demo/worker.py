@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -118,41 +119,52 @@ def _train(world: Any, config: DemoConfig, learner: CartPoleLearner, policy: Any
 
     The iteration count follows the env steps (``steps // per_iteration``, as every checkpoint and
     hand-over keeps them): an iteration whose training was done counts even when its population
-    step failed on a lost rank, so every rank meets every checkpoint at the same count."""
+    step failed on a lost rank, so every rank meets every checkpoint at the same count. After a loss
+    a survivor trains on alone (no policy, no checkpoint) and takes the population back once the lost
+    rank's restarted process is there (``world.try_reform()``): nobody waits for it."""
     iteration, started, first_steps = start, time.monotonic(), learner.total_steps
     per_iteration = learner.hyper.rollout * learner.hyper.num_envs
     kill = config.kill_at()
-
-    def recover(error: PeerFailure) -> Any:
-        """The policy to go on with after ``error``, once the world re-formed (or ``error`` again)."""
-        if not config.max_restarts or isinstance(error, PeerClosed):
-            raise error
-        with timer.section("re-forming"):
-            return _survive(world, config, learner, policy, reporter, iteration, out, checkpoints)
-
+    lost: _Lost | None = None  # set while this rank trains on alone, the world short of a lost rank
     while learner.total_steps < config.steps and not reporter.should_stop():
         if kill == (world.rank, iteration) and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
             os.kill(os.getpid(), signal.SIGKILL)  # --kill: the demonstration's lost rank
         try:
-            lost = world.failure()  # with no policy traffic, a survivor learns of a loss from the heartbeat
-            if lost is not None:
-                raise lost
-            _iterate(world, config, learner, policy, reporter, timer, iteration, started, first_steps)
+            if lost is None:
+                failed = world.failure()  # with no policy traffic, a survivor learns of a loss from the heartbeat
+                if failed is not None:
+                    raise failed
+            else:
+                began = time.monotonic()
+                if world.try_reform() is not None:  # the restarted process is there: the population takes it back
+                    with timer.section("re-forming"):
+                        policy = _rejoin(world, config, learner, reporter, lost, iteration, out, checkpoints, began)
+                    lost = None
+            _iterate(world, config, learner, None if lost else policy, reporter, timer, iteration, started,
+                     first_steps)
             iteration = learner.total_steps // per_iteration
-            if checkpoints.due(iteration):
+            if lost is not None:
+                lost.iterations += 1
+            elif checkpoints.due(iteration):
                 with timer.section("checkpoint"):
                     state = policy.state_dict() if hasattr(policy, "state_dict") else {}
                     checkpoints.save(iteration, learner.checkpoint(iteration, {"policy": state}))
                 reporter.agree_at_checkpoint()
         except PeerFailure as e:
             iteration = learner.total_steps // per_iteration
-            policy = recover(e)
+            lost = _leave(config, policy, reporter, e, timer, iteration)
     while True:  # the run ends whole: every rank, a restarted one too, meets here in one generation
         try:
+            if lost is not None:  # this rank's steps ran out while the world was short: wait for the newcomer
+                with timer.section("re-forming"):
+                    began = time.monotonic()
+                    world.reform()
+                    policy = _rejoin(world, config, learner, reporter, lost, iteration, out, checkpoints, began)
+                lost = None
             popmesh.barrier(group=world)
             return policy
         except PeerFailure as e:  # a loss this rank had not seen before its last iteration
-            policy = recover(e)
+            lost = _leave(config, policy, reporter, e, timer, iteration)
 
 
 def _iterate(world: Any, config: DemoConfig, learner: CartPoleLearner, policy: Any, reporter: Reporter,
@@ -180,42 +192,70 @@ def _iterate(world: Any, config: DemoConfig, learner: CartPoleLearner, policy: A
     reporter.record(row, event)
 
 
-def _survive(world: Any, config: DemoConfig, learner: CartPoleLearner, policy: Any, reporter: Reporter,
-             iteration: int, out: Path, checkpoints: Checkpointer) -> Any:
-    """A rank was lost: re-form the world with its restarted process, rebuild what lived on the old one
-    (the policy, keeping its state; the reporter's receives), and seed the newcomer from the population.
-    This rank keeps its agent and its iteration; the new policy in use is returned."""
-    lost_at = time.time()
-    state = policy.state_dict() if hasattr(policy, "state_dict") else None
-    if hasattr(policy, "shutdown"):
-        try:
-            policy.shutdown(timeout=5.0)  # its thread already stopped on the loss; this surfaces why
-        except PopmeshError:
-            pass
-    reporter.flush()
-    world.reform()
+@dataclass
+class _Lost:
+    """What a survivor keeps while it trains on alone after a loss: when it saw the loss, its policy's
+    state (the policy is made again in the next generation) and the iterations trained since."""
+
+    at: float
+    iteration: int
+    policy_state: dict[str, Any] | None
+    iterations: int = 0
+
+
+def _leave(config: DemoConfig, policy: Any, reporter: Reporter, error: PeerFailure, timer: Timer,
+           iteration: int) -> _Lost:
+    """A rank was lost: stop what lives on the broken world (the policy, keeping its state; the reporter's
+    messages) so that this rank trains on alone; ``error`` again when nothing restarts lost ranks."""
+    if not config.max_restarts or isinstance(error, PeerClosed):
+        raise error
+    with timer.section("re-forming"):
+        lost = _Lost(time.time(), iteration, policy.state_dict() if hasattr(policy, "state_dict") else None)
+        if hasattr(policy, "shutdown"):
+            try:
+                policy.shutdown(timeout=5.0)  # its thread already stopped on the loss; this surfaces why
+            except PopmeshError:
+                pass
+        reporter.detach()
+    return lost
+
+
+def _rejoin(world: Any, config: DemoConfig, learner: CartPoleLearner, reporter: Reporter, lost: _Lost,
+            iteration: int, out: Path, checkpoints: Checkpointer, began: float) -> Any:
+    """The world re-formed with the lost rank's restarted process: rebuild what lived on the old one (the
+    policy, keeping its state; the reporter's receives) and seed the newcomer from the population. This
+    rank keeps its agent and its iteration; the new policy in use is returned. ``began``: when this rank
+    started the re-form that succeeded (what it waited is recorded)."""
+    waited = time.monotonic() - began
     policy = make_policy(config, learner)
-    if state and policy is not None and hasattr(policy, "load_state_dict"):
-        policy.load_state_dict(state)
+    if lost.policy_state and policy is not None and hasattr(policy, "load_state_dict"):
+        policy.load_state_dict(lost.policy_state)
     reporter.reconnect()
-    checkpoints.skip_through(_seed(world, config, learner, reporter, iteration, lost_at, out)[2])
+    seen = {"time": lost.at, "iteration": lost.iteration}
+    checkpoints.skip_through(_seed(world, config, learner, reporter, iteration, seen, out,
+                                   (lost.iterations, waited))[2])
     return policy
 
 
 def _seed(world: Any, config: DemoConfig, learner: CartPoleLearner, reporter: Reporter, iteration: int,
-          lost_at: float | None, out: Path | None) -> tuple[int, Path, int]:
+          lost: dict[str, Any] | None, out: Path | None,
+          alone: tuple[int, float] = (0, 0.0)) -> tuple[int, Path, int]:
     """Every rank, right after the world (re-)formed with newcomers: they take the mean of the best agents
     (PBT's exploit), the best one's counters and the run's folder; rank 0 records the loss and the
-    rejoin. The iteration this rank goes on from (a newcomer's is its best donor's), the folder, and the
-    highest iteration of any rank: ranks noticed the loss at different iterations, so no checkpoint
-    up to it (Checkpointer.skip_through), or ranks would meet in different ones."""
+    rejoin (``lost``: when and at which iteration a survivor saw the loss), with the iterations each
+    survivor trained on alone meanwhile and the seconds it then waited for the others (``alone``).
+    The iteration this rank goes on from (a newcomer's is its best donor's), the folder, and the highest iteration
+    of any rank: ranks noticed the loss at different iterations, so no checkpoint up to it
+    (Checkpointer.skip_through), or ranks would meet in different ones."""
     seeding = seed_newcomers(learner.model, learner.optimizer, learner.mean_return(),
                              {"iteration": iteration, "steps": learner.total_steps}, donors=config.donors)
     if seeding is None:
         raise ConfigError("the world re-formed without a new process: nothing to seed")
     donor = seeding.donors[0]
-    lost_at = popmesh.broadcast_object(lost_at, src=donor)  # when a survivor saw the loss
+    lost = popmesh.broadcast_object(lost, src=donor) or {}  # when and where a survivor saw the loss
+    lost_at, lost_iteration = lost.get("time"), lost.get("iteration", iteration)
     out = Path(popmesh.broadcast_object(None if out is None else str(out), src=donor))
+    alone_by_rank = popmesh.gather_object(list(alone), dst=0)
     if world.rank in seeding.newcomers:
         learner.total_steps = int(seeding.counters["steps"])
         learner.adopt_learning_rate()
@@ -223,12 +263,14 @@ def _seed(world: Any, config: DemoConfig, learner: CartPoleLearner, reporter: Re
     if world.is_main:
         now = time.time()
         for rank in seeding.newcomers:
-            reporter.survival({"kind": "lost", "rank": rank, "time": lost_at or now, "iteration": iteration,
+            reporter.survival({"kind": "lost", "rank": rank, "time": lost_at or now, "iteration": lost_iteration,
                                "steps": int(seeding.counters["steps"])})
             reporter.survival({"kind": "rejoined", "rank": rank, "time": now, "iteration": iteration,
                                "steps": int(seeding.counters["steps"]), "donors": list(seeding.donors),
                                "weights": list(seeding.weights), "generation": world.generation,
-                               "downtime_s": round(now - (lost_at or now), 3)})
+                               "downtime_s": round(now - (lost_at or now), 3),
+                               "iterations_alone": [a[0] for a in alone_by_rank],
+                               "survivor_wait_s": [round(a[1], 3) for a in alone_by_rank]})
     through = int(popmesh.all_reduce(np.array([iteration]), "max")[0])
     return iteration, out, through
 
@@ -289,8 +331,10 @@ def _print_summary(summary: dict[str, Any], times: Any, imbalance: Any, out: Any
         print(f"(the {summary['config']['policy']} policy never makes a rank wait for another: 'waiting' above is "
               "what a run that synchronised every iteration would have spent waiting for its slowest rank)")
     for event in summary.get("restarts", ()):
+        alone = max(event.get("iterations_alone") or [0])
         print(f"rank {event['rank']} was lost and rejoined after {event['downtime_s']:.1f} s at iteration "
-              f"{event['iteration']}, seeded by mean({', '.join(f'rank {d}' for d in event['donors'])})")
+              f"{event['iteration']}, seeded by mean({', '.join(f'rank {d}' for d in event['donors'])})"
+              + (f"; the others trained on meanwhile (up to {alone} iterations)" if alone else ""))
     if summary.get("resumed_from"):
         print(f"resumed from {summary['resumed_from']}")
     if "checkpoints" in summary:

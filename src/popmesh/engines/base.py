@@ -105,6 +105,7 @@ class Engine(Protocol):
     def native_group(self, group: Any) -> Any: ...  # the engine's own communicator for a group handle
     def peer_failure(self, ranks: Collection[int] | None = None) -> PeerFailure | None: ...  # the heartbeat's finding
     def reform(self, timeout: float) -> tuple[int, ...]: ...  # next generation after a lost rank; its new processes
+    def try_reform(self, timeout: float) -> tuple[int, ...] | None: ...  # the same, None until a newcomer waits
     def finalize(self) -> None: ...
 
 

@@ -79,5 +79,8 @@ class LocalEngine:
         """A world of one has no other rank to lose: nothing to re-form."""
         return ()
 
+    def try_reform(self, timeout: float) -> tuple[int, ...] | None:
+        return ()
+
     def finalize(self) -> None:
         return None

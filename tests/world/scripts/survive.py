@@ -56,7 +56,19 @@ while state["step"] < steps:
         print(f"LOST rank={world.rank} step={state['step']}: {str(e)[:120]}", flush=True)
         if again is not None and again[1] == -1 and world.rank == again[0] and restart == 0:
             os.kill(os.getpid(), signal.SIGKILL)  # a second loss while the world re-forms
-        world.reform(timeout=60)
+        if os.environ.get("SURVIVE_MODE") == "carry-on":  # train on alone until the restarted process waits
+            alone = 0
+            while world.try_reform(timeout=60) is None:
+                alone += 1
+                time.sleep(0.01)  # this rank's own work, with no peer
+                if alone == 1 and os.environ.get("SURVIVE_PROBE"):
+                    try:
+                        popmesh.all_reduce(np.array([1.0]), timeout=5)
+                    except popmesh.PopmeshError as probe:
+                        print(f"PROBE rank={world.rank} {type(probe).__name__}: {probe}", flush=True)
+            print(f"ALONE rank={world.rank} n={alone}", flush=True)
+        else:
+            world.reform(timeout=60)
         state = handoff(state)
         state["reforms"] += 1
         continue

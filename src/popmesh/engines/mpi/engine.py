@@ -273,6 +273,9 @@ class MpiEngine:
             "from a checkpoint"
         )
 
+    def try_reform(self, timeout: float) -> tuple[int, ...] | None:
+        return self.reform(timeout)  # the same clear error: an MPI world never re-forms
+
     def finalize(self) -> None:
         if self._heartbeat is not None:
             self._heartbeat.stop()  # says bye first: its successor stops watching

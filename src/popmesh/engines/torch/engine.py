@@ -35,6 +35,7 @@ from popmesh.engines.torch.generations import (
     check_in,
     mark_formed,
     newcomer_attempt,
+    newcomer_waiting,
     newcomers,
     next_attempt,
     prefix,
@@ -109,6 +110,7 @@ class TorchEngine:
         self._heartbeat: Heartbeat | None = None
         self.generation = 0  # which forming of the world this process is in (see reform)
         self.newcomers: tuple[int, ...] = ()  # ranks that joined the current generation as new processes
+        self._left = False  # left a generation that lost a rank, not yet in the next one (try_reform)
         _pick_cuda_device(torch, env)
         if self._owns:
             self._store = make_store(dist, env, timeout)
@@ -145,6 +147,10 @@ class TorchEngine:
     def p2p(self) -> Any:
         """Point-to-point frames on global ranks (:class:`~popmesh.engines.torch.p2p.TorchP2P`), made once."""
         if self._p2p is None:
+            if self._left:
+                raise ConfigError("this rank left its generation of the world after a lost rank and is not in "
+                                  "the next one yet: call world.try_reform() until it returns (or world.reform()) "
+                                  "before any message")
             from popmesh.engines.torch.p2p import TorchP2P
 
             self._p2p = TorchP2P(self)
@@ -256,10 +262,26 @@ class TorchEngine:
                               "re-form it: let popmesh.init() create the world")
         if self.size == 1:
             return ()
-        self._leave_generation()
+        if not self._left:
+            self._leave_generation()
         self._join_generation(next_attempt(self._store, self.generation), timeout, fresh=False)
         self._heartbeat = start_heartbeat(self.p2p(), self._peer_failed)
         return self.newcomers
+
+    def try_reform(self, timeout: float) -> tuple[int, ...] | None:
+        """:meth:`reform` without waiting for the restarted process: the first call leaves the generation
+        that lost a rank (nothing of it can block this rank any more); each call returns None until a
+        restarted process waits to join, then forms the next generation (waiting only for the other
+        survivors, within ``timeout``) and returns its newcomers."""
+        if self.size == 1:
+            return ()
+        if not self._owns:
+            return self.reform(timeout)  # the same clear error
+        if not self._left:
+            self._leave_generation()
+        if not newcomer_waiting(self._store, self.generation):
+            return None
+        return self.reform(timeout)
 
     def _join_generation(self, attempt: int, timeout: float, *, fresh: bool) -> None:
         """Check in under ``attempt`` and form its process group once every rank is there; a newer attempt
@@ -282,6 +304,7 @@ class TorchEngine:
                     raise CommTimeout(f"the world did not re-form within {timeout:g} s: {e}", None) from e
                 attempt = next_attempt(self._store, attempt)
         mark_formed(self._store, attempt)
+        self._left = False
         self.generation = attempt
         self.newcomers = newcomers(self._store, attempt, env.world_size)
 
@@ -291,6 +314,7 @@ class TorchEngine:
         timeout), and destroy the process groups, keeping the store."""
         self._stop_transport()
         self._heartbeat = self._p2p = None  # the next generation makes its own
+        self._left = True
         if "gloo" in self.backend:
             handles = [(self._dist.group.WORLD, self.rank, self.size)]
             handles += [(h.pg, h.spec.group_rank(self.rank), len(h.spec.ranks)) for h in self._groups]

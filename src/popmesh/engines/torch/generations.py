@@ -25,7 +25,8 @@ from typing import Any, Protocol
 from popmesh.core.errors import CommTimeout
 
 __all__ = ["ATTEMPT", "FORMED", "KeyStore", "Superseded", "prefix", "start_counting", "next_attempt",
-           "newcomer_attempt", "check_in", "await_members", "mark_formed", "newcomers", "await_key"]
+           "newcomer_attempt", "check_in", "await_members", "mark_formed", "newcomers", "newcomer_waiting",
+           "await_key"]
 
 ATTEMPT = "popmesh/attempt"
 FORMED = "popmesh/formed"
@@ -73,6 +74,15 @@ def check_in(store: KeyStore, attempt: int, rank: int, *, fresh: bool) -> None:
     """Say that this process joins ``attempt`` as ``rank``: ``fresh`` if it was (re)started for it,
     not a survivor of the last generation."""
     store.set(f"popmesh/gen/{attempt}/member/{rank}", "fresh" if fresh else "survivor")
+    if fresh:  # one key survivors can poll cheaply, whatever the world's size (newcomer_waiting)
+        store.set(f"popmesh/gen/{attempt}/fresh", "1")
+
+
+def newcomer_waiting(store: KeyStore, generation: int) -> bool:
+    """Whether a restarted process is waiting to join a generation after ``generation``: survivors that
+    train on without it poll this, and re-form only once it is there (two store reads, no wait)."""
+    newest = int(store.get(ATTEMPT))
+    return newest > generation and store.check([f"popmesh/gen/{newest}/fresh"])
 
 
 def await_members(store: KeyStore, attempt: int, size: int, deadline: float, pause: float = 0.005) -> None:
