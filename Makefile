@@ -22,7 +22,7 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 test: lint
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15 tests
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/unit
