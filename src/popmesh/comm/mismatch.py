@@ -96,7 +96,7 @@ def mismatch_error(what: str, per_rank: dict[int, str], *, overwritten: bool, la
             "so every rank goes on with the call after it (do not repeat or skip it on some ranks only).")
     if later:
         text += (f" The {later} call(s) this rank started on the group after it are not affected: each is "
-                 "checked on its own when waited for.")
+                 "checked on its own.")
     if since:
         text += (f" This group's previous mismatch was {since} call(s) earlier: a rank that repeated or skipped a "
                  "call after catching that error is out of step with the others since.")
