@@ -326,7 +326,7 @@ def test_loopback_tables_hold_only_tags_in_use():
 def test_every_service_tag_is_its_own_and_in_its_range():
     """The reserved tags of popmesh's services never meet: each is distinct and inside its service's range."""
     from popmesh.buffers import protocol
-    from popmesh.comm.guard import MISMATCH_TAG
+    from popmesh.comm.mismatch import MISMATCH_TAG
     from popmesh.engines.p2p_base import HEARTBEAT_TAG
     from popmesh.observe.progress import PROGRESS_TAG
     from popmesh.population.async_protocol import MAX_INSTANCES, channels

@@ -9,13 +9,16 @@ from popmesh.comm.signature import (
     Form,
     History,
     Sentinel,
+    advance,
     agrees,
+    count_as_predicted,
     digest,
     expected_sum,
     forget,
     guard_word,
     predict,
     record,
+    rest_predicted,
     sentinel_for,
 )
 from popmesh.core.ops import ReduceOp, lower
@@ -87,6 +90,61 @@ def test_history_is_bounded_the_same_way_on_every_rank():
         record(one, sig, _form(sig))
         record(two, sig, _form(sig))
     assert len(one.after) <= 4096 and one.after == two.after and one.last == two.last
+
+
+def test_a_mismatched_call_counts_as_the_prediction_on_every_rank():
+    """An asynchronous call that is the prediction enters the history when it starts, and the rank
+    starts its next call predicted from there before it finds the mismatch at wait(); the rank whose
+    call differed finds it at once: counting the call as the prediction, it predicts its next call
+    as the other did, so the two make the same engine calls for it."""
+    went_ahead, differed = History(), History()
+    for h in (went_ahead, differed):
+        for sig in (1, 2) * 3:
+            record(h, sig, _form(sig))
+    assert predict(went_ahead) == predict(differed) == 1
+    advance(went_ahead, 1)  # its call k: the prediction, issued beside its guard
+    next_call = predict(went_ahead)  # its call k + 1, started before call k is waited for
+    count_as_predicted(differed, predict(differed))  # call k mismatched here
+    assert predict(differed) == next_call == 2
+    assert (differed.last, differed.after, differed.pending) == (went_ahead.last, went_ahead.after,
+                                                                 went_ahead.pending)
+
+
+def test_a_mismatch_without_a_prediction_leaves_the_history():
+    h = History()
+    record(h, 5, _form(5))
+    before = (h.last, dict(h.after), dict(h.pending))
+    count_as_predicted(h, predict(h))  # nothing was predicted: every rank found it at the call itself
+    assert (h.last, h.after, h.pending) == before
+
+
+def _total(signatures):
+    return sum(signatures) % (1 << 64)
+
+
+@pytest.mark.parametrize("p, calls", [(7, [7, 7, 9]), (MASK, [MASK, MASK, MASK, 3]), (11, [11, 13])])
+def test_ranks_that_made_the_prediction_need_not_be_heard(p, calls):
+    """A rank whose call differed hears nobody else when every other rank made the prediction."""
+    odd = calls[-1]
+    assert rest_predicted(_total(calls), [odd], len(calls) - 1, p)
+    assert not rest_predicted(_total(calls), [p], len(calls) - 1, p)  # a rank that made it must hear the odd one
+    assert rest_predicted(_total(calls), [p, odd], len(calls) - 2, p)
+
+
+def test_every_rank_that_differed_is_heard():
+    p = digest("all_reduce_async(sum) * float32[8]")
+    shape, dtype = digest("all_reduce_async(sum) * float32[9]"), digest("all_reduce_async(sum) * float64[8]")
+    total = _total([p, dtype, shape])
+    assert not rest_predicted(total, [shape], 2, p)  # rank 1 differed too: keep listening
+    assert not rest_predicted(total, [p], 2, p) and not rest_predicted(total, [p, shape], 1, p)
+    assert rest_predicted(total, [shape, dtype], 1, p) and rest_predicted(total, [p, shape, dtype], 0, p)
+
+
+def test_without_a_prediction_every_rank_is_heard():
+    calls = [digest(f"all_reduce(sum) * float32[{n}]") for n in (4, 5, 6)]
+    total = _total(calls)
+    assert not rest_predicted(total, calls[:1], 2, 0) and not rest_predicted(total, calls[:2], 1, 0)
+    assert rest_predicted(total, calls, 0, 0)
 
 
 def test_guard_all_equal():

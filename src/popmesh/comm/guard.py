@@ -7,9 +7,10 @@ payload alone and settles it by reading element 0 of the result (:func:`carried_
 sentinel, and a flagged result costs one guard round. Every other call has a guard, beside its
 payload when it is the prediction and the engine overlaps collectives (always for asynchronous calls,
 whose point is to return at once), before it otherwise. A mismatch raises
-:class:`CollectiveMismatch` on every rank, listing each rank's call (exchanged as point-to-point
-messages, which need no agreement on what comes next), and no engine ever pairs payloads of
-different forms.
+:class:`CollectiveMismatch` on every rank, listing each rank's call (:mod:`popmesh.comm.mismatch`),
+and no engine ever pairs payloads of different forms: the mismatched call counts in the history as
+the prediction on every rank (:func:`~popmesh.comm.signature.count_as_predicted`), so calls that ranks
+started after it, before they found the mismatch at ``wait()``, meet the same calls on every rank.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from popmesh.comm.messages import GUARD_TAGS, INTERNAL_TAG_BASE, internal_tag, isend, recv
+from popmesh.comm.mismatch import Mismatched, describe_ranks, mismatch_error
 from popmesh.comm.reduction import first_element, set_first_
 from popmesh.comm.signature import (
     Form,
@@ -29,26 +30,25 @@ from popmesh.comm.signature import (
     Sentinel,
     advance,
     agrees,
+    count_as_predicted,
     digest,
-    forget,
     guard_word,
     predict,
     record,
     sentinel_for,
 )
 from popmesh.core.arrays import dtype_name, is_torch
-from popmesh.core.errors import CollectiveMismatch, CommTimeout, PopmeshError
+from popmesh.core.errors import CollectiveMismatch, CommTimeout
 from popmesh.core.handles import Pending
 from popmesh.core.ops import Lowering, ReduceOp
 
-__all__ = ["checked", "carried_hit", "settle", "start_checked", "signature_of", "Body", "StartBody", "MISMATCH_TAG"]
+__all__ = ["checked", "carried_hit", "settle", "start_checked", "signature_of", "Body", "StartBody"]
 
 Body = Callable[[list[Any], float], Any]  # issues the payload and waits for it; returns the result
 StartBody = Callable[[list[Any]], Pending]  # issues the payload and returns at once
 
 _isfinite = math.isfinite
 _READERS = {"float32": ctypes.c_float, "float64": ctypes.c_double}  # element 0 of a CPU tensor, read in place
-MISMATCH_TAG = internal_tag(GUARD_TAGS.start - INTERNAL_TAG_BASE)  # each rank's description of a mismatched call
 _SIGNATURES: dict[Any, tuple[int, str]] = {}  # a call's key -> (signature, description)
 _CACHE_LIMIT = 1 << 16
 
@@ -108,7 +108,7 @@ def checked(comm: Any, key: Any, describe: Callable[[], str], arrays: list[Any],
     carried = carried_hit(history, key)
     if carried is not None:
         return settle(comm, carried, body(arrays, timeout), timeout, what, writes_input)
-    sig, text = _prologue(history, key, describe, what)
+    sig, text = _prologue(history, key, describe)
     form = history.carried  # the prediction, where it carries its check
     if form is not None:
         return _carried(comm, history, sig, form.signature, form, text, arrays, body, timeout, what, carry,
@@ -125,16 +125,16 @@ def checked(comm: Any, key: Any, describe: Callable[[], str], arrays: list[Any],
             result = body(arrays, timeout)
         except CommTimeout as e:
             if guard.done() and not agrees(int(word[0]), sig, size):
-                raise _mismatch(comm, history, True, predicted, text, what, timeout, writes_input) from e
+                raise _mismatch(comm, True, predicted, sig, text, int(word[0]), what, timeout, writes_input) from e
             raise
         guard.wait(timeout)
         if agrees(int(word[0]), sig, size):
             advance(history, sig)  # a hit: the rest of the history is already so
             return result
-        raise _mismatch(comm, history, True, predicted, text, what, timeout, writes_input)
+        raise _mismatch(comm, True, predicted, sig, text, int(word[0]), what, timeout, writes_input)
     guard.wait(timeout)
     if not agrees(int(word[0]), sig, size):
-        raise _mismatch(comm, history, False, predicted, text, what, timeout)
+        raise _mismatch(comm, False, predicted, sig, text, int(word[0]), what, timeout)
     result = body(arrays, timeout)
     record(history, sig, lambda: _form_of(arrays, body, carry, sig, key, text))
     return result
@@ -170,7 +170,7 @@ def _verify(comm: Any, history: History, sig: int, predicted: int, text: str, hi
     word = np.array([guard_word(sig)], dtype=np.int64)
     comm.world.engine.all_reduce_(word, ReduceOp.SUM, comm.handle, timeout)
     if not agrees(int(word[0]), sig, comm.size):
-        raise _mismatch(comm, history, True, predicted, text, what, timeout, hit and writes_input)
+        raise _mismatch(comm, True, predicted, sig, text, int(word[0]), what, timeout, hit and writes_input)
     if hit:
         advance(history, sig)
         return result
@@ -186,7 +186,7 @@ def start_checked(comm: Any, key: Any, describe: Callable[[], str], arrays: list
     never carry their check (a flagged result found at ``wait()`` would need a round after the later
     calls already in flight): ``key`` and ``describe`` must tell them from blocking calls."""
     history: History = comm.history
-    sig, text = _prologue(history, key, describe, what)
+    sig, text = _prologue(history, key, describe)
     carried = history.carried
     if carried is not None:  # a miss of a carried prediction
         _carried(comm, history, sig, carried.signature, carried, text, arrays, _no_payload, timeout,
@@ -197,10 +197,10 @@ def start_checked(comm: Any, key: Any, describe: Callable[[], str], arrays: list
     guard = comm.world.engine.all_reduce_start(word, ReduceOp.SUM, comm.handle)
     if sig == predicted:
         advance(history, sig)  # what the history will be once the guard agrees; later calls predict from it
-        return _Guarded(comm, guard, word, sig, predicted, start(arrays), text, what, writes_input)
+        return _Guarded(comm, guard, word, sig, start(arrays), text, what, writes_input)
     guard.wait(timeout)
     if not agrees(int(word[0]), sig, comm.size):
-        raise _mismatch(comm, history, False, predicted, text, what, timeout)
+        raise _mismatch(comm, False, predicted, sig, text, int(word[0]), what, timeout)
     record(history, sig, lambda: _form_of(arrays, lambda a, t: start(a).wait(t), None, sig, key, text))
     return start(arrays)
 
@@ -212,12 +212,12 @@ def _no_payload(arrays: list[Any], timeout: float) -> None:
 class _Guarded:
     """A payload in flight beside its guard: the result counts only once the guard agrees."""
 
-    def __init__(self, comm: Any, guard: Pending, word: np.ndarray, sig: int, predicted: int, body: Pending,
-                 text: str, what: str, writes_input: bool) -> None:
+    def __init__(self, comm: Any, guard: Pending, word: np.ndarray, sig: int, body: Pending, text: str,
+                 what: str, writes_input: bool) -> None:
         self._comm, self._guard, self._word, self._body = comm, guard, word, body
-        self._sig, self._predicted, self._text, self._what = sig, predicted, text, what
+        self._sig, self._text, self._what = sig, text, what
         self._writes_input = writes_input
-        self._number = comm.history.issued
+        self._number = comm.history.issued  # this call's number on the group
         self._checked = False
 
     def done(self) -> bool:
@@ -226,62 +226,43 @@ class _Guarded:
     def wait(self, timeout: float) -> Any:
         if not self._checked:
             self._guard.wait(timeout)
-            if not agrees(int(self._word[0]), self._sig, self._comm.size):
+            total = int(self._word[0])
+            if not agrees(total, self._sig, self._comm.size):
                 self._body.wait(timeout)  # the other ranks complete it with zeros
-                history: History = self._comm.history
-                if history.issued != self._number:  # later calls went out predicted from this one
-                    history.broken = (f"a mismatch ({self._text} on this rank) was found while later calls of "
-                                      "the group were in flight")
-                raise _mismatch(self._comm, history, True, self._predicted, self._text, self._what, timeout,
-                                self._writes_input)
+                raise _mismatch(self._comm, True, self._sig, self._sig, self._text, total, self._what, timeout,
+                                self._writes_input, number=self._number)
             self._checked = True
         return self._body.wait(timeout)
 
 
-def _prologue(history: History, key: Any, describe: Callable[[], str], what: str) -> tuple[int, str]:
-    if history.broken is not None:
-        raise CollectiveMismatch(f"{what}: this group cannot be used any more: {history.broken}")
+def _prologue(history: History, key: Any, describe: Callable[[], str]) -> tuple[int, str]:
     history.issued += 1
     known = _SIGNATURES.get(key)  # inline: small calls' latency is spent on this path
     return known if known is not None else signature_of(key, describe)
 
 
-def _mismatch(comm: Any, history: History, issued: bool, predicted: int, text: str, what: str,
-              timeout: float, overwritten: bool = False) -> CollectiveMismatch:
-    """The guard found ranks with different calls. Every rank that has not issued a payload for this
-    call issues the predicted one with zeros (a rank that hit issued it already), so the group is
-    left clean; then the ranks exchange their calls' descriptions for the error every rank raises.
-    ``overwritten``: this rank's in-place payload ran, so its input holds a discarded result."""
+def _mismatch(comm: Any, issued: bool, predicted: int, sig: int, text: str, total: int, what: str,
+              timeout: float, overwritten: bool = False, *, number: int = 0) -> CollectiveMismatch:
+    """The guard (sum ``total``) found ranks with different calls. Every rank that has not issued a
+    payload for this call issues the predicted one with zeros (a rank that hit issued it already), so
+    the group is left clean, and enters the call as the prediction; then every rank learns each
+    rank's call for the error it raises. ``number``: set where the call's mismatch is found at
+    ``wait()``, after the call entered the history and later calls may have started (0: found where
+    the call is made). ``overwritten``: this rank's in-place payload ran, so its input holds a
+    discarded result."""
+    history: History = comm.history
+    predicted_text = text if sig == predicted else history.forms[predicted].text if predicted else ""
     if not issued and predicted:
         _complete_with_zeros(history.forms[predicted], timeout)
-    forget(history)
-    per_rank = _exchange_descriptions(comm, text, timeout)
-    listing = "; ".join(f"rank {r}: {t}" for r, t in per_rank.items())
-    kept = ("this rank's input was overwritten: its in-place call had reduced it before the mismatch was found"
-            if overwritten else "no input was written")
-    return CollectiveMismatch(
-        f"{what}: ranks called different collectives or passed different shapes or dtypes ({listing}); "
-        f"nothing was returned, and {kept}. Every rank of the group must call the same collective with the "
-        "same structure, shapes and dtypes.",
-        per_rank,
-    )
-
-
-def _exchange_descriptions(comm: Any, text: str, timeout: float) -> dict[int, str]:
-    """Every member's description, as messages: ranks that overlapped an asynchronous call may
-    already have later collectives in flight, so no further collective can be trusted to pair."""
-    me = comm.rank
-    others = [r for r in comm.ranks if r != me]
-    sends = [isend(text, r, MISMATCH_TAG, timeout=timeout) for r in others]
-    texts = {me: text}
-    try:
-        for r in others:
-            texts[r] = str(recv(r, MISMATCH_TAG, timeout=timeout)[1])
-        for handle in sends:
-            handle.wait()
-    except PopmeshError as e:  # a rank that never got here: say what is known
-        texts.update({r: f"(no description: {type(e).__name__})" for r in others if r not in texts})
-    return {r: texts[r] for r in comm.ranks}
+    later = history.issued - number if number else 0
+    if not number:
+        number = history.issued
+        count_as_predicted(history, predicted)
+    since = number - history.mismatched if 0 < history.mismatched < number else 0
+    history.mismatched = max(history.mismatched, number)
+    call = Mismatched(comm.spec.gid, number, sig, text, predicted, predicted_text, total)
+    return mismatch_error(what, describe_ranks(comm, call, timeout), overwritten=overwritten, later=later,
+                          since=since)
 
 
 def _form_of(arrays: list[Any], run: Body, carry: Lowering | None, sig: int, key: Any, text: str) -> Form:

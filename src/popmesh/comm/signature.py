@@ -37,7 +37,7 @@ from popmesh.core.ops import Lowering, ReduceOp
 
 __all__ = [
     "MASK", "digest", "Sentinel", "sentinel_for", "Form", "History", "predict", "advance", "record", "forget",
-    "guard_word", "expected_sum", "agrees",
+    "count_as_predicted", "guard_word", "expected_sum", "agrees", "rest_predicted",
 ]
 
 MASK = (1 << 62) - 1
@@ -116,17 +116,17 @@ class Form:
 
 @dataclass
 class History:
-    """The verified calls of one group, identical on every member: the last signature, which
-    signature followed which (``after``: seen twice in a row, so predicted; ``pending``: seen once),
-    and the form of each. ``broken`` is set when a mismatch was found while this rank had later calls
-    of the group in flight (the group is then unusable)."""
+    """The verified calls of one group, identical on every member at each call: the last signature,
+    which signature followed which (``after``: seen twice in a row, so predicted; ``pending``: seen
+    once), and the form of each. ``issued`` numbers the group's calls (the same on every rank);
+    ``mismatched``: the number of the last call found to mismatch here (for error messages only)."""
 
     last: int = 0
     after: dict[int, int] = field(default_factory=dict)
     pending: dict[int, int] = field(default_factory=dict)
     forms: dict[int, Form] = field(default_factory=dict)
-    broken: str | None = None
-    issued: int = 0  # guarded calls issued on the group by this rank
+    issued: int = 0  # the group's calls so far, this one included: a call's number, the same on every rank
+    mismatched: int = 0
     carried: Form | None = None  # the prediction's form where it carries its check (kept by advance/record)
 
 
@@ -169,12 +169,24 @@ def record(history: History, signature: int, form: Form | Callable[[], Form]) ->
 
 
 def forget(history: History) -> None:
-    """Start the history again (every rank does so at the same call: after a mismatch)."""
+    """Start the history again (every rank does so at the same call)."""
     history.last = 0
     history.after.clear()
     history.pending.clear()
     history.forms.clear()
     history.carried = None
+
+
+def count_as_predicted(history: History, predicted: int) -> None:
+    """Enter a call found to mismatch where it was made: as the prediction (none: the history stays).
+
+    A rank whose call was an asynchronous prediction (a *hit*) entered it so when it started the call
+    and may have started later calls predicted from there before the mismatch is found at ``wait()``;
+    every other rank enters it the same way where it finds the mismatch, so the history stays the
+    same on every rank at every call, and so do the engine calls that each later call makes. (Without
+    a prediction no rank went ahead: every rank found the mismatch at the call itself.)"""
+    if predicted:
+        advance(history, predicted)
 
 
 _WORD = 1 << 64
@@ -200,3 +212,15 @@ def agrees(total: int, signature: int, size: int) -> bool:
     2 * s0`` iff ``s1 == s0``), and in a larger group fails only if the other ranks' differing
     digests happen to sum to the same value (odds about 2**-60 for a given set of calls)."""
     return total % _WORD == (signature * size) % _WORD
+
+
+def rest_predicted(total: int, heard: list[int], unheard: int, predicted: int) -> bool:
+    """Whether the guard's sum ``total`` is what the ``unheard`` ranks contribute if each made the
+    predicted call, given the signatures ``heard`` of the others (this rank's included).
+
+    After a mismatch, a rank whose call is not the prediction tells every other rank its call; a rank
+    whose call is the prediction says nothing (it may be busy with later calls, and the others know
+    its call). A rank stops listening once the ranks not heard from are accounted for this way, so no
+    rank ever waits for one that went ahead. Exact as :func:`agrees` is: the unheard ranks' sum could
+    match by chance only if some of them differ (odds about 2**-60)."""
+    return (total - sum(heard)) % _WORD == (unheard * predicted) % _WORD

@@ -139,8 +139,9 @@ def mismatch_after_many_hits(w):
         wrong = [np.float64, np.float32, np.float32][round_]
         shape = [4, 5, 40][round_]
         x = np.full(shape if odd(w) else 4, r + 1.0, dtype=wrong if odd(w) else np.float32)
+        predicted = predict(w.history)
         expect_mismatch(lambda x=x: popmesh.all_reduce(x), "float32[4]", ranks=range(n))
-        assert w.history.last == 0, "after a mismatch every rank starts its history again"
+        assert w.history.last == predicted, "a mismatched call counts as the prediction on every rank"
 
 
 @check
@@ -164,6 +165,145 @@ def async_mismatch(w):
     expect_mismatch(lambda: start_and_wait(x), "float32[8]", "float64[8]", ranks=range(n))
     still_works(w)
     assert torch.all(popmesh.all_reduce_async(torch.full((8,), r + 1.0)).wait() == total(n))
+
+
+# ---- an asynchronous mismatch while later calls of the group are in flight ---------------------
+def warm_async_pair(w):
+    """Start and wait a then b until both are predicted: a rank whose call is the prediction then
+    returns at once and finds a mismatch only at wait(), after it started the calls that follow."""
+    n, r = w.size, w.rank
+    for _ in range(5):
+        a, b = popmesh.all_reduce_async(torch.full((8,), r + 1.0)), popmesh.all_reduce_async(torch.full((16,), r + 1.0))
+        assert torch.all(a.wait() == total(n)) and torch.all(b.wait() == total(n))
+    assert predict(w.history) != 0
+
+
+def start_pair(w, first, second):
+    """Start ``first`` then ``second`` (tensors); a start that raises CollectiveMismatch is kept as its
+    error. Returns the two handles or errors."""
+    out = []
+    for x in (first, second):
+        try:
+            out.append(popmesh.all_reduce_async(x))
+        except CollectiveMismatch as e:
+            out.append(e)
+    return out
+
+
+def mismatched_at(outcome, texts, ranks):
+    """``outcome`` (a handle or the error its start raised) raises CollectiveMismatch naming ``texts``."""
+    if isinstance(outcome, CollectiveMismatch):
+        for text in texts:
+            assert text in str(outcome), (text, str(outcome))
+        assert set(outcome.per_rank) == set(ranks), outcome.per_rank
+        return outcome
+    return expect_mismatch(outcome.wait, *texts, ranks=ranks)
+
+
+@check
+def async_mismatch_with_later_calls_in_flight(w):
+    """The odd rank's first call differs (shape, dtype or op) while the other ranks, whose call is the
+    prediction, have already started the second: every rank raises for the first call (the odd rank at
+    once, the others at wait(), in either order), the second returns the exact sum everywhere, and the
+    group goes on working. Before: the odd rank waited up to the timeout for the others' descriptions
+    when they waited in reverse order, and the others' group was left unusable, their next collective
+    raising there while the odd rank's waited out the timeout."""
+    need_ranks(w, 2)
+    n, r = w.size, w.rank
+    mine = {"shape": (torch.full((9,), r + 1.0), "sum", "float32[9]"),
+            "dtype": (torch.full((8,), r + 1.0, dtype=torch.float64), "sum", "float64[8]"),
+            "op": (torch.full((8,), r + 1.0), "max", "all_reduce_async(max)")}
+    for reverse in (False, True):
+        for kind, (other, op, text) in mine.items():
+            warm_async_pair(w)
+            if odd(w):
+                first = expect_mismatch(lambda other=other, op=op: popmesh.all_reduce_async(other, op),
+                                        "all_reduce_async(sum) * float32[8]", text, ranks=range(n))
+                handles = [first, popmesh.all_reduce_async(torch.full((16,), r + 1.0))]
+            else:
+                handles = start_pair(w, torch.full((8,), r + 1.0), torch.full((16,), r + 1.0))
+            for i in (1, 0) if reverse else (0, 1):
+                if i == 1:
+                    assert torch.all(handles[1].wait() == total(n)), (kind, reverse)
+                else:
+                    e = mismatched_at(handles[0], ["all_reduce_async(sum) * float32[8]", text], range(n))
+                    assert odd(w) or "1 call(s) this rank started on the group after it" in str(e), str(e)
+            still_works(w)
+    warm_async_pair(w)  # the mismatch is in the second call: found when the odd rank starts it
+    handles = start_pair(w, torch.full((8,), r + 1.0), torch.full((17 if odd(w) else 16,), r + 1.0))
+    assert torch.all(handles[0].wait() == total(n))
+    mismatched_at(handles[1], ["float32[16]", "float32[17]"], range(n))
+    warm_async_pair(w)
+
+
+@check
+def async_mismatch_then_a_blocking_call(w):
+    """After the odd rank's first asynchronous call raised, every rank makes a blocking call while
+    the others' two asynchronous calls are still unwaited: it returns the exact sum at once. Before:
+    the odd rank waited in its error for the others' descriptions while they waited in the blocking
+    call for it, both until the timeout."""
+    need_ranks(w, 2)
+    n, r = w.size, w.rank
+    warm_async_pair(w)
+    handles = start_pair(w, torch.full((9 if odd(w) else 8,), r + 1.0), torch.full((16,), r + 1.0))
+    assert isinstance(handles[0], CollectiveMismatch) == odd(w), handles
+    start = time.perf_counter()
+    for size in (4, 1 << 18):
+        out = popmesh.all_reduce(np.full(size, r + 1.0, dtype=np.float32))
+        assert np.all(out == total(n)), out[:4]
+    assert time.perf_counter() - start < FAST_S
+    mismatched_at(handles[0], ["float32[8]", "float32[9]"], range(n))
+    assert torch.all(handles[1].wait() == total(n))
+    still_works(w)
+    warm_async_pair(w)
+
+
+@check
+def async_mismatch_then_a_skipped_call(w):
+    """After its error the odd rank skips the second call the others started and makes the next one:
+    that call and the others' second raise on every rank (saying an earlier call mismatched too,
+    whichever the others wait for first), none hangs, and once the ranks are in step again the group
+    works. Before: the odd rank's call waited out the timeout."""
+    need_ranks(w, 2)
+    n, r = w.size, w.rank
+    x = np.full(3, r + 1.0)
+    second = ["all_reduce_async(sum) * float32[16]", "all_reduce(sum) * float64[3]"]
+    for reverse in (False, True):
+        warm_async_pair(w)
+        if odd(w):
+            expect_mismatch(lambda: popmesh.all_reduce_async(torch.full((9,), r + 1.0)), "float32[9]",
+                            ranks=range(n))
+            e = expect_mismatch(lambda: popmesh.all_reduce(x), *second, ranks=range(n))
+        else:
+            handles = start_pair(w, torch.full((8,), r + 1.0), torch.full((16,), r + 1.0))
+            if reverse:  # the odd rank's description of the first call arrives before it is asked for
+                e = mismatched_at(handles[1], second, range(n))
+                mismatched_at(handles[0], ["float32[8]", "float32[9]"], range(n))
+            else:
+                mismatched_at(handles[0], ["float32[8]", "float32[9]"], range(n))
+                e = mismatched_at(handles[1], second, range(n))
+        assert (reverse and not odd(w)) or "previous mismatch was 1 call(s) earlier" in str(e), str(e)
+        assert np.all(popmesh.all_reduce(x) == total(n))  # every rank's next call: in step again
+    warm_async_pair(w)
+
+
+@check
+def async_mismatch_two_ranks_differ(w):
+    """Two ranks leave the prediction with different calls while the others went ahead: every rank's
+    error lists all three calls (the ranks that left tell theirs; the others' is the prediction)."""
+    need_ranks(w, 3)
+    n, r = w.size, w.rank
+    warm_async_pair(w)
+    mine = {n - 1: torch.full((9,), r + 1.0), n - 2: torch.full((8,), r + 1.0, dtype=torch.float64)}
+    handles = start_pair(w, mine.get(r, torch.full((8,), r + 1.0)), torch.full((16,), r + 1.0))
+    for i in (1, 0) if r % 2 else (0, 1):
+        if i == 1:
+            assert torch.all(handles[1].wait() == total(n))
+        else:
+            e = mismatched_at(handles[0], ["float32[8]", "float32[9]", "float64[8]"], range(n))
+            assert e.per_rank[0] == "all_reduce_async(sum) * float32[8]", e.per_rank
+    still_works(w)
+    warm_async_pair(w)
 
 
 @check
