@@ -37,10 +37,11 @@ from typing import Any
 
 import numpy as np
 
-from popmesh.core.errors import CommTimeout, ConfigError, MessageError, PeerFailure, PopmeshError
+from popmesh.core.errors import ConfigError, MessageError, PeerFailure
 from popmesh.engines.base import poll_until
 from popmesh.engines.envelope import INLINE_NBYTES, inline_envelope, inline_frame, parse_envelope, plan_frame
 from popmesh.engines.mpi.flow import CreditCounter, SendWindow, window_nbytes
+from popmesh.engines.mpi.send import MpiSend, WaitingSend
 from popmesh.engines.p2p_base import HEARTBEAT_TAG, TAG_LIMIT, BufferPool, Item, P2PBase, RecvRequest, buffer_cap
 
 __all__ = ["MpiP2P"]
@@ -50,90 +51,6 @@ _KEPT_FOREVER: list[Any] = []  # buffers of sends that never completed: MPI may 
 _IN_FLIGHT_KEPT = 256  # held sends before the completed ones behind an old one are dropped
 _FAST_SPIN_S = 0.05  # base.poll_until's spin, before the general path backs off to sleeping
 _CREDIT = -1  # the "tag" of a held credit send (credits are not frames; see flow)
-
-
-class _MpiSend:
-    """The Isends of one frame; keeps their buffers alive until all complete."""
-
-    def __init__(self, owner: MpiP2P, reqs: list[Any], keep: list[Any], dst: int, tag: int) -> None:
-        self._owner, self._reqs, self._keep, self.dst, self.tag = owner, reqs, keep, dst, tag
-        self._done = False
-
-    def done(self) -> bool:
-        if not self._done:
-            with self._owner._lock:  # the heartbeat thread tests held sends too: never one request in two threads
-                return self._test()
-        return True
-
-    def _test(self) -> bool:
-        if not self._done:
-            try:
-                reqs = self._reqs
-                self._done = bool(reqs[0].Test() if len(reqs) == 1 else self._owner.mpi.Request.Testall(reqs))
-            except self._owner.mpi.Exception as e:
-                raise PeerFailure(f"send to rank {self.dst} on tag {self.tag} failed in MPI: {e}", (self.dst,)) from e
-            if self._done:
-                self._keep = []
-        return self._done
-
-    def wait(self, timeout: float) -> None:
-        gone = self._owner._gone
-        if poll_until(self._owner._progressing(lambda: self.done() or self.dst in gone), timeout):
-            if self.dst in gone and not self.done():
-                raise PeerFailure(f"send to rank {self.dst} on tag {self.tag}: {gone[self.dst]}", (self.dst,))
-            return
-        raise _unreceived(self.dst, self.tag, timeout)
-
-
-def _unreceived(dst: int, tag: int, timeout: float) -> CommTimeout:
-    return CommTimeout(
-        f"send to rank {dst} on tag {tag} did not complete within {timeout:g} s: that rank has not received it. "
-        "The message stays in flight and is delivered when it does; leave the payload's arrays unchanged until "
-        "then.", (dst,))
-
-
-class _Deferred:
-    """A frame waiting at this rank for room in its destination's window (see flow); the next popmesh
-    call that progresses posts it, and from then on it is the :class:`_MpiSend` it became."""
-
-    def __init__(self, owner: MpiP2P, buffers: list[Any], dst: int, tag: int, nbytes: int) -> None:
-        self._owner, self._buffers, self.dst, self.tag, self.nbytes = owner, buffers, dst, tag, nbytes
-        self.op: _MpiSend | None = None
-        self.error: PopmeshError | None = None
-
-    def start(self) -> None:
-        """Post the frame now (the window has room); a failure is raised by :meth:`wait`."""
-        try:
-            self.op = self._owner._isend(self._buffers, self.dst, self.tag)
-        except PopmeshError as e:
-            self.error = e
-        self._buffers = []
-
-    def fail(self, error: PopmeshError) -> None:
-        self.error, self._buffers = error, []
-
-    def done(self) -> bool:
-        if self.op is None and self.error is None:
-            self._owner._pump()
-        return self.error is not None or (self.op is not None and self.op.done())
-
-    def wait(self, timeout: float) -> None:
-        owner = self._owner
-        gone = owner._gone
-        if poll_until(owner._progressing(lambda: self.done() or self.dst in gone), timeout):
-            if self.error is not None:
-                raise self.error
-            if self.op is not None and self.op.done():
-                return
-            raise PeerFailure(f"send to rank {self.dst} on tag {self.tag}: {gone[self.dst]}", (self.dst,))
-        if self.op is not None:  # posted, not yet received
-            raise _unreceived(self.dst, self.tag, timeout)
-        raise CommTimeout(
-            f"send to rank {self.dst} on tag {self.tag} did not complete within {timeout:g} s: rank {self.dst} has "
-            f"not received what rank {owner.rank} sent it before, and a sender keeps at most "
-            f"{owner._window_nbytes} bytes or {owner._window_frames} messages in flight to each rank "
-            "(POPMESH_P2P_BUFFER_BYTES shared among the senders). The message waits here, in order, and is sent "
-            "when that rank receives; leave the payload's arrays unchanged until then.", (self.dst,))
 
 
 class _Partial:
@@ -161,7 +78,7 @@ class MpiP2P(P2PBase):
             raise ConfigError(f"this MPI allows tags up to {tag_ub}; popmesh messages need {2 * TAG_LIMIT - 1}: "
                               "use another MPI build or the torch engine")
         self._status = self.mpi.Status()
-        self._in_flight: deque[_MpiSend] = deque()  # every send until it completes, whoever holds its handle
+        self._in_flight: deque[MpiSend] = deque()  # every send until it completes, whoever holds its handle
         self._in_flight_limit = _IN_FLIGHT_KEPT
         self._closed = False
         atexit.register(self.close)
@@ -174,7 +91,7 @@ class MpiP2P(P2PBase):
         self._window_nbytes = window_nbytes(buffer_cap(), self.size - 1)
         self._window_frames = SendWindow(self._window_nbytes).limit_frames
         self._windows: dict[int, SendWindow] = {}
-        self._deferred: dict[int, deque[_Deferred]] = {}
+        self._deferred: dict[int, deque[WaitingSend]] = {}
         self._counters: dict[int, CreditCounter] = {}
 
     def send(self, frame: Any, dst: int, tag: int, timeout: float) -> None:
@@ -194,7 +111,7 @@ class MpiP2P(P2PBase):
                 return None
         except self.mpi.Exception as e:
             raise PeerFailure(f"send to rank {dst} on tag {tag} failed in MPI: {e}", (dst,)) from e
-        op = _MpiSend(self, [request], [env], dst, tag)
+        op = MpiSend(self, [request], [env], dst, tag)
         self._hold(op)
         op.wait(timeout)
         return None
@@ -240,13 +157,13 @@ class MpiP2P(P2PBase):
                     return None
                 os.sched_yield()
 
-    def _post_send(self, parts: list[np.ndarray], dst: int, tag: int) -> _MpiSend | _Deferred:
+    def _post_send(self, parts: list[np.ndarray], dst: int, tag: int) -> MpiSend | WaitingSend:
         env, segments = plan_frame(parts, tag)
         buffers = [env, *segments]
         waiting = self._admit(buffers, dst, tag, parts[0].size if len(parts) == 1 else sum(p.size for p in parts))
         return self._isend(buffers, dst, tag) if waiting is None else waiting
 
-    def _isend(self, buffers: list[Any], dst: int, tag: int) -> _MpiSend:
+    def _isend(self, buffers: list[Any], dst: int, tag: int) -> MpiSend:
         """Post a frame's envelope and segments (``buffers``) and hold them until MPI completes them."""
         env, segments = buffers[0], buffers[1:]
         try:
@@ -254,12 +171,12 @@ class MpiP2P(P2PBase):
             reqs += [self._comm.Isend(s, dest=dst, tag=2 * tag + 1) for s in segments]
         except self.mpi.Exception as e:
             raise PeerFailure(f"send to rank {dst} on tag {tag} failed in MPI: {e}", (dst,)) from e
-        op = _MpiSend(self, reqs, buffers, dst, tag)
+        op = MpiSend(self, reqs, buffers, dst, tag)
         self._hold(op)
         return op
 
     # ---- flow control (see flow) ---------------------------------------------------------------
-    def _admit(self, buffers: list[Any], dst: int, tag: int, nbytes: int) -> _Deferred | None:
+    def _admit(self, buffers: list[Any], dst: int, tag: int, nbytes: int) -> WaitingSend | None:
         """None when a frame of ``nbytes`` to ``dst`` may be posted now (it then counts in the window);
         otherwise the frame (``buffers``) waits behind the window, after any frame waiting already."""
         if tag == HEARTBEAT_TAG:
@@ -279,7 +196,7 @@ class MpiP2P(P2PBase):
                 self._take_credits()
                 if window.admit(nbytes):
                     return None
-            waiting = _Deferred(self, buffers, dst, tag, nbytes)
+            waiting = WaitingSend(self, buffers, dst, tag, nbytes)
             self._deferred.setdefault(dst, deque()).append(waiting)
             return waiting
 
@@ -329,7 +246,7 @@ class MpiP2P(P2PBase):
         try:
             request = self._credit_comm.Isend(note, src, 0)
             if not request.Test():
-                self._hold(_MpiSend(self, [request], [note], src, _CREDIT))
+                self._hold(MpiSend(self, [request], [note], src, _CREDIT))
         except self.mpi.Exception:
             pass  # a failed peer sends nothing more
 
@@ -359,7 +276,7 @@ class MpiP2P(P2PBase):
             sys.stderr.write(f"popmesh: rank {self.rank} closes with sends still pending to (rank, tag) {still}: "
                              "their receivers never received them\n")
 
-    def _hold(self, op: _MpiSend) -> None:
+    def _hold(self, op: MpiSend) -> None:
         """Keep ``op`` and its buffers until MPI completes it, even when the caller drops its handle
         (MPI would otherwise read freed memory); completed sends are released oldest first."""
         with self._lock:
