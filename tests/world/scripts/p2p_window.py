@@ -3,8 +3,8 @@
 1. Rank 0 isends a flood of 1 KiB messages to rank 1, which receives nothing on that tag for a few
    seconds but polls a receive on another (MPI progresses there all along, so a fabric that buffers
    eager messages at the receiver would take them all): at most a window of frames is in flight,
-   the rest waits at rank 0, rank 1's RSS stays bounded, a blocking send past the window times out
-   naming rank 1, and the heartbeat does not take either rank for dead.
+   the rest waits at rank 0, rank 1's RSS stays bounded, a blocking send past the window and the
+   wait of an isend past it time out naming rank 1, and the heartbeat takes neither rank for dead.
 2. Rank 1 receives: every message, the timed-out one last, arrives intact and in order.
 3. Every rank isends more than a window to its ring successor, meets the others in a barrier, and
    only then receives from its predecessor: the frames waiting behind the window are posted by the
@@ -49,6 +49,11 @@ if rank == 0:
     except CommTimeout as e:
         assert e.missing == (1,) and "rank 1 has not received" in str(e), (e.missing, str(e))
         print(f"rank 0 send past the window timed out naming rank 1 OK: {str(e)[:160]}")
+    try:
+        handles[-1].wait(0.5)
+        raise AssertionError("an isend past the window completed while its receiver received nothing")
+    except CommTimeout as e:
+        assert e.missing == (1,) and "rank 1 has not received" in str(e), (e.missing, str(e))
     print(f"rank 0 holds while rank 1 does not receive: {p2p.memory()}")
 elif rank == 1:
     before = rss()
