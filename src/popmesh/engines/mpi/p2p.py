@@ -21,8 +21,9 @@ completes: MPI reads them until then. While any wait polls, every posted receive
 
 What a sender has in flight to each receiver is bounded (:mod:`~popmesh.engines.mpi.flow`): a frame
 past its destination's window waits here, in order, and whatever popmesh call this rank makes next
-(a wait, a test, a receive, a collective's wait) posts it once the receiver's credits open the
-window. Heartbeats go around the window: they must get through a flood.
+(a wait, a test, a receive, a collective's wait; the heartbeat thread's polls too) posts it once
+the receiver's credits open the window. Heartbeats go around the window: they must get through a
+flood.
 """
 
 from __future__ import annotations
