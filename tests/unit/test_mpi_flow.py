@@ -105,3 +105,16 @@ def test_bounded_and_never_stuck_on_frames_already_taken(seed):
         else:
             window.credit(0)
     assert taken_bytes == sent_bytes == sum(sizes)
+
+
+def test_a_report_is_due_once_a_reports_worth_is_in_flight():
+    by_frames, by_bytes = SendWindow(1 << 30), SendWindow(1 << 30)
+    for _ in range(CREDIT_FRAMES - 1):
+        by_frames.admit(4)
+    by_bytes.admit(CREDIT_NBYTES - 1)
+    assert not by_frames.report_due() and not by_bytes.report_due()
+    by_frames.admit(4)
+    by_bytes.admit(1)
+    assert by_frames.report_due() and by_bytes.report_due()
+    by_frames.credit(CREDIT_FRAMES)
+    assert not by_frames.report_due()

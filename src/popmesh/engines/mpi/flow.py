@@ -68,6 +68,12 @@ class SendWindow:
         self._sizes.append(nbytes)
         return True
 
+    def report_due(self) -> bool:
+        """Whether a report may be waiting: a report's worth is in flight, so a receiver that took it
+        has sent one. Taking reports as they come keeps them from lingering in MPI's queue, which
+        slowed MPICH's small messages (see docs/scaling.md)."""
+        return self.sent - self.credited >= CREDIT_FRAMES or self.in_flight >= CREDIT_NBYTES
+
     def credit(self, taken: int) -> None:
         """The receiver reports having taken ``taken`` frames in all (reports may come out of date)."""
         sizes = self._sizes

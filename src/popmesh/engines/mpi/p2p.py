@@ -188,6 +188,8 @@ class MpiP2P(P2PBase):
                 window = self._windows[dst] = SendWindow(self._window_nbytes)
             deferred = self._deferred
             if not deferred and window.admit(nbytes):  # the common case
+                if window.report_due():
+                    self._take_credits(dst, window)
                 return None
             if dst in deferred:
                 self._pump()
