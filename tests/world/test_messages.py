@@ -61,7 +61,7 @@ def test_gloo_any_source_pump_keeps_every_message_promise():
 @pytest.mark.parametrize("engine", ["torch", "mpi"])
 def test_a_flooded_receiver_holds_bounded_bytes_and_loses_nothing(engine):
     """48 MiB sent to a rank that receives nothing for 5 s: it holds at most its cap (gloo: 4 MiB
-    here) or nothing (MPI keeps large frames at the sender), a blocking send past the bound times
+    here; MPI: the sender keeps at most its 4 MiB window in flight), a blocking send past the bound times
     out naming it, and then every frame arrives intact and in order; the per-tag tables shrink back.
     On gloo the heartbeat limit is 2 s: the held-back sender's beats wait behind its flood, and it
     must not be taken for dead."""
@@ -75,3 +75,26 @@ def test_a_flooded_receiver_holds_bounded_bytes_and_loses_nothing(engine):
     assert "extra send timed out naming rank 1 OK" in done.stdout, done.stdout[-3000:]
     assert "received all 193 frames intact and in order OK" in done.stdout, done.stdout[-3000:]
     assert all(f"rank {r} flood OK" in done.stdout for r in range(2)), done.stdout[-3000:]
+
+
+# MPICH over OFI's shared-memory provider as if every rank were on another host: eager messages are
+# buffered at the receiver, as on a cluster's fabric (without flow control, 10,000 unreceived 1 KiB
+# messages grew the receiver by 360 MiB here; MPICH's own shared memory keeps them at the sender).
+OFI_FABRIC = {"MPIR_CVAR_NOLOCAL": "1", "MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "shm"}
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("fabric, size", [("shm", 2), ("shm", 3), ("ofi", 2)])
+def test_mpi_senders_keep_a_window_in_flight_and_lose_nothing(fabric, size):
+    """5,000 messages to a rank that polls another tag for 4 s: at most a window in flight, its RSS
+    bounded, a blocking send past the window times out naming it; then every message arrives in
+    order, and isends past the window to a ring neighbour complete while the ranks receive."""
+    env = {**os.environ, "POPMESH_TIMEOUT": "60", "POPMESH_HEARTBEAT_TIMEOUT": "2",
+           **(OFI_FABRIC if fabric == "ofi" else {})}
+    cmd = [sys.executable, "-m", "popmesh", "launch", "-n", str(size), "--engine", "mpi",
+           str(SCRIPTS / "p2p_window.py"), "5000"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=130, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "send past the window timed out naming rank 1 OK" in done.stdout, done.stdout[-3000:]
+    assert "received all 5001 messages intact and in order OK" in done.stdout, done.stdout[-3000:]
+    assert all(f"rank {r} window OK" in done.stdout for r in range(size)), done.stdout[-3000:]

@@ -34,12 +34,13 @@ import numpy as np
 
 from popmesh.core.errors import CommTimeout, ConfigError, PeerClosed, PopmeshError
 from popmesh.core.handles import Completed, Pending
+from popmesh.core.launch_env import read_number
 from popmesh.engines.base import poll_until
 from popmesh.wire.format import join_frame
 
 __all__ = [
     "TAG_LIMIT", "HEARTBEAT_TAG", "Frame", "Item", "RecvRequest", "P2PBase", "LoopbackP2P",
-    "BufferPool", "PAGE_NBYTES", "frame_parts",
+    "BufferPool", "PAGE_NBYTES", "frame_parts", "BUFFER_NBYTES", "buffer_cap",
 ]
 
 TAG_LIMIT = 1 << 15  # the MPI standard guarantees tags up to 32767 on every implementation
@@ -47,6 +48,16 @@ HEARTBEAT_TAG = TAG_LIMIT - 1  # the heartbeats' tag (see liveness), in popmesh'
 PAGE_NBYTES = 4096  # the page whose offsets envelopes carry (see envelope)
 Frame = Any  # a uint8 numpy array, a bytes-like object, or a sequence of them (sent as one frame)
 Item = tuple[int, Any]  # (source rank, uint8 array or the Exception that replaced the message)
+BUFFER_NBYTES = 256 << 20  # bytes of messages a rank holds for receives not yet made (see buffer_cap)
+
+
+def buffer_cap() -> int:
+    """Bytes of messages a rank holds for receives not yet made (``POPMESH_P2P_BUFFER_BYTES``, default
+    :data:`BUFFER_NBYTES`). gloo: past it the pumps stop taking frames until the program receives (0
+    holds at most the frame each pump has in hand); MPI: what the senders to a rank may have in
+    flight to it, shared among them (see :mod:`popmesh.engines.mpi.flow`)."""
+    return int(read_number("POPMESH_P2P_BUFFER_BYTES", BUFFER_NBYTES, whole=True,
+                           hint="give a whole number of bytes (0 or more)"))
 
 
 def frame_parts(frame: Frame) -> list[np.ndarray]:
@@ -279,6 +290,8 @@ class P2PBase:
 
     def _progress(self) -> None:
         """Advance every posted receive: one matching pass per tag that has a receive waiting."""
+        if not self._posted:
+            return
         with self._lock:
             for posted in list(self._posted.values()):
                 handle = next((h for ref in posted if (h := ref()) is not None and h._item is None), None)
@@ -286,13 +299,14 @@ class P2PBase:
                     self._poll(handle)
 
     def _progressing(self, done: Callable[[], bool], every: int = 8) -> Callable[[], bool]:
-        """``done``, advancing every posted receive on each ``every``-th call (for polling waits)."""
+        """``done``, advancing every posted receive (and whatever else the engine progresses: see
+        :meth:`_progress`) on each ``every``-th call (for polling waits)."""
         calls = 0
 
         def check() -> bool:
             nonlocal calls
             calls += 1
-            if calls % every == 0 and self._posted:
+            if calls % every == 0:
                 self._progress()
             return done()
 

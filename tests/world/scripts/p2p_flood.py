@@ -1,6 +1,7 @@
 """Rank 0 floods rank 1, which does not receive for a while: the bytes rank 1 holds stay bounded
-(gloo: under POPMESH_P2P_BUFFER_BYTES plus two frames; MPI: popmesh holds nothing, MPI keeps large
-frames at the sender), a blocking send past the bound times out naming rank 1, the heartbeat does
+(gloo: under POPMESH_P2P_BUFFER_BYTES plus two frames; MPI: rank 0 keeps at most its window of
+POPMESH_P2P_BUFFER_BYTES in flight to it, and the rest waits at rank 0), a blocking send past the
+bound times out naming rank 1, the heartbeat does
 not mistake the held-back sender for a dead one, and once rank 1 receives, every message arrives
 intact and in order. Then messages on many tags: the per-tag tables shrink back. Two ranks;
 argv[1]: frames in the flood (of 256 KiB)."""
@@ -38,6 +39,9 @@ if rank == 0:
         assert e.missing == (1,), e.missing
         assert "rank 1" in str(e), str(e)
         print(f"rank 0 extra send timed out naming rank 1 OK: {str(e)[:100]}")
+    if engine == "mpi":
+        mem = p2p.memory()
+        assert mem["in_flight_bytes"] <= mem["window_bytes"] and mem["waiting_frames"] > 0, mem
     popmesh.barrier()  # rank 1 measured what it holds
     for h in handles:
         h.wait(120)

@@ -78,7 +78,8 @@ class MpiEngine:
         self._shared: list[_Handle] = []
         self._ops = {ReduceOp.SUM: MPI.SUM, ReduceOp.MAX: MPI.MAX, ReduceOp.MIN: MPI.MIN, ReduceOp.PROD: MPI.PROD}
         self._p2p_comm = self._world.Dup()  # point-to-point messages only (mpi_p2p); collective, so made here
-        self._comms: list[Any] = [self._diag, self._node, self._p2p_comm]
+        self._credit_comm = self._world.Dup()  # the p2p receivers' credits to their senders (mpi.flow)
+        self._comms: list[Any] = [self._diag, self._node, self._p2p_comm, self._credit_comm]
         self._p2p: Any = None
         self._heartbeat = start_heartbeat(self.p2p(), self._peer_failed) if self.size > 1 else None
 
@@ -323,8 +324,10 @@ class MpiEngine:
 
     def _wait(self, req: Any, group: _Handle, timeout: float, what: str) -> None:
         group.seq += 1
+        p2p = self._p2p
+        test = req.Test if p2p is None or not p2p._deferred else _pumping(p2p, req)
         try:
-            finished = poll_until(req.Test, timeout, idle=self._alive_check(group))
+            finished = poll_until(test, timeout, idle=self._alive_check(group))
         except self._mpi.Exception as e:
             raise PeerFailure(f"{what} failed in MPI: {e}", self._peers(group), exact=False) from e
         if not finished:
@@ -406,6 +409,17 @@ class _LazyShared:
 
 def _noop(_: Any) -> None:
     return None
+
+
+def _pumping(p2p: Any, req: Any) -> Callable[[], bool]:
+    """``req.Test``, posting the point-to-point frames that wait for room at their receivers on each
+    call: MPI progresses sends in any MPI call, so popmesh's waits do the same (mpi.flow)."""
+
+    def test() -> bool:
+        p2p._pump()
+        return bool(req.Test())
+
+    return test
 
 
 def _raw(buf: Any) -> np.ndarray:

@@ -18,6 +18,12 @@ send, whether its handle times out, is dropped unwaited or is waited on, stays i
 delivers it when the receiver receives) and the transport keeps its buffers alive until it
 completes: MPI reads them until then. While any wait polls, every posted receive progresses (see
 :mod:`~popmesh.engines.p2p_base`).
+
+What a sender has in flight to each receiver is bounded (:mod:`~popmesh.engines.mpi.flow`): a frame
+past its destination's window waits here, in order, and whatever popmesh call this rank makes next
+(a wait, a test, a receive, a collective's wait; the heartbeat thread's polls too) posts it once
+the receiver's credits open the window. Heartbeats go around the window: they must get through a
+flood.
 """
 
 from __future__ import annotations
@@ -32,10 +38,12 @@ from typing import Any
 
 import numpy as np
 
-from popmesh.core.errors import CommTimeout, ConfigError, MessageError, PeerFailure
+from popmesh.core.errors import ConfigError, MessageError, PeerFailure
 from popmesh.engines.base import poll_until
 from popmesh.engines.envelope import INLINE_NBYTES, inline_envelope, inline_frame, parse_envelope, plan_frame
-from popmesh.engines.p2p_base import HEARTBEAT_TAG, TAG_LIMIT, BufferPool, Item, P2PBase, RecvRequest
+from popmesh.engines.mpi.flow import CreditCounter, SendWindow, window_nbytes
+from popmesh.engines.mpi.send import MpiSend, WaitingSend
+from popmesh.engines.p2p_base import HEARTBEAT_TAG, TAG_LIMIT, BufferPool, Item, P2PBase, RecvRequest, buffer_cap
 
 __all__ = ["MpiP2P"]
 
@@ -43,42 +51,7 @@ EXIT_GRACE_S = 30.0  # how long closing waits for sends still in flight
 _KEPT_FOREVER: list[Any] = []  # buffers of sends that never completed: MPI may still read them
 _IN_FLIGHT_KEPT = 256  # held sends before the completed ones behind an old one are dropped
 _FAST_SPIN_S = 0.05  # base.poll_until's spin, before the general path backs off to sleeping
-
-
-class _MpiSend:
-    """The Isends of one frame; keeps their buffers alive until all complete."""
-
-    def __init__(self, owner: MpiP2P, reqs: list[Any], keep: list[Any], dst: int, tag: int) -> None:
-        self._owner, self._reqs, self._keep, self.dst, self.tag = owner, reqs, keep, dst, tag
-        self._done = False
-
-    def done(self) -> bool:
-        if not self._done:
-            with self._owner._lock:  # the heartbeat thread tests held sends too: never one request in two threads
-                return self._test()
-        return True
-
-    def _test(self) -> bool:
-        if not self._done:
-            try:
-                reqs = self._reqs
-                self._done = bool(reqs[0].Test() if len(reqs) == 1 else self._owner.mpi.Request.Testall(reqs))
-            except self._owner.mpi.Exception as e:
-                raise PeerFailure(f"send to rank {self.dst} on tag {self.tag} failed in MPI: {e}", (self.dst,)) from e
-            if self._done:
-                self._keep = []
-        return self._done
-
-    def wait(self, timeout: float) -> None:
-        gone = self._owner._gone
-        if poll_until(self._owner._progressing(lambda: self.done() or self.dst in gone), timeout):
-            if self.dst in gone and not self.done():
-                raise PeerFailure(f"send to rank {self.dst} on tag {self.tag}: {gone[self.dst]}", (self.dst,))
-            return
-        raise CommTimeout(
-            f"send to rank {self.dst} on tag {self.tag} did not complete within {timeout:g} s: that rank has not "
-            "received it. The message stays in flight and is delivered when it does; leave the payload's arrays "
-            "unchanged until then.", (self.dst,))
+_CREDIT = -1  # the "tag" of a held credit send (credits are not frames; see flow)
 
 
 class _Partial:
@@ -106,12 +79,21 @@ class MpiP2P(P2PBase):
             raise ConfigError(f"this MPI allows tags up to {tag_ub}; popmesh messages need {2 * TAG_LIMIT - 1}: "
                               "use another MPI build or the torch engine")
         self._status = self.mpi.Status()
-        self._in_flight: deque[_MpiSend] = deque()  # every send until it completes, whoever holds its handle
+        self._in_flight: deque[MpiSend] = deque()  # every send until it completes, whoever holds its handle
         self._in_flight_limit = _IN_FLIGHT_KEPT
         self._closed = False
         atexit.register(self.close)
         self._partials: dict[int, list[_Partial]] = {}
         self._pool = BufferPool()
+        # flow control (see flow): windows of what this rank has in flight to each rank, frames waiting
+        # behind them, and what this rank has taken from each sender; credits on their own communicator
+        self._credit_comm = engine._credit_comm
+        self._credit_status, self._credit_note = self.mpi.Status(), np.empty(1, dtype=np.int64)
+        self._window_nbytes = window_nbytes(buffer_cap(), self.size - 1)
+        self._window_frames = SendWindow(self._window_nbytes).limit_frames
+        self._windows: dict[int, SendWindow] = {}
+        self._deferred: dict[int, deque[WaitingSend]] = {}
+        self._counters: dict[int, CreditCounter] = {}
 
     def send(self, frame: Any, dst: int, tag: int, timeout: float) -> None:
         """:meth:`P2PBase.send`, with a short path for a small one-buffer frame to another rank: one
@@ -120,13 +102,17 @@ class MpiP2P(P2PBase):
             return super().send(frame, dst, tag, timeout)
         self._check(dst, tag, "dst")
         env = inline_envelope(frame, tag)
+        waiting = self._admit([env], dst, tag, len(frame))
+        if waiting is not None:
+            waiting.wait(timeout)
+            return None
         try:
             request = self._comm.Isend(env, dst, 2 * tag)
             if request.Test():
                 return None
         except self.mpi.Exception as e:
             raise PeerFailure(f"send to rank {dst} on tag {tag} failed in MPI: {e}", (dst,)) from e
-        op = _MpiSend(self, [request], [env], dst, tag)
+        op = MpiSend(self, [request], [env], dst, tag)
         self._hold(op)
         op.wait(timeout)
         return None
@@ -136,7 +122,7 @@ class MpiP2P(P2PBase):
         other rank, and nothing for ``tag`` is queued or half received: matched probes until the
         envelope is there, then the general path for anything but a frame carried inline."""
         if (type(src) is not int or src == self.rank or self._posted.get(tag) or self._partials.get(tag)
-                or self._local.get(tag)):
+                or self._local.get(tag) or self._deferred):
             return super().recv(src, tag, timeout)
         self._check(src, tag, "src")
         partial = self._probe_briefly(src, tag)
@@ -172,16 +158,99 @@ class MpiP2P(P2PBase):
                     return None
                 os.sched_yield()
 
-    def _post_send(self, parts: list[np.ndarray], dst: int, tag: int) -> _MpiSend:
+    def _post_send(self, parts: list[np.ndarray], dst: int, tag: int) -> MpiSend | WaitingSend:
         env, segments = plan_frame(parts, tag)
+        buffers = [env, *segments]
+        waiting = self._admit(buffers, dst, tag, parts[0].size if len(parts) == 1 else sum(p.size for p in parts))
+        return self._isend(buffers, dst, tag) if waiting is None else waiting
+
+    def _isend(self, buffers: list[Any], dst: int, tag: int) -> MpiSend:
+        """Post a frame's envelope and segments (``buffers``) and hold them until MPI completes them."""
+        env, segments = buffers[0], buffers[1:]
         try:
             reqs = [self._comm.Isend(env, dest=dst, tag=2 * tag)]
             reqs += [self._comm.Isend(s, dest=dst, tag=2 * tag + 1) for s in segments]
         except self.mpi.Exception as e:
             raise PeerFailure(f"send to rank {dst} on tag {tag} failed in MPI: {e}", (dst,)) from e
-        op = _MpiSend(self, reqs, [env, *segments], dst, tag)
+        op = MpiSend(self, reqs, buffers, dst, tag)
         self._hold(op)
         return op
+
+    # ---- flow control (see flow) ---------------------------------------------------------------
+    def _admit(self, buffers: list[Any], dst: int, tag: int, nbytes: int) -> WaitingSend | None:
+        """None when a frame of ``nbytes`` to ``dst`` may be posted now (it then counts in the window);
+        otherwise the frame (``buffers``) waits behind the window, after any frame waiting already."""
+        if tag == HEARTBEAT_TAG:
+            return None
+        with self._lock:
+            window = self._windows.get(dst)
+            if window is None:
+                window = self._windows[dst] = SendWindow(self._window_nbytes)
+            deferred = self._deferred
+            if not deferred and window.admit(nbytes):  # the common case
+                if window.report_due():
+                    self._take_credits(dst, window)
+                return None
+            if dst in deferred:
+                self._pump()
+            if dst not in deferred:
+                if window.admit(nbytes):
+                    return None
+                self._take_credits(dst, window)
+                if window.admit(nbytes):
+                    return None
+            waiting = WaitingSend(self, buffers, dst, tag, nbytes)
+            self._deferred.setdefault(dst, deque()).append(waiting)
+            return waiting
+
+    def _pump(self) -> None:
+        """Post the frames waiting behind windows that credits have opened, oldest first per destination
+        (a frame to a failed rank fails instead)."""
+        with self._lock:
+            if not self._deferred:
+                return
+            for dst, queue in list(self._deferred.items()):
+                window, gone = self._windows[dst], self._gone.get(dst)
+                if gone is None:
+                    self._take_credits(dst, window)
+                while queue and (gone is not None or window.admit(queue[0].nbytes)):
+                    waiting = queue.popleft()
+                    if gone is not None:
+                        waiting.fail(PeerFailure(f"send to rank {dst} on tag {waiting.tag}: {gone}", (dst,)))
+                        continue
+                    waiting.start()
+                if not queue:
+                    del self._deferred[dst]
+
+    def _take_credits(self, src: int, window: SendWindow) -> None:
+        """Apply every credit from ``src`` that has arrived (each one its running count of frames taken).
+        Probed by source: a probe for any source on MPICH costs more."""
+        improbe, status, note = self._credit_comm.Improbe, self._credit_status, self._credit_note
+        while True:
+            try:
+                message = improbe(src, 0, status)
+                if message is None:
+                    return
+                message.Recv(note)
+            except self.mpi.Exception:
+                return  # a failed peer: its loss is found and reported elsewhere
+            window.credit(int(note[0]))
+
+    def _took(self, src: int, nbytes: int) -> None:
+        """A frame of ``nbytes`` from ``src`` left MPI's queue: report to ``src`` when a credit is due."""
+        counter = self._counters.get(src)
+        if counter is None:
+            counter = self._counters[src] = CreditCounter()
+        taken = counter.took(nbytes)
+        if taken is None:
+            return
+        note = np.array([taken], dtype=np.int64)
+        try:
+            request = self._credit_comm.Isend(note, src, 0)
+            if not request.Test():
+                self._hold(MpiSend(self, [request], [note], src, _CREDIT))
+        except self.mpi.Exception:
+            pass  # a failed peer sends nothing more
 
     def close(self, timeout: float = EXIT_GRACE_S) -> None:
         """Wait up to ``timeout`` s for every send in flight (receives keep progressing meanwhile), so no
@@ -192,19 +261,24 @@ class MpiP2P(P2PBase):
             if self._closed:
                 return
             self._closed = True
+        waiting = [w for queue in self._deferred.values() for w in queue if w.dst not in self._gone]
         pending = [op for op in self._in_flight if not op.done()]
-        # heartbeats and sends to failed ranks may never complete: not waited for, buffers kept
-        awaited = [op for op in pending if op.tag != HEARTBEAT_TAG and op.dst not in self._gone]
-        if awaited:
-            poll_until(self._progressing(lambda: all(op.done() for op in awaited)), timeout)
+        # heartbeats, credits and sends to failed ranks may never complete: not waited for, buffers kept
+        awaited = [op for op in pending if op.tag not in (HEARTBEAT_TAG, _CREDIT) and op.dst not in self._gone]
+        if awaited or waiting:
+            poll_until(self._progressing(lambda: all(op.done() for op in awaited) and all(w.done() for w in waiting)),
+                       timeout)
+        pending += [w.op for w in waiting if w.op is not None and not w.op.done()]
         self._in_flight.clear()
+        self._deferred.clear()  # never posted: MPI never read them
         _KEPT_FOREVER.extend(op for op in pending if not op.done())
-        still = sorted({(op.dst, op.tag) for op in awaited if not op.done()})
+        still = sorted({(op.dst, op.tag) for op in awaited if not op.done()} |
+                       {(w.dst, w.tag) for w in waiting if not w.done()})
         if still:
             sys.stderr.write(f"popmesh: rank {self.rank} closes with sends still pending to (rank, tag) {still}: "
                              "their receivers never received them\n")
 
-    def _hold(self, op: _MpiSend) -> None:
+    def _hold(self, op: MpiSend) -> None:
         """Keep ``op`` and its buffers until MPI completes it, even when the caller drops its handle
         (MPI would otherwise read freed memory); completed sends are released oldest first."""
         with self._lock:
@@ -217,17 +291,30 @@ class MpiP2P(P2PBase):
             in_flight.append(op)
 
     def memory(self) -> dict[str, int]:
-        """:meth:`P2PBase.memory` plus half-received frames and the sends held until MPI completes
-        them. Messages not yet received wait in MPI itself (see docs/messages.md), not here."""
+        """:meth:`P2PBase.memory` plus half-received frames, the sends held until MPI completes them,
+        what this rank has in flight to other ranks (frames, payload bytes, its window per rank) and the
+        frames waiting behind windows. Messages not yet received wait in MPI itself (see
+        docs/messages.md), not here."""
         with self._lock:
+            windows = self._windows.values()
             return {**super().memory(), "partial_tags": len(self._partials),
                     "partial_frames": sum(len(p) for p in self._partials.values()),
-                    "held_sends": len(self._in_flight)}
+                    "held_sends": len(self._in_flight), "in_flight_frames": sum(w.frames() for w in windows),
+                    "in_flight_bytes": sum(w.in_flight for w in windows), "window_bytes": self._window_nbytes,
+                    "waiting_frames": sum(len(q) for q in self._deferred.values())}
+
+    def _progress(self) -> None:
+        """:meth:`P2PBase._progress`, and post the frames that wait for room at their receivers."""
+        if self._deferred:
+            self._pump()
+        super()._progress()
 
     def _poll(self, req: RecvRequest) -> bool:
         """Fast path of the matching in :meth:`P2PBase._poll` for the common case: ``req`` is the only
         receive posted on its tag, for one source or any, and no frame is half received or queued
         locally. Then one matched probe decides, with nothing to match against; else the general path."""
+        if self._deferred:
+            self._pump()
         with self._lock:
             if req._item is not None:
                 return True
@@ -301,14 +388,20 @@ class MpiP2P(P2PBase):
             raise self._receive_failure(e, source, tag) from e
         frame = inline_frame(env, tag)
         if frame is not None:  # the common small message: no Envelope to build
+            if tag != HEARTBEAT_TAG:
+                self._took(src, frame.size)
             return _Partial(src, frame, [])
         try:
             envelope = parse_envelope(env)
             if envelope.tag != tag:
                 raise MessageError(f"an envelope for tag {envelope.tag} arrived on tag {tag}")
         except MessageError as e:
+            if tag != HEARTBEAT_TAG:
+                self._took(src, env.size)
             return _Partial(src, MessageError(f"from rank {src} on tag {tag}: {e}"), [])
         total, inline, lengths = envelope.total, envelope.inline, envelope.lengths
+        if tag != HEARTBEAT_TAG:
+            self._took(src, total)
         if not lengths:
             return _Partial(src, inline, [])
         buf = self._pool.take(total, inline.size, envelope.page_offset)

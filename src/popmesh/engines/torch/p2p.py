@@ -56,7 +56,7 @@ from popmesh.engines.envelope import (
     parse_envelope,
     plan_frame,
 )
-from popmesh.engines.p2p_base import BufferPool, Item, P2PBase, RecvRequest
+from popmesh.engines.p2p_base import BUFFER_NBYTES, BufferPool, Item, P2PBase, RecvRequest, buffer_cap
 from popmesh.engines.torch.send import LONG, Outbox, SendBuffers, SendWorkers, TorchSend, failure, is_gone, tensor
 
 __all__ = ["TorchP2P", "EXIT_GRACE_S", "GOODBYE_GRACE_S", "PEER_PUMPS_MAX", "BUFFER_NBYTES", "buffer_cap"]
@@ -79,8 +79,6 @@ PEER_PUMPS_MAX = 8  # worlds with more peers receive on one any-source pump (see
 GLOO_ENVELOPE_NBYTES = 1 << 19
 GLOO_INLINE_NBYTES = GLOO_ENVELOPE_NBYTES - HEADER_NBYTES - 8 * MAX_SEGMENTS
 HANDOVER_NBYTES = 1 << 16
-# Bytes held for receives not yet made, past which the pumps take no more frames (see buffer_cap).
-BUFFER_NBYTES = 256 << 20
 _OUTBOXES_KEPT = 64  # send channels kept before idle ones are pruned
 _PRUNE_EVERY_S = 1.0  # ... and at most this long after the last pruning
 _ROOM_POLL_S = 0.05  # how often a held-back pump looks again (it is also woken when room is made)
@@ -267,14 +265,6 @@ class _AnyPump(_Pump):
             return False
         self._end(None)
         return True
-
-
-def buffer_cap() -> int:
-    """Bytes of messages a rank holds for receives not yet made (``POPMESH_P2P_BUFFER_BYTES``,
-    default :data:`BUFFER_NBYTES`); past it the pumps stop taking frames until the program receives.
-    0 holds at most the frame each pump has in hand."""
-    return int(read_number("POPMESH_P2P_BUFFER_BYTES", BUFFER_NBYTES, whole=True,
-                           hint="give a whole number of bytes (0 or more)"))
 
 
 def peer_pumps_max() -> int:
