@@ -97,7 +97,7 @@ def test_demo_population_carries_on_when_a_rank_is_lost(tmp_path):
     best survivors, and every agent reaches the step budget; the loss and the rejoin are in
     events.jsonl and summary.json; the survivors trained on alone while it restarted and their
     iterations ran on (none repeated). A checkpoint written after the loss resumes like any other."""
-    cmd = [sys.executable, "-m", "popmesh", "demo", "--ranks", "3", "--steps", "16000", "--every", "2", "--warmup",
+    cmd = [sys.executable, "-m", "popmesh", "demo", "--ranks", "3", "--steps", "20000", "--every", "2", "--warmup",
            "0", "--no-live", "--max-restarts", "1", "--kill", "1:4", "--checkpoint-every", "4", "--out",
            str(tmp_path / "a")]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=200)
@@ -105,7 +105,7 @@ def test_demo_population_carries_on_when_a_rank_is_lost(tmp_path):
     assert "rank 1 was killed by SIGKILL" in done.stderr and "restarted (1 of 1)" in done.stderr, done.stderr[-3000:]
     run = next((tmp_path / "a").iterdir())
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["generation"] == 1 and [a["steps"] for a in summary["agents"]] == [16384] * 3, done.stderr[-3000:]
+    assert summary["generation"] == 1 and [a["steps"] for a in summary["agents"]] == [20480] * 3, done.stderr[-3000:]
     (rejoined,) = summary["restarts"]
     assert rejoined["rank"] == 1 and set(rejoined["donors"]) <= {0, 2} and rejoined["donors"]
     alone = rejoined["iterations_alone"]  # nobody waited for the restarted process: the survivors trained on
@@ -121,11 +121,11 @@ def test_demo_population_carries_on_when_a_rank_is_lost(tmp_path):
     rows = [json.loads(line) for line in (run / "history.jsonl").read_text().splitlines()]
     for rank in (0, 2):  # the survivors' iterations ran on, none repeated
         its = [r["iteration"] for r in rows if r["rank"] == rank]
-        assert its == sorted(set(its)) and len(its) >= 30, its
+        assert its == sorted(set(its)) and len(its) >= 38, its
     newest = latest_checkpoint(run / "checkpoints")
     assert newest is not None and int(newest.name.split("-")[1]) > 4, newest  # written after the loss
     at = int(newest.name.split("-")[1])
-    resume = [a for a in cmd[:cmd.index("--out")] if a not in ("--kill", "1:4", "--steps", "16000")]
+    resume = [a for a in cmd[:cmd.index("--out")] if a not in ("--kill", "1:4", "--steps", "20000")]
     resumed = subprocess.run([*resume, "--steps", str(at * 512 + 1000), "--out", str(tmp_path / "b"), "--resume",
                               str(run)], capture_output=True, text=True, timeout=150)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
