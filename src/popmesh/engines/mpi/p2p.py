@@ -41,7 +41,7 @@ import numpy as np
 from popmesh.core.errors import ConfigError, MessageError, PeerFailure
 from popmesh.engines.base import poll_until
 from popmesh.engines.envelope import INLINE_NBYTES, inline_envelope, inline_frame, parse_envelope, plan_frame
-from popmesh.engines.mpi.flow import CreditCounter, SendWindow, window_nbytes
+from popmesh.engines.mpi.flow import WINDOW_FRAMES, CreditCounter, SendWindow, window_nbytes
 from popmesh.engines.mpi.send import MpiSend, WaitingSend
 from popmesh.engines.p2p_base import HEARTBEAT_TAG, TAG_LIMIT, BufferPool, Item, P2PBase, RecvRequest, buffer_cap
 
@@ -90,7 +90,7 @@ class MpiP2P(P2PBase):
         self._credit_comm = engine._credit_comm
         self._credit_status, self._credit_note = self.mpi.Status(), np.empty(1, dtype=np.int64)
         self._window_nbytes = window_nbytes(buffer_cap(), self.size - 1)
-        self._window_frames = SendWindow(self._window_nbytes).limit_frames
+        self._window_frames = WINDOW_FRAMES
         self._windows: dict[int, SendWindow] = {}
         self._deferred: dict[int, deque[WaitingSend]] = {}
         self._counters: dict[int, CreditCounter] = {}
@@ -236,8 +236,11 @@ class MpiP2P(P2PBase):
                 return  # a failed peer: its loss is found and reported elsewhere
             window.credit(int(note[0]))
 
-    def _took(self, src: int, nbytes: int) -> None:
-        """A frame of ``nbytes`` from ``src`` left MPI's queue: report to ``src`` when a credit is due."""
+    def _took(self, src: int, tag: int, nbytes: int) -> None:
+        """A frame of ``nbytes`` from ``src`` on ``tag`` left MPI's queue: report to ``src`` when a credit is
+        due (heartbeats go around the windows, so they count for none)."""
+        if tag == HEARTBEAT_TAG:
+            return
         counter = self._counters.get(src)
         if counter is None:
             counter = self._counters[src] = CreditCounter()
@@ -388,20 +391,17 @@ class MpiP2P(P2PBase):
             raise self._receive_failure(e, source, tag) from e
         frame = inline_frame(env, tag)
         if frame is not None:  # the common small message: no Envelope to build
-            if tag != HEARTBEAT_TAG:
-                self._took(src, frame.size)
+            self._took(src, tag, frame.size)
             return _Partial(src, frame, [])
         try:
             envelope = parse_envelope(env)
             if envelope.tag != tag:
                 raise MessageError(f"an envelope for tag {envelope.tag} arrived on tag {tag}")
         except MessageError as e:
-            if tag != HEARTBEAT_TAG:
-                self._took(src, env.size)
+            self._took(src, tag, env.size)
             return _Partial(src, MessageError(f"from rank {src} on tag {tag}: {e}"), [])
         total, inline, lengths = envelope.total, envelope.inline, envelope.lengths
-        if tag != HEARTBEAT_TAG:
-            self._took(src, total)
+        self._took(src, tag, total)
         if not lengths:
             return _Partial(src, inline, [])
         buf = self._pool.take(total, inline.size, envelope.page_offset)

@@ -273,14 +273,11 @@ class TorchEngine:
         that lost a rank (nothing of it can block this rank any more); each call returns None until a
         restarted process waits to join, then forms the next generation (waiting only for the other
         survivors, within ``timeout``) and returns its newcomers."""
-        if self.size == 1:
-            return ()
-        if not self._owns:
-            return self.reform(timeout)  # the same clear error
-        if not self._left:
-            self._leave_generation()
-        if not newcomer_waiting(self._store, self.generation):
-            return None
+        if self._owns and self.size > 1:  # else reform() says what it says (an adopted group, a world of one)
+            if not self._left:
+                self._leave_generation()
+            if not newcomer_waiting(self._store, self.generation):
+                return None
         return self.reform(timeout)
 
     def _join_generation(self, attempt: int, timeout: float, *, fresh: bool) -> None:
