@@ -27,8 +27,23 @@ def test_a_silent_predecessor_is_found_after_the_timeout_and_only_once():
     assert watch.silent(105.5) == pytest.approx(5.5)
     watch.beat_from(3, 105.6)
     assert watch.silent(110.0) is None and watch.silent(110.7) == pytest.approx(5.1)
-    assert watch.record(3, "gone") and not watch.record(3, "again") and not watch.record(0, "myself")
-    assert watch.silent(200.0) is None, "a known failure is not found again"
+    assert watch.record(3, "gone", 111.0) and not watch.record(3, "again", 112.0)
+    assert not watch.record(0, "myself", 112.0)
+    assert watch.predecessor == 2, "the watch moves to the live rank before the failed one"
+    assert watch.silent(115.0) is None, "its silence counts from when the failure was known"
+    watch.beat_from(2, 115.0)
+    assert watch.silent(120.5) == pytest.approx(5.5)
+    assert watch.record(2, "gone", 121.0) and watch.record(1, "gone", 121.0)
+    assert watch.predecessor == 3 and watch.silent(1e6) is None, "a known failure is not found again"
+
+
+def test_the_ring_closes_over_failed_ranks():
+    watch = RingWatch(rank=1, size=5, timeout=1.0, started=0.0)
+    watch.beat_from(0, 10.0)
+    assert watch.record(2, "gone", 10.0) and watch.record(3, "gone", 10.0)
+    assert (watch.predecessor, watch.successor) == (0, 4), "beats skip the failed ranks"
+    assert watch.silent(10.5) is None and watch.silent(11.5) == pytest.approx(1.5), \
+        "losing a rank that is not the predecessor does not reset the watch"
 
 
 def test_a_predecessor_that_said_bye_is_not_watched():

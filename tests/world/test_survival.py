@@ -65,6 +65,36 @@ def test_survivors_carry_on_alone_until_the_restarted_rank_is_there(victim, op):
     assert sorted(int(r) for r in probes) == survivors, done.stdout[-3000:]
 
 
+_TOGETHER = re.compile(r"TOGETHER rank=(\d+) n=(\d+) good=(\w+)")
+_SURVIVORS = re.compile(r"SURVIVORS rank=(\d+) ranks=\[([\d, ]+)\]")
+
+
+@pytest.mark.timeout(120)
+def test_survivors_go_on_together_until_the_restarted_rank_is_there():
+    """world.survivors(): the survivors agree on a group without the lost rank and work in it (collectives
+    and messages, right against the group's own closed form) while it restarts, then re-form."""
+    done = _launch("150", "2", "60", nproc=4, mode="together")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _done(done.stdout) == {r: (1, 150, True, 1 if r == 2 else 0) for r in range(4)}, done.stdout[-3000:]
+    groups = {int(m[1]): m[2] for m in _SURVIVORS.finditer(done.stdout)}
+    assert groups == {0: "0, 1, 3", 1: "0, 1, 3", 3: "0, 1, 3"}, done.stdout[-3000:]
+    together = {int(m[1]): (int(m[2]), m[3]) for m in _TOGETHER.finditer(done.stdout)}
+    assert sorted(together) == [0, 1, 3] and all(n > 0 and good == "True" for n, good in together.values()), \
+        done.stdout[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_survivors_that_lose_another_rank_while_they_agree_go_on_without_it():
+    """Rank 2 dies as it learns of rank 1's loss: the others agree on a group without either, and both
+    come back."""
+    done = _launch("150", "1", "40", "2", "-1", nproc=4, mode="together")
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = _done(done.stdout)
+    assert sorted(result) == [0, 1, 2, 3] and all(steps == 150 and good for _, steps, good, _ in result.values())
+    groups = [m[2] for m in _SURVIVORS.finditer(done.stdout)]
+    assert groups == ["0, 3", "0, 3"], done.stdout[-3000:]
+
+
 @pytest.mark.timeout(120)
 def test_a_second_loss_while_survivors_carry_on_is_taken_in():
     """Rank 2 dies as it learns of rank 1's loss, before carrying on: both come back."""

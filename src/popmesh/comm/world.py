@@ -110,6 +110,7 @@ class World(Comm):
         self.check_mode = bool(check)
         self._next_gid = 1
         self._finalized = False
+        self._survivors: Group | None = None  # this generation's survivors' group, once formed (survivors())
         spec = GroupSpec(0, tuple(range(engine.size)))
         super().__init__(None, spec, engine.make_group(spec, timeout))
         self.hostname = engine.hostname()
@@ -169,17 +170,38 @@ class World(Comm):
         block this rank); every call returns None at once until the restarted process waits to join,
         then forms the next generation (waiting only for the other survivors, within ``timeout``) and
         returns :attr:`newcomers`. Between the first call and the last, use no collective or message
-        of this world: train alone, and call this again (for example once per iteration)."""
+        of this world: train alone, and call this again (for example once per iteration). After
+        :meth:`survivors`, this generation (and the survivors' group) lives on until the next one forms:
+        the survivors go on together, and the world's own collectives fail (PeerFailure)."""
         seconds = resolve_timeout(timeout, self.default_timeout, "timeout", "try_reform")
         fresh = self.engine.try_reform(seconds)
         if fresh is None:
-            self.handle = _LeftGeneration(self.generation)
+            if self._survivors is None:  # a survivors' group keeps this generation until the next one forms
+                self.handle = _LeftGeneration(self.generation)
         else:
             self._formed_again(seconds)
         return fresh
 
+    def survivors(self, timeout: float | None = None) -> Group:
+        """After a lost rank (a PeerFailure, ``failure()``), the ranks still alive as a group of their own,
+        so that they go on together while the lost rank restarts: collectives and messages over it
+        never involve a lost rank. Every survivor calls this; they agree on its members through the
+        rendezvous (a rank the heartbeat has not yet named lost waits until it is, within ``timeout``).
+        Then call :meth:`try_reform` once per step: this generation and the group live until the
+        restarted process waits to join, and the next generation forms. A second loss among the
+        survivors fails the group's calls (PeerFailure): call this again for a smaller group. torch
+        engine only (MPI: ConfigError, as :meth:`reform`)."""
+        seconds = resolve_timeout(timeout, self.default_timeout, "timeout", "survivors")
+        members, handle = self.engine.survivors(self._next_gid, seconds)
+        spec = GroupSpec(self._next_gid, tuple(members))
+        self._next_gid += 1
+        self._survivors = Group(self, spec, handle)
+        self.handle = _LeftGeneration(self.generation, lost=tuple(r for r in range(self.size) if r not in members))
+        return self._survivors
+
     def _formed_again(self, timeout: float) -> None:
         """After the engine formed the next generation: the world's group and host map are new."""
+        self._survivors = None
         self._next_gid = 1
         self.handle = self.engine.make_group(self.spec, timeout)
         self.history = History()  # the mismatch guard's predictions start over: a newcomer has no history
@@ -258,12 +280,16 @@ class _LeftGeneration:
     """The world's group handle between the first :meth:`World.try_reform` and the last: any collective
     on it says what to do, instead of torch's "default process group has not been initialized"."""
 
-    __slots__ = ("_generation",)
+    __slots__ = ("_generation", "_lost")
 
-    def __init__(self, generation: int) -> None:
-        self._generation = generation
+    def __init__(self, generation: int, lost: tuple[int, ...] = ()) -> None:
+        self._generation, self._lost = generation, lost
 
     def __getattr__(self, name: str) -> Any:
+        if self._lost:
+            raise ConfigError(f"generation {self._generation} of the world lost rank(s) {list(self._lost)}: its "
+                              "survivors work in world.survivors()'s group (pass group=) until world.try_reform() "
+                              "returns the newcomers; the world's own collectives wait for that")
         raise ConfigError(f"this rank left generation {self._generation} of the world after a lost rank "
                           "(world.try_reform()) and is not in the next one yet: call world.try_reform() until it "
                           "returns the newcomers (or world.reform() to wait for them) before any collective")

@@ -106,6 +106,7 @@ class Engine(Protocol):
     def peer_failure(self, ranks: Collection[int] | None = None) -> PeerFailure | None: ...  # the heartbeat's finding
     def reform(self, timeout: float) -> tuple[int, ...]: ...  # next generation after a lost rank; its new processes
     def try_reform(self, timeout: float) -> tuple[int, ...] | None: ...  # the same, None until a newcomer waits
+    def survivors(self, gid: int, timeout: float) -> tuple[tuple[int, ...], Any]: ...  # live ranks, their group
     def finalize(self) -> None: ...
 
 

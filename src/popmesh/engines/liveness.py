@@ -12,7 +12,9 @@ PeerFailure naming it. A rank that finalizes sends *bye* first, so its successor
 
 Any run of failed ranks is found by the live rank after its last member, so at least one
 survivor always notices; with the default 20 s timeout and 1 s beats, every rank knows within
-about 22 s. ``POPMESH_HEARTBEAT_TIMEOUT`` sets the timeout (0 turns heartbeats off, for example
+about 22 s. The ring then closes over the failed ranks (each survivor beats to, and watches, the
+nearest live rank), so survivors that go on without a lost rank (``world.survivors()``) still find
+a second loss among them. ``POPMESH_HEARTBEAT_TIMEOUT`` sets the timeout (0 turns heartbeats off, for example
 while a debugger holds a rank).
 
 The watch itself (:class:`RingWatch`) is pure: it is fed arrivals and the clock.
@@ -86,11 +88,20 @@ class RingWatch:
 
     @property
     def predecessor(self) -> int:
-        return (self.rank - 1) % self.size
+        """The nearest rank before this one in the ring that is not known failed: the one it watches."""
+        return self._nearest(-1)
 
     @property
     def successor(self) -> int:
-        return (self.rank + 1) % self.size
+        """The nearest rank after this one that is not known failed: the one its beats go to."""
+        return self._nearest(1)
+
+    def _nearest(self, step: int) -> int:
+        for hop in range(1, self.size):
+            other = (self.rank + step * hop) % self.size
+            if other not in self.failed:
+                return other
+        return (self.rank + step) % self.size  # every other rank failed: nothing left to watch
 
     def beat_from(self, sender: int, now: float) -> None:
         if sender == self.predecessor:
@@ -107,11 +118,16 @@ class RingWatch:
         quiet = now - self.last_seen
         return quiet if quiet > self.timeout else None
 
-    def record(self, rank: int, why: str) -> bool:
-        """Note that ``rank`` failed; True if this is news."""
+    def record(self, rank: int, why: str, now: float) -> bool:
+        """Note at ``now`` that ``rank`` failed; True if this is news. When it was the predecessor, the
+        watch moves to the live rank before it, which beats here from now on (its silence counts from
+        ``now``): survivors of a loss keep watching each other."""
         if rank in self.failed or rank == self.rank:
             return False
+        watched = self.predecessor
         self.failed[rank] = why
+        if rank == watched:
+            self.last_seen = now
         return True
 
 
@@ -123,12 +139,14 @@ def silence_text(rank: int, silent_s: float, timeout: float) -> str:
             "POPMESH_HEARTBEAT_TIMEOUT); it is frozen (SIGSTOP, a debugger, a hung host) or dead")
 
 
-def start_heartbeat(p2p: Any, on_failure: Callable[[int, PeerFailure], None]) -> Heartbeat | None:
-    """A running heartbeat over ``p2p``, or None in a world of one or when turned off."""
+def start_heartbeat(p2p: Any, on_failure: Callable[[int, PeerFailure], None],
+                    known: dict[int, PeerFailure] | None = None) -> Heartbeat | None:
+    """A running heartbeat over ``p2p``, or None in a world of one or when turned off. ``known``: ranks
+    already found failed (survivors going on without them): never watched, and reported as failed."""
     timeout = heartbeat_timeout()
     if p2p.size < 2 or timeout == 0:
         return None
-    heartbeat = Heartbeat(p2p, timeout, on_failure)
+    heartbeat = Heartbeat(p2p, timeout, on_failure, known)
     heartbeat.start()
     return heartbeat
 
@@ -140,13 +158,15 @@ class Heartbeat:
     rank or by another's notice; the engine ends its waits on that rank there.
     """
 
-    def __init__(self, p2p: Any, timeout: float, on_failure: Callable[[int, PeerFailure], None]) -> None:
+    def __init__(self, p2p: Any, timeout: float, on_failure: Callable[[int, PeerFailure], None],
+                 known: dict[int, PeerFailure] | None = None) -> None:
         self.p2p, self.timeout, self.interval = p2p, timeout, beat_interval(timeout)
         self.watch = RingWatch(p2p.rank, p2p.size, timeout, time.monotonic())
         self._on_failure = on_failure
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._errors: dict[int, PeerFailure] = {}
+        self._errors: dict[int, PeerFailure] = dict(known or {})
+        self.watch.failed.update({rank: str(error) for rank, error in self._errors.items()})
         self._thread = threading.Thread(target=self._run, name="popmesh-heartbeat", daemon=True)
 
     def start(self) -> None:
@@ -159,6 +179,16 @@ class Heartbeat:
                 if ranks is None or rank in ranks:
                     return error
         return None
+
+    def failed_ranks(self) -> frozenset[int]:
+        """Every rank found failed so far (by this rank or by another's notice)."""
+        with self._lock:
+            return frozenset(self._errors)
+
+    def errors(self) -> dict[int, PeerFailure]:
+        """Every rank found failed so far, with the PeerFailure that names it."""
+        with self._lock:
+            return dict(self._errors)
 
     def stop(self) -> None:
         """Say bye to the successor and end the thread (idempotent)."""
@@ -232,7 +262,7 @@ class Heartbeat:
         self._failed(rank, why)
 
     def _failed(self, rank: int, why: str) -> None:
-        if not self.watch.record(rank, why):
+        if not self.watch.record(rank, why, time.monotonic()):
             return
         error = PeerFailure(why, (rank,))
         with self._lock:

@@ -7,7 +7,10 @@ Survivors catch the PeerFailure, re-form the world with the restarted process, a
 survivor hands every rank its state; the newcomer takes it in init(). Each rank prints its
 generation, step and whether every sum it saw was the closed form n(n+1)/2. With SURVIVE_OP=ring
 each step is a ring of messages instead (rank r sends r+1 to its right and checks what its left
-sent), so the loss comes mid-message.
+sent), so the loss comes mid-message. With SURVIVE_MODE=carry-on the survivors work on alone
+(``world.try_reform()``) until the restarted process waits; with SURVIVE_MODE=together they go on
+as a group of their own (``world.survivors()``): each step an all-reduce and a ring of messages
+over the group, checked against the group's own closed form, until the world re-forms.
 """
 
 import os
@@ -34,6 +37,29 @@ def handoff(state: dict) -> dict:
     return popmesh.broadcast_object(state if world.rank == donor else None, src=donor, timeout=60)
 
 
+def together(state: dict) -> None:
+    """Go on with the other survivors as a group until the restarted process(es) wait to join."""
+    group, n = world.survivors(timeout=60), 0
+    print(f"SURVIVORS rank={world.rank} ranks={list(group.ranks)}", flush=True)
+    while world.try_reform(timeout=60) is None:
+        try:
+            total = popmesh.all_reduce(np.array([world.rank + 1.0]), group=group, timeout=60)
+            ring = group.ranks[(group.group_rank + 1) % group.size], group.ranks[group.group_rank - 1]
+            sending = popmesh.isend(np.array([world.rank + 1.0]), ring[0], tag=9, group=group, timeout=60)
+            _, got = popmesh.recv(ring[1], tag=9, group=group, timeout=60)
+            sending.wait()
+        except popmesh.PeerFailure as e:
+            if world.failure(group.ranks) is not None:  # a second loss among the survivors: a smaller group
+                print(f"LOST-AGAIN rank={world.rank} n={n}: {str(e)[:120]}", flush=True)
+                group = world.survivors(timeout=60)
+                print(f"SURVIVORS rank={world.rank} ranks={list(group.ranks)}", flush=True)
+            continue  # else a survivor left for the next generation: so will this one, once it sees it
+        state["good"] = state["good"] and float(total[0]) == sum(r + 1 for r in group.ranks) \
+            and float(got[0]) == ring[1] + 1
+        n += 1
+    print(f"TOGETHER rank={world.rank} n={n} good={state['good']}", flush=True)
+
+
 state = {"step": 0, "good": True, "reforms": 0}
 if world.newcomers:
     state = handoff(state)
@@ -56,7 +82,9 @@ while state["step"] < steps:
         print(f"LOST rank={world.rank} step={state['step']}: {str(e)[:120]}", flush=True)
         if again is not None and again[1] == -1 and world.rank == again[0] and restart == 0:
             os.kill(os.getpid(), signal.SIGKILL)  # a second loss while the world re-forms
-        if os.environ.get("SURVIVE_MODE") == "carry-on":  # train on alone until the restarted process waits
+        if os.environ.get("SURVIVE_MODE") == "together":
+            together(state)
+        elif os.environ.get("SURVIVE_MODE") == "carry-on":  # train on alone until the restarted process waits
             alone = 0
             while world.try_reform(timeout=60) is None:
                 alone += 1

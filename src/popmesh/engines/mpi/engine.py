@@ -24,6 +24,13 @@ from popmesh.engines.interop import numpy_bytes, torch_bytes
 from popmesh.engines.liveness import start_heartbeat
 from popmesh.engines.mpi.shared_reduce import SHARED_FROM_BYTES, SharedArrays
 
+_NO_REFORM = (
+    "an MPI world cannot re-form after a lost rank, nor go on without it: MPI_COMM_WORLD is fixed for the job, and "
+    "the fault-tolerance extension that could shrink it (ULFM) is not in the MPICH wheels; use the torch engine "
+    "(popmesh launch --max-restarts N) for a world that survives a lost rank, or restart the MPI job from a "
+    "checkpoint"
+)
+
 __all__ = ["MpiEngine"]
 
 _DIAG_TAG = 31_999
@@ -267,15 +274,14 @@ class MpiEngine:
     def reform(self, timeout: float) -> tuple[int, ...]:
         """MPI cannot re-form a world that lost a rank without ULFM (MPIX_Comm_shrink), which the MPICH
         wheels do not build: a clear error instead of a hang."""
-        raise ConfigError(
-            "an MPI world cannot re-form after a lost rank: MPI_COMM_WORLD is fixed for the job, and the fault-"
-            "tolerance extension that could shrink it (ULFM) is not in the MPICH wheels; use the torch engine "
-            "(popmesh launch --max-restarts N) for a world that survives a lost rank, or restart the MPI job "
-            "from a checkpoint"
-        )
+        raise ConfigError(_NO_REFORM)
 
     def try_reform(self, timeout: float) -> tuple[int, ...] | None:
         return self.reform(timeout)  # the same clear error: an MPI world never re-forms
+
+    def survivors(self, gid: int, timeout: float) -> tuple[tuple[int, ...], Any]:
+        """No survivors' group either: without ULFM, MPI cannot make a communicator that leaves a dead rank out."""
+        raise ConfigError(_NO_REFORM)
 
     def finalize(self) -> None:
         if self._heartbeat is not None:

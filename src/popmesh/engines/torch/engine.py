@@ -41,6 +41,7 @@ from popmesh.engines.torch.generations import (
     prefix,
     start_counting,
 )
+from popmesh.engines.torch.holes import agree_survivors
 from popmesh.engines.torch.network import pin_interface
 from popmesh.engines.torch.rendezvous import join_world, make_store
 from popmesh.engines.torch.send import is_gone
@@ -53,6 +54,7 @@ _PROBE_TAG = (1 << 20) - 2  # a gloo tag no one receives on (below the point-to-
 _PROBE_WAITS_S = (0.0, 0.05, 0.2)
 _CLOSE_TAG = (1 << 20) - 3  # nobody sends on it: a receive that times out there closes the connection
 _CLOSE_WAIT = timedelta(milliseconds=1)  # a peer's closed connection may take a moment to be noticed
+_SURVIVORS_GRACE_S = 5.0  # how long survivors forming their group give their pending sends to complete
 
 
 def _import_dist() -> Any:
@@ -111,6 +113,7 @@ class TorchEngine:
         self.generation = 0  # which forming of the world this process is in (see reform)
         self.newcomers: tuple[int, ...] = ()  # ranks that joined the current generation as new processes
         self._left = False  # left a generation that lost a rank, not yet in the next one (try_reform)
+        self._hole: frozenset[int] = frozenset()  # the lost ranks of this generation's survivors' group
         _pick_cuda_device(torch, env)
         if self._owns:
             self._store = make_store(dist, env, timeout)
@@ -270,15 +273,60 @@ class TorchEngine:
 
     def try_reform(self, timeout: float) -> tuple[int, ...] | None:
         """:meth:`reform` without waiting for the restarted process: the first call leaves the generation
-        that lost a rank (nothing of it can block this rank any more); each call returns None until a
-        restarted process waits to join, then forms the next generation (waiting only for the other
-        survivors, within ``timeout``) and returns its newcomers."""
+        that lost a rank (nothing of it can block this rank any more), unless its survivors formed a group
+        (:meth:`survivors`), which lives on until then; each call returns None until a restarted process
+        waits to join, then forms the next generation (waiting only for the other survivors, within
+        ``timeout``) and returns its newcomers."""
         if self._owns and self.size > 1:  # else reform() says what it says (an adopted group, a world of one)
-            if not self._left:
+            if not self._left and not self._hole:
                 self._leave_generation()
             if not newcomer_waiting(self._store, self.generation):
                 return None
         return self.reform(timeout)
+
+    def survivors(self, gid: int, timeout: float) -> tuple[tuple[int, ...], _Handle]:
+        """The ranks of this generation still alive, agreed by all of them (:mod:`~popmesh.engines.torch.holes`),
+        and a process group of theirs in it, formed by them only: they go on together while the lost
+        ranks restart. Waits (within ``timeout``) until the heartbeat names a loss this rank's last
+        survivors' group did not know."""
+        if not self._owns:
+            raise ConfigError("this world adopted a process group popmesh did not create, so popmesh cannot form "
+                              "its survivors' group: let popmesh.init() create the world")
+        if self._left:
+            raise ConfigError("this rank left its generation of the world (world.try_reform()): its survivors' group "
+                              "can no longer be formed; call world.try_reform() until it returns")
+        if self._heartbeat is None:
+            raise ConfigError("world.survivors() needs heartbeats to know which ranks were lost: do not set "
+                              "POPMESH_HEARTBEAT_TIMEOUT=0 (and a world of one has nobody to lose)")
+        deadline = time.monotonic() + timeout
+        heartbeat = self._heartbeat
+        while not heartbeat.failed_ranks() - self._hole:
+            if time.monotonic() >= deadline:
+                raise CommTimeout(f"world.survivors(): no rank of generation {self.generation} was found lost within "
+                                  f"{timeout:g} s (call it after a PeerFailure that names a lost rank)", None)
+            time.sleep(0.01)
+        # What the loss broke goes: the transport (its unreceived frames are kept for the next one), and
+        # this rank's connections in every group with a lost rank, so a survivor still blocked there
+        # (on a peer that gave up, not on the lost rank) fails now instead of at its timeout.
+        older = self._p2p
+        self._stop_transport(grace=min(_SURVIVORS_GRACE_S, timeout))
+        lost = heartbeat.failed_ranks()
+        self._close_connections([h for h in self._all_groups() if lost & set(h[0])])
+        members, _ = agree_survivors(self._store, self.generation, self.rank, self.size,
+                                     lambda: heartbeat.failed_ranks() | lost, deadline)
+        left_s = max(deadline - time.monotonic(), 1.0)
+        pg = self._dist.new_group(list(members), timeout=timedelta(seconds=left_s), use_local_synchronization=True)
+        self._hole = frozenset(range(self.size)) - frozenset(members)
+        handle = _Handle(GroupSpec(gid, members), pg)
+        self._groups.append(handle)
+        known = {rank: error for rank, error in heartbeat.errors().items() if rank in self._hole}
+        from popmesh.engines.torch.p2p import TorchP2P
+
+        self._p2p = TorchP2P(self, members, pg, dict(known))
+        if older is not None:
+            self._p2p.adopt(older)
+        self._heartbeat = start_heartbeat(self._p2p, self._peer_failed, known)
+        return members, handle
 
     def _join_generation(self, attempt: int, timeout: float, *, fresh: bool) -> None:
         """Check in under ``attempt`` and form its process group once every rank is there; a newer attempt
@@ -302,6 +350,7 @@ class TorchEngine:
                 attempt = next_attempt(self._store, attempt)
         mark_formed(self._store, attempt)
         self._left = False
+        self._hole = frozenset()
         self.generation = attempt
         self.newcomers = newcomers(self._store, attempt, env.world_size)
 
@@ -310,34 +359,48 @@ class TorchEngine:
         survivors still blocked on it there fail now and re-form too, instead of waiting out their
         timeout), and destroy the process groups, keeping the store."""
         self._stop_transport()
-        self._heartbeat = self._p2p = None  # the next generation makes its own
         self._left = True
-        if "gloo" in self.backend:
-            handles = [(self._dist.group.WORLD, self.rank, self.size)]
-            handles += [(h.pg, h.spec.group_rank(self.rank), len(h.spec.ranks)) for h in self._groups]
-            empty = self._torch.empty(0, dtype=self._torch.uint8)
-            for pg, me, size in handles:
-                for peer in (p for p in range(size) if p != me):
-                    try:  # a receive that times out closes every connection of this gloo context
-                        pg.recv([empty], peer, _CLOSE_TAG).wait(_CLOSE_WAIT)
-                    except RuntimeError:
-                        pass  # timed out (all closed now: the next fail at once), or that peer was gone already
+        self._close_connections(self._all_groups())
         self._groups.clear()
         self._probes.clear()
         self._finished_works.clear()
         if self._dist.is_initialized():
             self._dist.destroy_process_group()
 
-    def _stop_transport(self) -> None:
+    def _all_groups(self) -> list[tuple[tuple[int, ...], Any]]:
+        """(global ranks, process group) of the world and of every group this rank is a member of."""
+        return [(tuple(range(self.size)), self._dist.group.WORLD)] + [(h.spec.ranks, h.pg) for h in self._groups]
+
+    def _close_connections(self, groups: list[tuple[tuple[int, ...], Any]]) -> None:
+        """Close this rank's gloo connections in ``groups`` (global ranks, process group): whatever waits
+        on them there, on this rank or its peers, fails at once."""
+        if "gloo" not in self.backend:
+            return
+        empty = self._torch.empty(0, dtype=self._torch.uint8)
+        for ranks, pg in groups:
+            for peer in (i for i, r in enumerate(ranks) if r != self.rank):
+                try:  # a receive that times out closes every connection of this gloo context
+                    pg.recv([empty], peer, _CLOSE_TAG).wait(_CLOSE_WAIT)
+                except RuntimeError:
+                    pass  # timed out (all closed now: the next fail at once), or that peer was gone already
+
+    def _stop_transport(self, grace: float | None = None, *, forget: bool = True) -> None:
         """Stop the heartbeat (it says bye first: its successor stops watching), then the point-to-point
-        transport (before the group goes: no receive may be left waiting on it)."""
+        transport (before the group goes: no receive may be left waiting on it); unless finalizing
+        (``forget`` False: later calls meet the closed transport), the next generation or the
+        survivors' group makes its own. ``grace``: how long pending sends may take."""
         if self._heartbeat is not None:
             self._heartbeat.stop()
         if self._p2p is not None:
-            self._p2p.close()
+            if grace is None:
+                self._p2p.close()
+            else:
+                self._p2p.close(grace)
+        if forget:
+            self._heartbeat = self._p2p = None
 
     def finalize(self) -> None:
-        self._stop_transport()
+        self._stop_transport(forget=False)
         if self._owns and self._dist.is_initialized():
             self._dist.destroy_process_group()
         self._store = None

@@ -118,7 +118,8 @@ class _Pump:
 
     def _post(self) -> None:
         buf = self._spare[-1]
-        work = self.owner._pg.recv([tensor(buf)], self.peer, _ENV_TAG)
+        assert self.peer is not None
+        work = self.owner._pg.recv([tensor(buf)], self.owner._at(self.peer), _ENV_TAG)
         self._posted.append((work, self._spare.pop()))
 
     def _next(self) -> tuple[Any, np.ndarray]:
@@ -226,7 +227,7 @@ class _AnyPump(_Pump):
 
     def __init__(self, owner: TorchP2P) -> None:
         super().__init__(owner, None)
-        self._open = set(range(owner.size)) - {owner.rank}
+        self._open = set(owner.members) - {owner.rank}
 
     def _post(self) -> None:
         buf = self._spare[-1]
@@ -234,7 +235,7 @@ class _AnyPump(_Pump):
         self._posted.append((work, self._spare.pop()))
 
     def _source(self, work: Any) -> int:
-        return int(work.source_rank())
+        return self.owner.members[int(work.source_rank())]
 
     def _accepts(self, peer: int) -> bool:
         return peer in self._open
@@ -285,15 +286,25 @@ def _hands_over(envelope: Any) -> bool:
 
 
 class TorchP2P(P2PBase):
-    """Frames between global ranks of the default torch.distributed group (see the module docstring)."""
+    """Frames between global ranks of the default torch.distributed group (see the module docstring).
+
+    Survivors of a lost rank (``world.survivors()``) run one over their own process group instead:
+    ``members`` (global ranks, in the group's rank order) and its ``pg``. Messages still name global
+    ranks; a rank outside ``members`` is gone (``lost``: why), so a send to it or a receive that can
+    only hear from it raises at once."""
 
     _tells_arrivals = True  # every delivery runs on a pump thread, which calls _notify
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, members: tuple[int, ...] | None = None, pg: Any = None,
+                 lost: dict[int, PopmeshError] | None = None) -> None:
         import torch.distributed as dist
 
         super().__init__(engine.rank, engine.size)
         self._group = dist.group
+        self.members = tuple(range(engine.size)) if members is None else members
+        self._place = {rank: i for i, rank in enumerate(self.members)}  # global rank -> rank in the pg
+        self._own_pg = pg  # None: the default group, looked up on each use (see _pg)
+        self._gone.update({rank: why for rank, why in (lost or {}).items() if rank not in self._place})
         self._waiters: list[threading.Lock] = []  # receivers blocked in _block, released on delivery
         self._inbox: dict[int, deque[Item]] = {}  # tag -> frames no receive has taken yet (pruned when empty)
         self._held = 0  # bytes in _inbox
@@ -322,7 +333,7 @@ class TorchP2P(P2PBase):
         """Receive from every peer from the start, so a posted receive progresses whatever the caller
         waits on (a peer's send completes once our pump takes it): one pump per peer in worlds of up
         to :data:`PEER_PUMPS_MAX` peers, one any-source pump beyond."""
-        peers = [p for p in range(self.size) if p != self.rank]
+        peers = [p for p in self.members if p != self.rank]
         if not peers:
             return
         if len(peers) <= peer_pumps_max():
@@ -337,12 +348,29 @@ class TorchP2P(P2PBase):
 
     @property
     def _pg(self) -> Any:
-        """The default process group, looked up on every use: holding it would keep it (and gloo's
-        collective worker threads) alive into interpreter shutdown, where they abort the process."""
-        pg = self._group.WORLD
+        """The process group: the default one looked up on every use (holding it would keep it, and
+        gloo's collective worker threads, alive into interpreter shutdown, where they abort the
+        process), or the survivors' own, dropped at :meth:`close`."""
+        world = self._group.WORLD
+        pg = world if self._own_pg is None or world is None else self._own_pg
         if pg is None:
             raise ConfigError("the torch world was finalized: point-to-point messages need a live world")
         return pg
+
+    def _at(self, rank: int) -> int:
+        """``rank``'s place in the process group (its global rank in the default group)."""
+        return self._place[rank]
+
+    def adopt(self, older: TorchP2P) -> None:
+        """Take in the frames ``older`` (closed, the transport this one replaces) received that no receive
+        took yet: nothing sent before the survivors formed their group is lost."""
+        with older._lock:
+            inbox, older._inbox, held, older._held = older._inbox, {}, older._held, 0
+        with self._lock:
+            for tag, frames in inbox.items():
+                self._inbox.setdefault(tag, deque()).extend(frames)
+            self._held += held
+        self._notify()
 
     def flush(self, timeout: float) -> list[tuple[int, int]]:
         """Wait up to ``timeout`` s for every send to complete; returns the (dst, tag) channels still busy."""
@@ -358,8 +386,9 @@ class TorchP2P(P2PBase):
                 return busy
             time.sleep(0.01)
 
-    def close(self) -> None:
-        """Flush sends, say goodbye to every peer and wait for theirs, so no pump outlives the world.
+    def close(self, grace: float = EXIT_GRACE_S) -> None:
+        """Flush sends (up to ``grace`` s), say goodbye to every peer and wait for theirs, so no pump
+        outlives the world.
 
         A peer that lives on answers a goodbye with its own, so an early closer does not wait for
         the others to finish. Idempotent; ``World.finalize`` calls it before destroying the process
@@ -370,11 +399,11 @@ class TorchP2P(P2PBase):
                 return
             self._closed = True
             self._room.notify_all()  # a held-back pump goes on, to meet the goodbyes
-        busy = self.flush(EXIT_GRACE_S)
+        busy = self.flush(grace)
         if busy:
             sys.stderr.write(f"popmesh: rank {self.rank} closes with sends still pending to (rank, tag) {busy}: "
                              "their receivers never received them\n")
-        for peer in range(self.size):
+        for peer in self.members:
             self._say_goodbye(peer)
         deadline = time.monotonic() + GOODBYE_GRACE_S
         with self._lock:
@@ -383,22 +412,24 @@ class TorchP2P(P2PBase):
             if pump.thread.ident is not None:
                 pump.thread.join(max(0.0, deadline - time.monotonic()))
         self._workers.close(max(0.0, deadline - time.monotonic()))
-
+        self._own_pg = None
     def _say_goodbye(self, peer: int) -> None:
         """Tell ``peer`` that nothing more comes from us (once); its pump for us then ends."""
-        pg = self._group.WORLD
-        if peer == self.rank or pg is None:
+        if peer == self.rank or self._group.WORLD is None or peer not in self._place:
             return
         with self._post_lock(peer):
             if peer in self._goodbyes:
                 return
             try:
-                self._goodbyes[peer] = pg.send([tensor(goodbye_envelope())], peer, _ENV_TAG)
+                self._goodbyes[peer] = self._pg.send([tensor(goodbye_envelope())], self._at(peer), _ENV_TAG)
             except RuntimeError:
                 self._goodbyes[peer] = None  # that peer's connection is closed already
 
     # ---- sending -----------------------------------------------------------------------------
     def _post_send(self, parts: list[np.ndarray], dst: int, tag: int) -> TorchSend:
+        if dst not in self._place:
+            why = self._gone.get(dst, "it is not a member of the survivors' group")
+            raise PeerFailure(f"send to rank {dst} on tag {tag}: {why}", (dst,))
         if dst in self._goodbyes and dst in self._gone:
             raise PeerFailure(f"send to rank {dst} on tag {tag}: {self._gone[dst]}", (dst,))
         outbox = self._outbox(dst, tag)
@@ -408,9 +439,10 @@ class TorchP2P(P2PBase):
         env, segments = plan_frame(parts, tag, GLOO_INLINE_NBYTES, self._send_buffers.take)
         try:
             pg = self._pg
+            at = self._at(dst)
             with self._post_lock(dst):
-                works = [pg.send([tensor(env)], dst, _ENV_TAG)]
-                works += [pg.send([tensor(s)], dst, _SEG_TAG) for s in segments]
+                works = [pg.send([tensor(env)], at, _ENV_TAG)]
+                works += [pg.send([tensor(s)], at, _SEG_TAG) for s in segments]
         except RuntimeError as e:
             raise failure(e, f"send to rank {dst} on tag {tag}", dst) from e
         base = None if segments else self._send_buffers.base(env)
@@ -526,11 +558,10 @@ class TorchP2P(P2PBase):
         gloo, a collective included, fails at once instead of at its timeout (gloo closes a pair
         whose receive times out: a zero-byte receive with a 1 ms limit does it)."""
         super().fail_peer(rank, error)
-        pg = self._group.WORLD
-        if pg is None or rank == self.rank:
+        if self._group.WORLD is None or rank == self.rank or rank not in self._place:
             return
         try:
-            pg.recv([tensor(np.empty(0, dtype=np.uint8))], rank, _CLOSE_TAG).wait(_CLOSE_WAIT)
+            self._pg.recv([tensor(np.empty(0, dtype=np.uint8))], self._at(rank), _CLOSE_TAG).wait(_CLOSE_WAIT)
         except RuntimeError:
             pass  # the expected outcome: "Application timeout caused pair closure"
 
@@ -549,7 +580,7 @@ class TorchP2P(P2PBase):
         pos = envelope.inline.size
         try:
             for n in envelope.lengths:
-                self._pg.recv([tensor(buf[pos:pos + n])], src, _SEG_TAG).wait(LONG)
+                self._pg.recv([tensor(buf[pos:pos + n])], self._at(src), _SEG_TAG).wait(LONG)
                 pos += n
         except (RuntimeError, ConfigError) as e:
             return src, failure(e, f"receiving a frame from rank {src} on tag {envelope.tag}", src)
@@ -571,7 +602,7 @@ class TorchP2P(P2PBase):
         if rank in self._gone:
             return False
         try:
-            self._pings.append(self._pg.send([tensor(np.empty(0, dtype=np.uint8))], rank, _PING_TAG))
+            self._pings.append(self._pg.send([tensor(np.empty(0, dtype=np.uint8))], self._at(rank), _PING_TAG))
         except RuntimeError as e:
             return not is_gone(e)
         return True
