@@ -517,3 +517,11 @@ def test_explore_choices_and_samplers():
 def test_explore_validation(kwargs, match):
     with pytest.raises(ConfigError, match=match):
         explore({"lr": 0.1}, 0, **kwargs)
+
+
+def test_a_group_decision_summary_names_agents_by_global_rank():
+    """A group's decision works on positions; its summary for logs names the members' global ranks."""
+    decision = decide([5.0, 1.0, 9.0], ReplacementRule(ratio=0.34), DonorRule(kind="best_k", k=1))
+    assert decision.replaced == (1,) and decision.summary == "replace 1 of 3 agents [1] by mean"
+    assert decision.summary_in([0, 2, 3]) == "replace 1 of 3 agents [2] by mean"
+    assert decision.summary_in(range(3)) == decision.summary

@@ -95,8 +95,9 @@ def test_demo_checkpoints_and_resumes_where_it_left_off(tmp_path):
 def test_demo_population_carries_on_when_a_rank_is_lost(tmp_path):
     """--kill 1:4 with --max-restarts 1: rank 1 dies at iteration 4, is restarted, rejoins seeded by the
     best survivors, and every agent reaches the step budget; the loss and the rejoin are in
-    events.jsonl and summary.json; the survivors trained on alone while it restarted and their
-    iterations ran on (none repeated). A checkpoint written after the loss resumes like any other."""
+    events.jsonl and summary.json; the survivors trained on as a population of two while it restarted
+    (replacing each other, never it) and their iterations ran on (none repeated). A checkpoint written
+    after the loss resumes like any other."""
     cmd = [sys.executable, "-m", "popmesh", "demo", "--ranks", "3", "--steps", "20000", "--every", "2", "--warmup",
            "0", "--no-live", "--max-restarts", "1", "--kill", "1:4", "--checkpoint-every", "4", "--out",
            str(tmp_path / "a")]
@@ -116,6 +117,10 @@ def test_demo_population_carries_on_when_a_rank_is_lost(tmp_path):
     assert kinds == [("lost", 1), ("rejoined", 1)], kinds
     lost_at = next(e for e in events if e.get("kind") == "lost")["iteration"]  # where a survivor noticed
     assert 4 <= lost_at < rejoined["iteration"], events
+    lost_time = next(e for e in events if e.get("kind") == "lost")["time"]
+    meanwhile = [e for e in events if "kind" not in e and lost_time < e["time"] < rejoined["time"]]
+    assert meanwhile and all(e["rank"] != 1 and 1 not in e["donors"] for e in meanwhile), events  # decisions skip it
+    assert all("of 2 agents" in e["summary"] for e in meanwhile), meanwhile  # made by the two survivors
     assert summary["replacements"] == len(events) - 2
     assert "rank 1 was lost and rejoined after" in done.stdout
     rows = [json.loads(line) for line in (run / "history.jsonl").read_text().splitlines()]

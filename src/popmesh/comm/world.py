@@ -182,15 +182,23 @@ class World(Comm):
             self._formed_again(seconds)
         return fresh
 
+    def newcomer_waiting(self) -> bool:
+        """Whether the process restarted for a lost rank waits to join (two reads of the rendezvous store,
+        no wait): survivors working together (:meth:`survivors`) poll this once per step, wind down
+        what runs on their group, and then :meth:`reform`, which waits only for the other survivors."""
+        return self.engine.newcomer_waiting()
+
     def survivors(self, timeout: float | None = None) -> Group:
         """After a lost rank (a PeerFailure, ``failure()``), the ranks still alive as a group of their own,
         so that they go on together while the lost rank restarts: collectives and messages over it
         never involve a lost rank. Every survivor calls this; they agree on its members through the
         rendezvous (a rank the heartbeat has not yet named lost waits until it is, within ``timeout``).
-        Then call :meth:`try_reform` once per step: this generation and the group live until the
-        restarted process waits to join, and the next generation forms. A second loss among the
-        survivors fails the group's calls (PeerFailure): call this again for a smaller group. torch
-        engine only (MPI: ConfigError, as :meth:`reform`)."""
+        This generation and the group live until the next generation forms: check
+        :meth:`newcomer_waiting` once per step, and once it is true wind down what runs on the group
+        and call :meth:`reform` (or call :meth:`try_reform` once per step, if nothing needs winding
+        down). A second loss among the survivors fails the group's calls (PeerFailure; ``failure(
+        group.ranks)`` names it): call this again for a smaller group. torch engine only (MPI:
+        ConfigError, as :meth:`reform`)."""
         seconds = resolve_timeout(timeout, self.default_timeout, "timeout", "survivors")
         members, handle = self.engine.survivors(self._next_gid, seconds)
         spec = GroupSpec(self._next_gid, tuple(members))

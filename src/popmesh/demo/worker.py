@@ -36,8 +36,9 @@ from popmesh.population.rejoin import seed_newcomers
 __all__ = ["make_policy", "run", "main"]
 
 
-def make_policy(config: DemoConfig, learner: CartPoleLearner) -> Any:
-    """The population policy named by ``config.policy`` (None for ``none``)."""
+def make_policy(config: DemoConfig, learner: CartPoleLearner, channel: int = 0) -> Any:
+    """The population policy named by ``config.policy`` (None for ``none``); ``channel``: the asynchronous
+    policy's tag set (the survivors of a lost rank run theirs on another, see ``_regroup``)."""
     selective: dict[str, Any] = dict(  # keyword options shared by both selective policies
         rule=ReplacementRule(ratio=config.ratio), donor_rule=DonorRule(kind="best_k", k=config.donors),
         strategy=config.strategy, optimizer_builder=learner.make_optimizer, include_buffers=True, seed=config.seed)
@@ -46,7 +47,7 @@ def make_policy(config: DemoConfig, learner: CartPoleLearner) -> Any:
     if config.policy == "selective":
         return SelectiveAveraging(config.every, **selective)
     if config.policy == "async":  # channel 0 on every rank: a policy rebuilt after a loss meets the newcomer's
-        return AsyncSelectiveAveraging(config.every, channel=0, **selective)
+        return AsyncSelectiveAveraging(config.every, channel=channel, **selective)
     return None
 
 
@@ -67,10 +68,11 @@ def run(config: DemoConfig) -> dict[str, Any] | None:
     if world.newcomers:  # this process was restarted for a lost rank: the population seeds it
         start, out, through = _seed(world, config, learner, reporter, 0, None, None)
         resumed_from = None
+        policy_from = through if _lockstep(config) else 0
     else:
         out = Path(popmesh.broadcast_object(str(new_run_dir(config.out_dir)) if world.is_main else None, src=0))
         start, resumed_from = _resume(world, config, learner, policy)
-        through = 0
+        through = policy_from = 0
     if trace.ACTIVE is None:  # every rank's timeline, merged into out/trace.json at finalize (docs/observe.md)
         world.start_trace(out)
     checkpoints = Checkpointer(out / "checkpoints", config.checkpoint_every, group=world)
@@ -80,7 +82,7 @@ def run(config: DemoConfig) -> dict[str, Any] | None:
         view.start()
     timer = Timer()
     try:
-        policy = _train(world, config, learner, policy, reporter, timer, out, start, checkpoints)
+        policy = _train(world, config, learner, policy, reporter, timer, out, start, checkpoints, policy_from)
         if hasattr(policy, "shutdown"):
             policy.shutdown()
         reporter.finish()  # before the view's last frame, so it shows every rank's final numbers
@@ -114,14 +116,18 @@ def _resume(world: Any, config: DemoConfig, learner: CartPoleLearner, policy: An
 
 
 def _train(world: Any, config: DemoConfig, learner: CartPoleLearner, policy: Any, reporter: Reporter,
-           timer: Timer, out: Path, start: int, checkpoints: Checkpointer) -> Any:
+           timer: Timer, out: Path, start: int, checkpoints: Checkpointer, policy_from: int = 0) -> Any:
     """The training loop; returns the policy in use at the end (a new one after the world re-formed).
 
     The iteration count follows the env steps (``steps // per_iteration``, as every checkpoint and
     hand-over keeps them): an iteration whose training was done counts even when its population
     step failed on a lost rank, so every rank meets every checkpoint at the same count. After a loss
-    a survivor trains on alone (no policy, no checkpoint) and takes the population back once the lost
-    rank's restarted process is there (``world.try_reform()``): nobody waits for it."""
+    the survivors go on as a population of their own (``world.survivors()``: their policy's decisions
+    skip the lost rank; no checkpoint) and take the whole population back once the lost rank's
+    restarted process is there (``world.newcomer_waiting()``): nobody waits for it. Ranks that meet
+    again (in the survivors' group, or the world re-formed) may stand at different iterations; a
+    synchronous policy, whose decisions every rank makes at the same iteration, is left out on each
+    until all reach the furthest one (``policy_from``) and catch up."""
     iteration, started, first_steps = start, time.monotonic(), learner.total_steps
     per_iteration = learner.hyper.rollout * learner.hyper.num_envs
     kill = config.kill_at()
@@ -130,18 +136,17 @@ def _train(world: Any, config: DemoConfig, learner: CartPoleLearner, policy: Any
         if kill == (world.rank, iteration) and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
             os.kill(os.getpid(), signal.SIGKILL)  # --kill: the demonstration's lost rank
         try:
-            if lost is None:
-                failed = world.failure()  # with no policy traffic, a survivor learns of a loss from the heartbeat
-                if failed is not None:
-                    raise failed
-            else:
-                began = time.monotonic()
-                if world.try_reform() is not None:  # the restarted process is there: the population takes it back
-                    with timer.section("re-forming"):
-                        policy = _rejoin(world, config, learner, reporter, lost, iteration, out, checkpoints, began)
-                    lost = None
-            _iterate(world, config, learner, None if lost else policy, reporter, timer, iteration, started,
-                     first_steps)
+            failed = world.failure(None if lost is None else lost.members)  # the heartbeat's finding, if any
+            if failed is not None:
+                raise failed
+            if lost is not None and world.newcomer_waiting():  # the restarted process is there: take it back
+                with timer.section("re-forming"):
+                    policy, policy_from = _rejoin(world, config, learner, reporter, lost, iteration, out, checkpoints)
+                lost = None
+            acting = (lost.policy if iteration >= lost.policy_from else None) if lost else (
+                policy if iteration >= policy_from else None)
+            _iterate(world, config, learner, acting, reporter, timer, iteration, started, first_steps,
+                     lost.group if lost else None)
             iteration = learner.total_steps // per_iteration
             if lost is not None:
                 lost.iterations += 1
@@ -152,31 +157,29 @@ def _train(world: Any, config: DemoConfig, learner: CartPoleLearner, policy: Any
                 reporter.agree_at_checkpoint()
         except PeerFailure as e:
             iteration = learner.total_steps // per_iteration
-            lost = _leave(config, policy, reporter, e, timer, iteration)
+            lost = _leave(world, config, learner, policy, reporter, e, timer, iteration, lost)
     while True:  # the run ends whole: every rank, a restarted one too, meets here in one generation
         try:
             if lost is not None:  # this rank's steps ran out while the world was short: wait for the newcomer
                 with timer.section("re-forming"):
-                    began = time.monotonic()
-                    world.reform()
-                    policy = _rejoin(world, config, learner, reporter, lost, iteration, out, checkpoints, began)
+                    policy = _rejoin(world, config, learner, reporter, lost, iteration, out, checkpoints)[0]
                 lost = None
             popmesh.barrier(group=world)
             return policy
         except PeerFailure as e:  # a loss this rank had not seen before its last iteration
-            lost = _leave(config, policy, reporter, e, timer, iteration)
+            lost = _leave(world, config, learner, policy, reporter, e, timer, iteration, lost)
 
 
 def _iterate(world: Any, config: DemoConfig, learner: CartPoleLearner, policy: Any, reporter: Reporter,
-             timer: Timer, iteration: int, started: float, first_steps: int) -> None:
-    """One iteration: train, let the population policy act, report."""
+             timer: Timer, iteration: int, started: float, first_steps: int, group: Any = None) -> None:
+    """One iteration: train, let the population policy act (over ``group``; None: the world), report."""
     learner.iterate(timer)
     metric = learner.mean_return()
     event = None
     if policy is not None and iteration >= config.warmup:
         with timer.section("population"):
             learner.model, optimizer, info = policy(iteration - config.warmup, learner.model,
-                                                    learner.optimizer, metric)
+                                                    learner.optimizer, metric, group=group)
         learner.optimizer = optimizer if optimizer is not None else learner.optimizer
         if info.replaced:
             learner.adopt_learning_rate()
@@ -194,47 +197,97 @@ def _iterate(world: Any, config: DemoConfig, learner: CartPoleLearner, policy: A
 
 @dataclass
 class _Lost:
-    """What a survivor keeps while it trains on alone after a loss: when it saw the loss, its policy's
-    state (the policy is made again in the next generation) and the iterations trained since."""
+    """What a survivor keeps while the world is short of a lost rank: when it saw the loss, its policy's
+    state (the policy is made again in the next generation), the iterations trained since, and the
+    survivors' group with the population policy among them (None: this rank trains on alone)."""
 
     at: float
     iteration: int
     policy_state: dict[str, Any] | None
     iterations: int = 0
+    group: Any = None
+    policy: Any = None
+    regroups: int = 0
+    policy_from: int = 0  # the survivors' policy acts from this iteration on (see _train)
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        return () if self.group is None else tuple(self.group.ranks)
 
 
-def _leave(config: DemoConfig, policy: Any, reporter: Reporter, error: PeerFailure, timer: Timer,
-           iteration: int) -> _Lost:
+def _leave(world: Any, config: DemoConfig, learner: CartPoleLearner, policy: Any, reporter: Reporter,
+           error: PeerFailure, timer: Timer, iteration: int, lost: _Lost | None) -> _Lost:
     """A rank was lost: stop what lives on the broken world (the policy, keeping its state; the reporter's
-    messages) so that this rank trains on alone; ``error`` again when nothing restarts lost ranks."""
+    messages) and go on with the other survivors (``_regroup``); ``error`` again when nothing restarts
+    lost ranks. ``lost``: the survivors' state when this is a further failure while the world is short."""
     if not config.max_restarts or isinstance(error, PeerClosed):
         raise error
+    if lost is not None and world.failure(lost.members) is None:
+        return lost  # no member of the survivors' group is lost: one of them went on to re-form, as this rank will
     with timer.section("re-forming"):
-        lost = _Lost(time.time(), iteration, policy.state_dict() if hasattr(policy, "state_dict") else None)
-        if hasattr(policy, "shutdown"):
-            try:
-                policy.shutdown(timeout=5.0)  # its thread already stopped on the loss; this surfaces why
-            except PopmeshError:
-                pass
-        reporter.detach()
+        if lost is None:
+            lost = _Lost(time.time(), iteration, policy.state_dict() if hasattr(policy, "state_dict") else None)
+            _shut_down(policy)  # its thread already stopped on the loss; this surfaces why
+            reporter.detach()
+        _regroup(world, config, learner, lost, iteration)
     return lost
 
 
+def _lockstep(config: DemoConfig) -> bool:
+    """Whether the policy decides in lockstep (collectives at the same iteration on every rank)."""
+    return config.policy in ("selective", "average-all")
+
+
+def _regroup(world: Any, config: DemoConfig, learner: CartPoleLearner, lost: _Lost, iteration: int) -> None:
+    """Form the survivors' group and a population policy among them, on a channel of its own (frames of the
+    old policy may still be unreceived). Its replacement rules start afresh: what the whole population's
+    remembered is per member, and is taken back at the rejoin. If the survivors cannot agree on a group,
+    this rank trains on alone."""
+    if lost.policy is not None:
+        _shut_down(lost.policy)
+    lost.group = lost.policy = None
+    try:
+        group = world.survivors()
+    except PopmeshError as e:
+        print(f"rank {world.rank}: the survivors formed no group ({e}); training on alone", file=sys.stderr,
+              flush=True)
+        return
+    lost.regroups += 1
+    if group.size > 1:
+        lost.group = group
+        lost.policy = make_policy(config, learner, channel=1 + (lost.regroups - 1) % 20)
+        if _lockstep(config):
+            lost.policy_from = int(popmesh.all_reduce(np.array([iteration]), "max", group=group)[0])
+
+
+def _shut_down(policy: Any) -> None:
+    """End an asynchronous policy's traffic (a failure it met is already known: ignore it)."""
+    if hasattr(policy, "shutdown"):
+        try:
+            policy.shutdown(timeout=5.0)
+        except PopmeshError:
+            pass
+
+
 def _rejoin(world: Any, config: DemoConfig, learner: CartPoleLearner, reporter: Reporter, lost: _Lost,
-            iteration: int, out: Path, checkpoints: Checkpointer, began: float) -> Any:
-    """The world re-formed with the lost rank's restarted process: rebuild what lived on the old one (the
-    policy, keeping its state; the reporter's receives) and seed the newcomer from the population. This
-    rank keeps its agent and its iteration; the new policy in use is returned. ``began``: when this rank
-    started the re-form that succeeded (what it waited is recorded)."""
+            iteration: int, out: Path, checkpoints: Checkpointer) -> tuple[Any, int]:
+    """The lost rank's restarted process waits: wind down the survivors' policy, form the next generation
+    with it, rebuild what lived on the old one (the policy, keeping its state; the reporter's receives)
+    and seed the newcomer from the population. This rank keeps its agent and its iteration. Returns
+    the new policy in use and the iteration it acts from (see _train). What this rank waited for the
+    other survivors is recorded."""
+    _shut_down(lost.policy)
+    began = time.monotonic()
+    world.reform()
     waited = time.monotonic() - began
     policy = make_policy(config, learner)
     if lost.policy_state and policy is not None and hasattr(policy, "load_state_dict"):
         policy.load_state_dict(lost.policy_state)
     reporter.reconnect()
     seen = {"time": lost.at, "iteration": lost.iteration}
-    checkpoints.skip_through(_seed(world, config, learner, reporter, iteration, seen, out,
-                                   (lost.iterations, waited))[2])
-    return policy
+    through = _seed(world, config, learner, reporter, iteration, seen, out, (lost.iterations, waited))[2]
+    checkpoints.skip_through(through)
+    return policy, through if _lockstep(config) else 0
 
 
 def _seed(world: Any, config: DemoConfig, learner: CartPoleLearner, reporter: Reporter, iteration: int,

@@ -107,6 +107,7 @@ class Engine(Protocol):
     def reform(self, timeout: float) -> tuple[int, ...]: ...  # next generation after a lost rank; its new processes
     def try_reform(self, timeout: float) -> tuple[int, ...] | None: ...  # the same, None until a newcomer waits
     def survivors(self, gid: int, timeout: float) -> tuple[tuple[int, ...], Any]: ...  # live ranks, their group
+    def newcomer_waiting(self) -> bool: ...  # a restarted process waits to join (reform() would not wait for it)
     def finalize(self) -> None: ...
 
 

@@ -82,6 +82,9 @@ class LocalEngine:
     def try_reform(self, timeout: float) -> tuple[int, ...] | None:
         return ()
 
+    def newcomer_waiting(self) -> bool:
+        return False
+
     def survivors(self, gid: int, timeout: float) -> tuple[tuple[int, ...], Any]:
         raise ConfigError("a world of one has no rank to lose: there is no survivors' group to form")
 

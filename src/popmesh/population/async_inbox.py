@@ -225,5 +225,5 @@ class Inbox:
         combined = self._combiner.result() if job.donors else None
         self.job = None
         return Pending(job.iteration, tuple(job.donors), d.weights[me], combined, job.state, job.source,
-                       d.strategy, d.summary, d.reasons.get(me, ""), job.metrics,
+                       d.strategy, d.summary_in(job.ranks), d.reasons.get(me, ""), job.metrics,
                        tuple(job.seen[g] for g in job.donors))

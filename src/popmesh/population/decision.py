@@ -109,6 +109,15 @@ class Decision:
         put(self, "optimizer_policy", OptimizerPolicy.parse(self.optimizer_policy).value)
         self._check()
 
+    def summary_in(self, ranks: Sequence[int]) -> str:
+        """:attr:`summary` naming each agent by its global rank: the decision's ranks are positions in
+        ``ranks`` (a group's global ranks). The same text when the group is the whole world, or when
+        the summary was not written by :func:`decide`."""
+        if list(ranks) == list(range(len(ranks))) or not self.summary.startswith(("replace ", "no replacement")):
+            return self.summary
+        return _summary(len(ranks), [ranks[r] for r in self.replaced], {ranks[r]: v for r, v in self.skipped.items()},
+                        Strategy.parse(self.strategy))
+
     @classmethod
     def _normalised(cls, **fields: Any) -> Decision:
         """A Decision from fields that already have their final types (ascending int tuples, int

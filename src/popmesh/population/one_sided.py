@@ -109,7 +109,7 @@ class OneSidedAveraging(PopulationPolicy):
         decision = self._decide(comm, metrics, iteration)
         clock.lap("decide")
         info = PolicyInfo(iteration, self.name, acted=True, decision_iteration=iteration,
-                          strategy=decision.strategy, summary=decision.summary,
+                          strategy=decision.strategy, summary=decision.summary_in(comm.ranks),
                           metrics=dict(zip(comm.ranks, metrics)))
         if comm.group_rank in decision.replaced:
             optimizer = self._replace(comm, exposure, decision, model, optimizer, info, clock)

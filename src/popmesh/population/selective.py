@@ -159,7 +159,7 @@ class SelectiveAveraging(PopulationPolicy):
     def _info(self, comm: Comm, decision: Decision, metrics: list[float], iteration: int) -> PolicyInfo:
         me = comm.group_rank
         info = PolicyInfo(iteration, self.name, acted=True, decision_iteration=iteration,
-                          strategy=decision.strategy, summary=decision.summary,
+                          strategy=decision.strategy, summary=decision.summary_in(comm.ranks),
                           metrics={g: m for g, m in zip(comm.ranks, metrics)})
         if me in decision.replaced:
             info.replaced = True

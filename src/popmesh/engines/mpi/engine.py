@@ -279,6 +279,9 @@ class MpiEngine:
     def try_reform(self, timeout: float) -> tuple[int, ...] | None:
         return self.reform(timeout)  # the same clear error: an MPI world never re-forms
 
+    def newcomer_waiting(self) -> bool:
+        return False  # nothing restarts a lost MPI rank
+
     def survivors(self, gid: int, timeout: float) -> tuple[tuple[int, ...], Any]:
         """No survivors' group either: without ULFM, MPI cannot make a communicator that leaves a dead rank out."""
         raise ConfigError(_NO_REFORM)

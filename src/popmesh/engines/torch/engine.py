@@ -284,6 +284,10 @@ class TorchEngine:
                 return None
         return self.reform(timeout)
 
+    def newcomer_waiting(self) -> bool:
+        """Whether a process restarted for a lost rank waits to join the next generation (two store reads)."""
+        return self._owns and self.size > 1 and newcomer_waiting(self._store, self.generation)
+
     def survivors(self, gid: int, timeout: float) -> tuple[tuple[int, ...], _Handle]:
         """The ranks of this generation still alive, agreed by all of them (:mod:`~popmesh.engines.torch.holes`),
         and a process group of theirs in it, formed by them only: they go on together while the lost
