@@ -5,8 +5,9 @@ For each seed, three runs of `popmesh demo` (4 ranks, CartPole, async policy, --
 * undisturbed;
 * **survive**: one rank (drawn from 1..3 by the seed; rank 0 holds the run's history) SIGKILLs
   itself at an iteration drawn from the middle third of the undisturbed run's iterations to the
-  target, under `--max-restarts 1`: the survivors re-form the world with its restarted process,
-  which is seeded from the best agents and trains on;
+  target, under `--max-restarts 1`: the survivors go on as a population of three (their policy
+  decides among them) while it restarts, then re-form the world with its restarted process, which
+  is seeded from the best agents and trains on;
 * **whole restart**, what torchrun does: the same kill with `--checkpoint-every K` and no restarts,
   so the launcher tears the world down; then `popmesh demo --resume` starts every rank again from the
   newest complete checkpoint (the iterations since it are lost and trained again).
@@ -15,7 +16,8 @@ It prints per run the env steps per agent to the target (the best agent's last-2
 for the whole restart also counting the iterations between the checkpoint and the kill, trained twice),
 the wall time (both processes for the whole restart), and for survive the downtime (kill to rejoin)
 and whether every survivor's iterations ran on (none repeated), the survivors' longest wait in the
-re-form and the iterations they trained alone while the lost rank restarted; then medians.
+re-form, the iterations they trained while the lost rank restarted and the replacements their
+policy made among them meanwhile; then medians.
 
     python benchmarks/survival.py [--seeds 5] [--checkpoint-every 10] [--steps 150000]
 """
@@ -67,6 +69,16 @@ def survivors_never_repeat(run_dir: Path, victim: int) -> bool:
     return True
 
 
+def replacements_while_short(run_dir: Path) -> int:
+    """Replacements the survivors' policy made among them between the loss and the rejoin (events.jsonl)."""
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    lost = next((e["time"] for e in events if e.get("kind") == "lost"), None)
+    back = next((e["time"] for e in events if e.get("kind") == "rejoined"), None)
+    if lost is None or back is None:
+        return 0
+    return sum(1 for e in events if "kind" not in e and lost < e["time"] < back)
+
+
 def one_seed(seed: int, steps: int, every: int) -> dict[str, Any]:
     gen = random.Random(seed)
     with tempfile.TemporaryDirectory() as tmp:
@@ -80,6 +92,7 @@ def one_seed(seed: int, steps: int, every: int) -> dict[str, Any]:
         assert survived is not None
         rejoin = survived["restarts"][0] if survived["restarts"] else {}
         ran_on = survivors_never_repeat(next((root / "survive").iterdir()), victim)
+        meanwhile = replacements_while_short(next((root / "survive").iterdir()))
         _, died_s = demo(root / "whole", seed, steps, "--checkpoint-every", str(every), "--kill", kill, check=False)
         first = next((root / "whole").iterdir())
         resumed, resume_s = demo(root / "whole", seed, steps, "--checkpoint-every", str(every), "--resume", str(first))
@@ -90,9 +103,10 @@ def one_seed(seed: int, steps: int, every: int) -> dict[str, Any]:
     return {"seed": seed, "kill": kill, "calm_steps": steps_to_target(calm), "calm_s": round(calm_s, 1),
             "survive_steps": steps_to_target(survived), "survive_s": round(survive_s, 1),
             "downtime_s": rejoin.get("downtime_s"), "survivors_ran_on": ran_on,
-            # the survivors train on alone while the lost rank restarts, then wait only for each other
+            # the survivors train on together while the lost rank restarts, then wait only for each other
             "survivor_wait_s": max(_survivors(rejoin, "survivor_wait_s", victim), default=None),
             "survivor_iterations_alone": min(_survivors(rejoin, "iterations_alone", victim), default=None),
+            "replacements_while_short": meanwhile,
             "whole_steps": whole, "whole_redone_steps": redone, "whole_computed_steps": whole and whole + redone,
             "whole_s": round(died_s + resume_s, 1),
             "resumed_from": resumed.get("resumed_from")}
@@ -135,8 +149,9 @@ def main() -> None:
           f"(per seed {[r['downtime_s'] for r in rows]}); survivors repeated no iteration in "
           f"{sum(r['survivors_ran_on'] for r in rows)} of {len(rows)} runs")
     print(f"survivors waited (longest per run) median {median([r['survivor_wait_s'] for r in rows])} s "
-          f"(per seed {[r['survivor_wait_s'] for r in rows]}), having trained on alone for at least "
-          f"{[r['survivor_iterations_alone'] for r in rows]} iterations meanwhile")
+          f"(per seed {[r['survivor_wait_s'] for r in rows]}), having trained on for at least "
+          f"{[r['survivor_iterations_alone'] for r in rows]} iterations meanwhile, with "
+          f"{[r['replacements_while_short'] for r in rows]} replacements among them")
 
 
 if __name__ == "__main__":

@@ -139,6 +139,26 @@ def test_demo_population_carries_on_when_a_rank_is_lost(tmp_path):
     assert [a["steps"] for a in again["agents"]] == [(at + 2) * 512] * 3 and again["restarts"] == []
 
 
+@pytest.mark.timeout(150)
+def test_a_lockstep_policy_carries_on_among_the_survivors_and_meets_the_rejoined_rank_in_step(tmp_path):
+    """--policy selective decides with collectives at the same iteration on every rank: the two survivors
+    decide among themselves while rank 1 restarts, and after the rejoin every rank decides in step
+    again (ranks that met at different iterations catch up first) through to the end of the run."""
+    cmd = [sys.executable, "-m", "popmesh", "demo", "--ranks", "3", "--steps", "12000", "--every", "2", "--warmup",
+           "0", "--no-live", "--max-restarts", "1", "--kill", "1:3", "--policy", "selective", "--out", str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=140)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run = next(tmp_path.iterdir())
+    summary = json.loads((run / "summary.json").read_text())
+    assert [a["steps"] for a in summary["agents"]] == [12288] * 3 and summary["generation"] == 1
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    lost, back = (next(e["time"] for e in events if e.get("kind") == kind) for kind in ("lost", "rejoined"))
+    meanwhile = [e for e in events if "kind" not in e and lost < e["time"] < back]
+    assert meanwhile and all(e["rank"] != 1 and "of 2 agents" in e["summary"] for e in meanwhile), events
+    after = [e for e in events if "kind" not in e and e["time"] > back]
+    assert after and all("of 3 agents" in e["summary"] for e in after), events
+
+
 def _traced(run, ranks):
     """The span names on each rank's track of the run's trace.json (one track per rank, named)."""
     data = json.loads((run / "trace.json").read_text())

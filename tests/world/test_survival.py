@@ -81,6 +81,10 @@ def test_survivors_go_on_together_until_the_restarted_rank_is_there():
     together = {int(m[1]): (int(m[2]), m[3]) for m in _TOGETHER.finditer(done.stdout)}
     assert sorted(together) == [0, 1, 3] and all(n > 0 and good == "True" for n, good in together.values()), \
         done.stdout[-3000:]
+    probes = re.findall(r"PROBE rank=(\d+) ConfigError: (generation 0 of the world lost|new_group\(\): this generation "
+                        r"lost) rank\(s\) \[2\]", done.stdout)
+    assert sorted(probes) == sorted((str(r), what) for r in (0, 1, 3) for what in
+                                    ("generation 0 of the world lost", "new_group(): this generation lost")), probes
 
 
 @pytest.mark.timeout(120)

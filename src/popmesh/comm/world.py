@@ -219,6 +219,10 @@ class World(Comm):
     def new_group(self, ranks: Sequence[int]) -> Group:
         """A sub-communicator over ``ranks`` (global). Every rank of the world must call this, in the
         same order, with the same list; non-members get a Group whose ``is_member`` is False."""
+        if self._survivors is not None:
+            lost = sorted(set(range(self.size)) - set(self._survivors.ranks))
+            raise ConfigError(f"new_group(): this generation lost rank(s) {lost}, and a group of it needs every rank; "
+                              "use world.survivors()'s group until world.reform(), then make groups again")
         members = tuple(int(r) for r in ranks)
         if not members or len(set(members)) != len(members) or not all(0 <= r < self.size for r in members):
             raise ConfigError(f"new_group({list(ranks)}): ranks must be distinct and in [0, {self.size})")

@@ -41,6 +41,12 @@ def together(state: dict) -> None:
     """Go on with the other survivors as a group until the restarted process(es) wait to join."""
     group, n = world.survivors(timeout=60), 0
     print(f"SURVIVORS rank={world.rank} ranks={list(group.ranks)}", flush=True)
+    if os.environ.get("SURVIVE_PROBE"):  # the world's own calls say to use the survivors' group
+        for call in (lambda: popmesh.all_reduce(np.array([1.0]), timeout=5), lambda: world.new_group([0, 1])):
+            try:
+                call()
+            except popmesh.PopmeshError as probe:
+                print(f"PROBE rank={world.rank} {type(probe).__name__}: {probe}", flush=True)
     while world.try_reform(timeout=60) is None:
         try:
             total = popmesh.all_reduce(np.array([world.rank + 1.0]), group=group, timeout=60)
