@@ -32,21 +32,15 @@ from popmesh.engines.interop import numpy_to_torch, torch_to_numpy
 from popmesh.engines.liveness import Heartbeat, start_heartbeat
 from popmesh.engines.torch.generations import (
     ATTEMPT,
-    Superseded,
-    await_members,
-    await_up,
-    check_in,
     mark_formed,
-    mark_up,
     newcomer_attempt,
     newcomer_waiting,
     newcomers,
     next_attempt,
-    prefix,
     start_counting,
 )
 from popmesh.engines.torch.network import pin_interface
-from popmesh.engines.torch.rendezvous import join_world, make_store
+from popmesh.engines.torch.rendezvous import join_generation, join_world, make_store, store_lost
 from popmesh.engines.torch.send import is_gone
 
 __all__ = ["TorchEngine"]
@@ -57,13 +51,6 @@ _PROBE_TAG = (1 << 20) - 2  # a gloo tag no one receives on (below the point-to-
 _PROBE_WAITS_S = (0.0, 0.05, 0.2)
 _CLOSE_TAG = (1 << 20) - 3  # nobody sends on it: a receive that times out there closes the connection
 _CLOSE_WAIT = timedelta(milliseconds=1)  # a peer's closed connection may take a moment to be noticed
-_CONNECT_S = 0.5
-"""The timeout of a re-formed generation's process group while it connects, at first. Every rank has
-checked in by then, so gloo connects in 15-40 ms even with 4 ranks on a loaded 2-core box, unless a
-member died after checking in; then the others give up after this, not after the whole timeout (gloo's
-store waits after this, its wait for a peer that never connects after about 5x this), and form the next
-attempt with the restarted process (which takes about 2 s to start). Doubled after each failed attempt,
-so that a slow box is not mistaken for a lost rank twice; the timeout bounds it all."""
 
 
 def _import_dist() -> Any:
@@ -294,48 +281,11 @@ class TorchEngine:
         return self.reform(timeout)
 
     def _join_generation(self, attempt: int, timeout: float, *, fresh: bool) -> None:
-        """Check in under ``attempt`` and form its process group once every rank is there; a newer attempt
-        is joined instead where one starts (a rank died while this one formed, and was restarted), or where
-        the group does not connect within :data:`_CONNECT_S` (a member died after checking in), until
-        ``timeout``; then the group keeps ``timeout`` as its own."""
-        env, dist = self._env, self._dist
-        deadline, connect = time.monotonic() + timeout, _CONNECT_S
-        while True:
-            check_in(self._store, attempt, env.rank, fresh=fresh)
-            try:
-                await_members(self._store, attempt, env.world_size, deadline)
-                left = (deadline - time.monotonic()) / 5  # gloo waits up to ~5x its timeout for a peer's connect
-                dist.init_process_group(self.backend, store=dist.PrefixStore(prefix(attempt), self._store),
-                                        rank=env.rank, world_size=env.world_size,
-                                        timeout=timedelta(seconds=max(min(connect, left), 0.1)))
-                mark_up(self._store, attempt, env.rank)
-                await_up(self._store, attempt, env.world_size, deadline)
-                break
-            except Superseded as e:
-                self._drop_group()
-                attempt = e.newer
-            except PopmeshError:  # the timeout, naming the ranks that never came
-                self._drop_group()
-                raise
-            except RuntimeError as e:  # the group did not connect: a member died while it formed
-                self._drop_group()
-                if time.monotonic() >= deadline:
-                    raise CommTimeout(f"the world did not re-form within {timeout:g} s: {e}", None) from e
-                attempt, connect = next_attempt(self._store, attempt), 2 * connect
-        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout))  # the collectives' timeout, not the connect's
-        mark_formed(self._store, attempt)
+        """Form the generation of ``attempt`` (or a newer one) with every rank (:func:`join_generation`)."""
+        attempt = join_generation(self._dist, self._store, self._env, self.backend, attempt, timeout, fresh=fresh)
         self._left = False
         self.generation = attempt
-        self.newcomers = newcomers(self._store, attempt, env.world_size)
-
-    def _drop_group(self) -> None:
-        """Destroy the process group of an attempt that did not form (if its init got that far). A failed
-        init had already counted the group for its name ("0", "1", ... keys of its rendezvous), and only
-        destroying a world resets that count: reset here too, or this rank would wait under another name
-        than the others in the next attempt."""
-        if self._dist.is_initialized():
-            self._dist.destroy_process_group()
-        self._dist.distributed_c10d._world.group_count = 0
+        self.newcomers = newcomers(self._store, attempt, self._env.world_size)
 
     @contextmanager
     def _store_lost_says_so(self) -> Iterator[None]:
@@ -348,7 +298,7 @@ class TorchEngine:
             try:
                 self._store.check([ATTEMPT])
             except RuntimeError:
-                raise _store_lost(self._env, e) from e
+                raise store_lost(self._env, e) from e
             raise
 
     def _leave_generation(self) -> None:
@@ -505,18 +455,6 @@ class _TorchPending:
         self._engine._wait(self._work, self._group, timeout, "all_reduce")
         self._complete()
         self._finished = True
-
-
-def _store_lost(env: TorchEnv, error: BaseException) -> PopmeshError:
-    """The error of a re-form whose rendezvous store no longer answers."""
-    where = f"{env.master_addr}:{env.master_port}"
-    if not env.agent_store:
-        return PeerFailure(f"the world cannot re-form: its rendezvous store ({where}) was served by rank 0, which is "
-                           f"gone ({error}). Nothing restarts lost ranks here, so nothing serves the store any more: "
-                           "launch with popmesh launch --max-restarts N, whose launcher serves the store so that it "
-                           "outlives every rank, rank 0 included", (0,))
-    return PopmeshError(f"the world cannot re-form: its rendezvous store ({where}), served by the launcher (node 0's "
-                        f"popmesh launch, or torchrun's agent), does not answer ({error}): is the launcher gone?")
 
 
 def _noop(_: Any) -> None:
