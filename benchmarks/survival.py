@@ -46,7 +46,9 @@ def demo(out: Path, seed: int, steps: int, *extra: str, check: bool = True) -> t
     done = subprocess.run(cmd, timeout=1200, capture_output=True, text=True)
     seconds = time.perf_counter() - start
     if check and done.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        kept = Path(tempfile.gettempdir()) / f"survival-seed{seed}-{out.name}.log"  # the whole story, for a diagnosis
+        kept.write_text(done.stdout + "\n---- stderr ----\n" + done.stderr)
+        raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}), output in {kept}:\n{done.stderr[-3000:]}")
     summaries = sorted(out.glob("*/summary.json"), key=lambda p: p.stat().st_mtime)
     fresh = [p for p in summaries if p.stat().st_mtime >= time.time() - seconds - 1]
     return (json.loads(fresh[-1].read_text()) if fresh and done.returncode == 0 else None), seconds

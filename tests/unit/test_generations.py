@@ -25,18 +25,18 @@ def test_survivors_that_start_a_new_attempt_together_land_on_the_same_one():
 
 def test_a_newcomer_before_or_after_the_survivors_noticed_joins_their_attempt():
     early = _formed_world()
-    assert g.newcomer_attempt(early, 1.0) == 1 and g.next_attempt(early, 0) == 1
+    assert g.newcomer_attempt(early, 1, 1.0) == 1 and g.next_attempt(early, 0) == 1
     late = _formed_world()
-    assert g.next_attempt(late, 0) == 1 and g.newcomer_attempt(late, 1.0) == 1
+    assert g.next_attempt(late, 0) == 1 and g.newcomer_attempt(late, 1, 1.0) == 1
 
 
 def test_a_failed_attempt_moves_everyone_to_the_next_and_newcomers_follow():
     store = _formed_world()
     assert g.next_attempt(store, 0) == 1
     assert g.next_attempt(store, 1) == 2  # attempt 1 failed while forming
-    assert g.newcomer_attempt(store, 1.0) == 2  # a process restarted now joins attempt 2, not 1
+    assert g.newcomer_attempt(store, 1, 1.0) == 2  # a process restarted now joins attempt 2, not 1
     g.mark_formed(store, 2)
-    assert g.newcomer_attempt(store, 1.0) == 3
+    assert g.newcomer_attempt(store, 1, 1.0) == 3
 
 
 def test_waiting_members_see_a_superseded_attempt_at_once():
@@ -72,7 +72,7 @@ def test_a_rank_that_never_comes_back_is_named():
 
 def test_a_newcomer_with_no_formed_world_times_out_clearly():
     with pytest.raises(CommTimeout, match="no world has formed yet"):
-        g.newcomer_attempt(MemoryStore(), 0.05)
+        g.newcomer_attempt(MemoryStore(), 1, 0.05)
 
 
 def test_survivors_see_a_newcomer_waiting_only_once_it_checked_in_under_a_newer_attempt():
@@ -80,7 +80,7 @@ def test_survivors_see_a_newcomer_waiting_only_once_it_checked_in_under_a_newer_
     assert not g.newcomer_waiting(store, 0)  # nobody restarted yet
     g.check_in(store, g.next_attempt(store, 0), 2, fresh=False)  # a survivor that re-forms at once: no newcomer
     assert not g.newcomer_waiting(store, 0)
-    attempt = g.newcomer_attempt(store, 1.0)
+    attempt = g.newcomer_attempt(store, 1, 1.0)
     assert attempt == 1 and not g.newcomer_waiting(store, 0)
     g.check_in(store, attempt, 1, fresh=True)
     assert g.newcomer_waiting(store, 0) and not g.newcomer_waiting(store, 1)  # a later generation waits for more
@@ -88,8 +88,78 @@ def test_survivors_see_a_newcomer_waiting_only_once_it_checked_in_under_a_newer_
 
 def test_a_newcomer_that_moved_to_a_newer_attempt_is_still_seen():
     store = _formed_world()
-    g.check_in(store, g.newcomer_attempt(store, 1.0), 1, fresh=True)
+    g.check_in(store, g.newcomer_attempt(store, 1, 1.0), 1, fresh=True)
     newer = g.next_attempt(store, 1)  # attempt 1 failed while it formed
     assert not g.newcomer_waiting(store, 0)  # until the newcomer checks in again under it
     g.check_in(store, newer, 1, fresh=True)
     assert g.newcomer_waiting(store, 0)
+
+
+def test_a_newcomer_whose_previous_process_died_while_an_attempt_formed_joins_the_next():
+    """The others may hold the dead process's address in that attempt's group: it cannot form."""
+    store = _formed_world()
+    attempt = g.next_attempt(store, 0)
+    for rank in range(3):
+        g.check_in(store, attempt, rank, fresh=rank == 1)  # rank 1 restarted once already; all checked in
+    assert g.newcomer_attempt(store, 2, 1.0) == 2  # rank 2 died while attempt 1 formed: not attempt 1
+    assert g.next_attempt(store, 1) == 2  # the survivors, giving up on attempt 1, land on the same one
+    assert g.newcomer_attempt(store, 2, 1.0) == 2  # not past it: rank 2 has not checked in under attempt 2
+
+
+def test_a_newcomer_that_never_checked_in_under_the_newest_attempt_joins_it():
+    store = _formed_world()
+    attempt = g.next_attempt(store, 0)
+    g.check_in(store, attempt, 0, fresh=False)
+    assert g.newcomer_attempt(store, 1, 1.0) == attempt  # the survivors started it for this rank
+
+
+def test_an_attempt_is_taken_once_every_rank_s_group_is_up():
+    store = _formed_world()
+    attempt = g.next_attempt(store, 0)
+    for rank in (0, 2):
+        g.mark_up(store, attempt, rank)
+    threading.Timer(0.05, g.mark_up, args=(store, attempt, 1)).start()
+    g.await_up(store, attempt, 3, time.monotonic() + 5)
+
+
+def test_ranks_whose_group_is_up_leave_an_attempt_a_member_never_finished():
+    """A member died after gloo had its address: some ranks' groups formed, its restart moves everyone on."""
+    store = _formed_world()
+    attempt = g.next_attempt(store, 0)
+    for rank in range(3):
+        g.check_in(store, attempt, rank, fresh=False)
+    g.mark_up(store, attempt, 0)
+    g.mark_up(store, attempt, 1)
+    with pytest.raises(CommTimeout, match=r"rank\(s\) \[2\] joined generation 1 but never finished") as raised:
+        g.await_up(store, attempt, 3, time.monotonic() + 0.1)  # nobody restarted rank 2: named at the deadline
+    assert raised.value.missing == (2,)
+    assert g.newcomer_attempt(store, 2, 1.0) == 2
+    start = time.monotonic()
+    with pytest.raises(g.Superseded) as superseded:
+        g.await_up(store, attempt, 3, time.monotonic() + 5)
+    assert superseded.value.newer == 2 and time.monotonic() - start < 1
+
+
+class _LastKeyLate(MemoryStore):
+    """The last rank's key arrives just as a waiting rank reads the newer attempt."""
+
+    def __init__(self, late: str) -> None:
+        super().__init__()
+        self.late = late
+
+    def get(self, key):
+        if key == g.ATTEMPT and self.late:
+            self.data[self.late], self.late = b"1", ""
+        return super().get(key)
+
+
+def test_an_attempt_whose_last_rank_came_up_as_a_newer_one_started_is_still_taken():
+    """Every rank that saw all groups up takes the attempt: a rank that saw the newer one first must too."""
+    store = _LastKeyLate("popmesh/gen/1/up/2")
+    g.start_counting(store)
+    g.mark_formed(store, 0)
+    g.next_attempt(store, 0)
+    g.mark_up(store, 1, 0)
+    g.mark_up(store, 1, 1)
+    g.next_attempt(store, 1)  # a newer attempt started (a rank died right after its group came up)
+    g.await_up(store, 1, 3, time.monotonic() + 5)  # no Superseded: every group of attempt 1 is up

@@ -1,13 +1,15 @@
 """A world that outlives a lost rank: `popmesh launch --max-restarts N` restarts the rank, the survivors
 call `world.reform()`, the restarted process joins from `init()`, and the run ends with every rank done
 and every result right (tests/world/scripts/survive.py). Ranks are SIGKILLed mid-collective, mid-message,
-while the world re-forms, and again after their restart; past the budget the world is torn down."""
+while the world re-forms (also inside its process group's init), and again after their restart; past the
+budget the world is torn down. Without restarts, a lost rank 0 takes the store with it: said plainly."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,11 +24,11 @@ SCRIPT = str(Path(__file__).parent / "scripts" / "survive.py")
 _DONE = re.compile(r"DONE rank=(\d+) gen=(\d+) step=(\d+) good=(\w+) restart=(\d+)")
 
 
-def _launch(*args: str, budget: int = 2, nproc: int = 3, op: str = "all_reduce",
-            mode: str = "wait") -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "SURVIVE_OP": op, "POPMESH_TIMEOUT": "60", "SURVIVE_MODE": mode, "SURVIVE_PROBE": "1"}
+def _launch(*args: str, budget: int = 2, nproc: int = 3, op: str = "all_reduce", mode: str = "wait",
+            hard_s: float = 100, **extra: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "SURVIVE_OP": op, "POPMESH_TIMEOUT": "60", "SURVIVE_MODE": mode, "SURVIVE_PROBE": "1", **extra}
     return subprocess.run([sys.executable, "-m", "popmesh", "launch", "-n", str(nproc), "--max-restarts", str(budget),
-                           SCRIPT, *args], capture_output=True, text=True, timeout=100, env=env)
+                           SCRIPT, *args], capture_output=True, text=True, timeout=hard_s, env=env)
 
 
 def _done(out: str) -> dict[int, tuple[int, int, bool, int]]:
@@ -125,6 +127,65 @@ def test_a_second_loss_while_the_world_reforms_is_taken_in():
     result = _done(done.stdout)
     assert sorted(result) == [0, 1, 2] and all(steps == 150 and good for _, steps, good, _ in result.values())
     assert result[1][3] == 1 and result[2][3] == 1 and result[0][3] == 0, done.stdout[-3000:]
+
+
+_GEN = re.compile(r"GEN rank=(\d+) gen=(\d+) newcomers=\[[\d, ]*\] donor=\d+ t=([\d.]+)")
+_KILLED_FORMING = re.compile(r"KILLING rank=2 forming=\S+ t=([\d.]+)")
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("stage", ["checked-in", "published"])
+def test_a_rank_killed_inside_the_forming_of_a_generation_is_taken_in_within_seconds(stage):
+    """Rank 1 dies; rank 2 dies inside the init of the generation that takes rank 1 back, after it checked in:
+    before gloo had its address, or right after (the others may connect to the dead process, or even form a
+    group with it). The half-formed attempt is given up (not reused by rank 2's restarted process), and the
+    world re-forms within seconds, far below POPMESH_TIMEOUT (60 s; the launch's hard limit is 50 s)."""
+    done = _launch("100", "1", "40", budget=1, nproc=4, hard_s=50, SURVIVE_KILL_FORMING=f"2:{stage}")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    result = _done(done.stdout)
+    assert sorted(result) == [0, 1, 2, 3] and all(steps == 100 and good for _, steps, good, _ in result.values()), \
+        done.stdout[-3000:]
+    assert {rank: restarts for rank, (_, _, _, restarts) in result.items()} == {0: 0, 1: 1, 2: 1, 3: 0}
+    generations = {gen for gen, _, _, _ in result.values()}
+    assert len(generations) == 1 and min(generations) >= 2, done.stdout[-3000:]  # attempt 1 never formed
+    killed = float(_KILLED_FORMING.search(done.stdout)[1])
+    formed = [(int(m[1]), int(m[2]), float(m[3])) for m in _GEN.finditer(done.stdout)]
+    last = [t for rank, gen, t in formed if gen in generations]
+    assert len(last) == 4 and max(last) - killed < 10, formed  # measured 1.7-2.6 s on a loaded 2-core box
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["wait", "carry-on"])
+def test_without_restarts_a_lost_rank_0_takes_the_store_and_re_forming_says_so(mode):
+    """Ranks started by hand (nothing restarts them, and rank 0 serves the store): rank 0 dies; each survivor's
+    reform() (or try_reform()) fails at once with a PeerFailure that says to launch with --max-restarts, not
+    torch's store error, and not after POPMESH_TIMEOUT (60 s; the ranks' hard limit is 30 s)."""
+    port, size = _free_port(), 3
+    keep = {k: v for k, v in os.environ.items() if k not in (
+        "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "POPMESH_STORE_FD", "PMI_RANK", "PMI_SIZE",
+        "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT")}
+    env = {**keep, "WORLD_SIZE": str(size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "POPMESH_ENGINE": "torch", "POPMESH_TIMEOUT": "60", "SURVIVE_MODE": mode}
+    ranks = [subprocess.Popen([sys.executable, SCRIPT, "100", "0", "20"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env={**env, "RANK": str(r)}) for r in range(size)]
+    try:
+        outcomes = [rank.communicate(timeout=30) for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+    assert ranks[0].returncode == -9, outcomes[0][1][-2000:]
+    for rank, (out, err) in zip(ranks[1:], outcomes[1:]):
+        assert rank.returncode == 1 and "LOST" in out, out[-1000:] + err[-2000:]
+        last = err.strip().splitlines()[-1].split("]: ", 1)[-1]  # torch prefixes "[rankN]: "
+        assert last.startswith("popmesh.core.errors.PeerFailure: the world cannot re-form: its rendezvous store"), \
+            err[-2000:]
+        assert "served by rank 0, which is gone" in last and "popmesh launch --max-restarts N" in last, last
 
 
 @pytest.mark.timeout(120)

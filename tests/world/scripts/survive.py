@@ -10,7 +10,11 @@ each step is a ring of messages instead (rank r sends r+1 to its right and check
 sent), so the loss comes mid-message. With SURVIVE_MODE=carry-on the survivors work on alone
 (``world.try_reform()``) until the restarted process waits; with SURVIVE_MODE=together they go on
 as a group of their own (``world.survivors()``): each step an all-reduce and a ring of messages
-over the group, checked against the group's own closed form, until the world re-forms.
+over the group, checked against the group's own closed form, until the world re-forms. With
+SURVIVE_KILL_FORMING=RANK:STAGE that rank's first process SIGKILLs itself while a re-formed
+generation forms, after it checked in: at STAGE "checked-in" as it starts the process group (before
+gloo has its address), at "published" right after gloo stored its address (the others may be
+connecting to it). GEN and KILLING lines carry the time.
 """
 
 import os
@@ -25,6 +29,68 @@ import popmesh
 steps, victim, kill_at = (int(a) for a in sys.argv[1:4])
 again = tuple(int(a) for a in sys.argv[4:6]) or None
 restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def die_while_forming(rank: int, stage: str) -> None:
+    """SIGKILL this process inside the next re-formed generation's init_process_group, at ``stage``."""
+    import torch.distributed as dist
+
+    class Killing(dist.Store):  # gloo sees the store through this: the process dies as it publishes
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def set(self, key, value):
+            self.inner.set(key, value)
+            if stage == "published":
+                die(f"published:{key}")
+
+        def get(self, key):
+            return self.inner.get(key)
+
+        def wait(self, keys, timeout=None):
+            return self.inner.wait(keys) if timeout is None else self.inner.wait(keys, timeout)
+
+        def add(self, key, amount):
+            return self.inner.add(key, amount)
+
+        def check(self, keys):
+            return self.inner.check(keys)
+
+        def compare_set(self, key, expected, desired):
+            return self.inner.compare_set(key, expected, desired)
+
+        def multi_get(self, keys):
+            return self.inner.multi_get(keys)
+
+        def multi_set(self, keys, values):
+            return self.inner.multi_set(keys, values)
+
+        def delete_key(self, key):
+            return self.inner.delete_key(key)
+
+        def num_keys(self):
+            return self.inner.num_keys()
+
+    def die(where: str) -> None:
+        print(f"KILLING rank={rank} forming={where} t={time.time():.3f}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    real = dist.init_process_group
+
+    def init_process_group(*args, store=None, **kwargs):
+        if isinstance(store, dist.PrefixStore):  # a re-formed generation (the first world has the plain store)
+            if stage == "checked-in":
+                die("checked-in")
+            store = Killing(store)
+        return real(*args, store=store, **kwargs)
+
+    dist.init_process_group = init_process_group
+
+
+forming = os.environ.get("SURVIVE_KILL_FORMING")
+if forming and restart == 0 and int(forming.split(":")[0]) == int(os.environ["RANK"]):
+    die_while_forming(int(os.environ["RANK"]), forming.split(":")[1])
 world = popmesh.init()
 expected = world.size * (world.size + 1) / 2
 

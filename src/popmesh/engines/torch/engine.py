@@ -16,7 +16,8 @@ from __future__ import annotations
 import socket
 import time
 from collections import deque
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -30,20 +31,17 @@ from popmesh.engines.base import GroupSpec, SnapshotWindow, Tuning, timeout_mess
 from popmesh.engines.interop import numpy_to_torch, torch_to_numpy
 from popmesh.engines.liveness import Heartbeat, start_heartbeat
 from popmesh.engines.torch.generations import (
-    Superseded,
-    await_members,
-    check_in,
+    ATTEMPT,
     mark_formed,
     newcomer_attempt,
     newcomer_waiting,
     newcomers,
     next_attempt,
-    prefix,
     start_counting,
 )
 from popmesh.engines.torch.holes import agree_survivors
 from popmesh.engines.torch.network import pin_interface
-from popmesh.engines.torch.rendezvous import join_world, make_store
+from popmesh.engines.torch.rendezvous import join_generation, join_world, make_store, store_lost
 from popmesh.engines.torch.send import is_gone
 
 __all__ = ["TorchEngine"]
@@ -120,7 +118,7 @@ class TorchEngine:
             self.backend: str = backend or _default_backend(torch)
             if env.restart_count > 0 and env.world_size > 1:  # a restarted rank: join the world's next generation
                 pin_interface(env)  # as join_world does: on another host, gloo must listen where the others reach
-                self._join_generation(newcomer_attempt(self._store, timeout), timeout, fresh=True)
+                self._join_generation(newcomer_attempt(self._store, env.rank, timeout), timeout, fresh=True)
             else:
                 join_world(dist, self._store, env, self.backend, timeout)
                 if env.world_size > 1:
@@ -265,9 +263,10 @@ class TorchEngine:
                               "re-form it: let popmesh.init() create the world")
         if self.size == 1:
             return ()
-        if not self._left:
-            self._leave_generation()
-        self._join_generation(next_attempt(self._store, self.generation), timeout, fresh=False)
+        with self._store_lost_says_so():
+            if not self._left:
+                self._leave_generation()
+            self._join_generation(next_attempt(self._store, self.generation), timeout, fresh=False)
         self._heartbeat = start_heartbeat(self.p2p(), self._peer_failed)
         return self.newcomers
 
@@ -278,15 +277,19 @@ class TorchEngine:
         waits to join, then forms the next generation (waiting only for the other survivors, within
         ``timeout``) and returns its newcomers."""
         if self._owns and self.size > 1:  # else reform() says what it says (an adopted group, a world of one)
-            if not self._left and not self._hole:
-                self._leave_generation()
-            if not newcomer_waiting(self._store, self.generation):
-                return None
+            with self._store_lost_says_so():
+                if not self._left and not self._hole:
+                    self._leave_generation()
+                if not newcomer_waiting(self._store, self.generation):
+                    return None
         return self.reform(timeout)
 
     def newcomer_waiting(self) -> bool:
         """Whether a process restarted for a lost rank waits to join the next generation (two store reads)."""
-        return self._owns and self.size > 1 and newcomer_waiting(self._store, self.generation)
+        if not self._owns or self.size == 1:
+            return False
+        with self._store_lost_says_so():
+            return newcomer_waiting(self._store, self.generation)
 
     def survivors(self, gid: int, timeout: float) -> tuple[tuple[int, ...], _Handle]:
         """The ranks of this generation still alive, agreed by all of them (:mod:`~popmesh.engines.torch.holes`),
@@ -316,8 +319,9 @@ class TorchEngine:
         self._stop_transport(grace=min(_SURVIVORS_GRACE_S, timeout))
         lost = heartbeat.failed_ranks()
         self._close_connections([h for h in self._all_groups() if lost & set(h[0])])
-        members, _ = agree_survivors(self._store, self.generation, self.rank, self.size,
-                                     lambda: heartbeat.failed_ranks() | lost, deadline)
+        with self._store_lost_says_so():
+            members, _ = agree_survivors(self._store, self.generation, self.rank, self.size,
+                                         lambda: heartbeat.failed_ranks() | lost, deadline)
         left_s = max(deadline - time.monotonic(), 1.0)
         pg = self._dist.new_group(list(members), timeout=timedelta(seconds=left_s), use_local_synchronization=True)
         self._hole = frozenset(range(self.size)) - frozenset(members)
@@ -333,30 +337,26 @@ class TorchEngine:
         return members, handle
 
     def _join_generation(self, attempt: int, timeout: float, *, fresh: bool) -> None:
-        """Check in under ``attempt`` and form its process group once every rank is there; a newer attempt
-        (a rank died while this one formed) is joined instead, until ``timeout``."""
-        env, dist = self._env, self._dist
-        deadline = time.monotonic() + timeout
-        while True:
-            check_in(self._store, attempt, env.rank, fresh=fresh)
-            try:
-                await_members(self._store, attempt, env.world_size, deadline)
-                dist.init_process_group(self.backend, store=dist.PrefixStore(prefix(attempt), self._store),
-                                        rank=env.rank, world_size=env.world_size, timeout=timedelta(seconds=timeout))
-                break
-            except Superseded as e:
-                attempt = e.newer
-            except RuntimeError as e:  # a member died while the group formed: the next attempt
-                if dist.is_initialized():
-                    dist.destroy_process_group()
-                if time.monotonic() >= deadline:
-                    raise CommTimeout(f"the world did not re-form within {timeout:g} s: {e}", None) from e
-                attempt = next_attempt(self._store, attempt)
-        mark_formed(self._store, attempt)
+        """Form the generation of ``attempt`` (or a newer one) with every rank (:func:`join_generation`)."""
+        attempt = join_generation(self._dist, self._store, self._env, self.backend, attempt, timeout, fresh=fresh)
         self._left = False
         self._hole = frozenset()
         self.generation = attempt
-        self.newcomers = newcomers(self._store, attempt, env.world_size)
+        self.newcomers = newcomers(self._store, attempt, self._env.world_size)
+
+    @contextmanager
+    def _store_lost_says_so(self) -> Iterator[None]:
+        """Turn torch's error of a store that is gone into one that says what happened and what to do."""
+        try:
+            yield
+        except PopmeshError:
+            raise
+        except RuntimeError as e:  # torch's DistNetworkError and friends: is the store still there?
+            try:
+                self._store.check([ATTEMPT])
+            except RuntimeError:
+                raise store_lost(self._env, e) from e
+            raise
 
     def _leave_generation(self) -> None:
         """Stop the heartbeat and the transport, close this rank's connections of the old generation (so

@@ -9,9 +9,13 @@ attempt that formed it. Ranks agree on the attempt through two keys of the store
 * ``FORMED``: the newest attempt that formed a world.
 
 A survivor of generation ``g`` asks for ``g + 1`` (or whatever is newer); a restarted process asks for
-one past ``FORMED``; a rank whose attempt failed (a rank died while it formed) asks for the next. An
-attempt forms only once every rank has checked in under it (:func:`await_members`), which also lets
-a waiting rank see that the attempt was superseded and move on instead of waiting out its timeout.
+one past ``FORMED``, or past the newest attempt if its own rank's previous process had checked in
+under that one (it died while the attempt formed, so that attempt cannot form); a rank whose attempt
+failed asks for the next. An attempt forms in two steps, each awaited on every rank: every rank checks
+in under it (:func:`await_members`), then, once its process group is up, says so (:func:`await_up`).
+The second step matters because gloo may finish forming a group on some ranks although a member died
+after publishing its address: no rank takes the attempt until every rank's group is up. Both waits
+see a superseded attempt at once and move on instead of waiting out their timeout.
 
 The logic is over a small store interface (``set``, ``get``, ``check``, ``compare_set``,
 ``multi_get``) so that it is tested with an in-memory store, without processes.
@@ -25,8 +29,8 @@ from typing import Any, Protocol
 from popmesh.core.errors import CommTimeout
 
 __all__ = ["ATTEMPT", "FORMED", "KeyStore", "Superseded", "prefix", "start_counting", "next_attempt",
-           "newcomer_attempt", "check_in", "await_members", "mark_formed", "newcomers", "newcomer_waiting",
-           "await_key"]
+           "newcomer_attempt", "check_in", "await_members", "mark_up", "await_up", "mark_formed", "newcomers",
+           "newcomer_waiting", "await_key"]
 
 ATTEMPT = "popmesh/attempt"
 FORMED = "popmesh/formed"
@@ -63,17 +67,23 @@ def next_attempt(store: KeyStore, after: int) -> int:
     return int(store.compare_set(ATTEMPT, str(after), str(after + 1)))
 
 
-def newcomer_attempt(store: KeyStore, timeout: float) -> int:
-    """The attempt a restarted process joins: one past the newest formed world (or newer, if started)."""
+def newcomer_attempt(store: KeyStore, rank: int, timeout: float) -> int:
+    """The attempt a restarted process for ``rank`` joins: one past the newest formed world, or the newest
+    attempt if started since, unless this rank's previous process had checked in under that one: it
+    died while the attempt formed, so it cannot form (the others may hold the dead process's address),
+    and the next one is joined."""
     formed = int(await_key(store, FORMED, time.monotonic() + timeout, "cannot rejoin the world: no world has formed "
                            "yet to rejoin"))
+    newest = int(store.get(ATTEMPT))
+    if newest > formed and store.check([_member(newest, rank)]):
+        return next_attempt(store, newest)
     return next_attempt(store, formed)
 
 
 def check_in(store: KeyStore, attempt: int, rank: int, *, fresh: bool) -> None:
     """Say that this process joins ``attempt`` as ``rank``: ``fresh`` if it was (re)started for it,
     not a survivor of the last generation."""
-    store.set(f"popmesh/gen/{attempt}/member/{rank}", "fresh" if fresh else "survivor")
+    store.set(_member(attempt, rank), "fresh" if fresh else "survivor")
     if fresh:  # one key survivors can poll cheaply, whatever the world's size (newcomer_waiting)
         store.set(f"popmesh/gen/{attempt}/fresh", "1")
 
@@ -85,20 +95,43 @@ def newcomer_waiting(store: KeyStore, generation: int) -> bool:
     return newest > generation and store.check([f"popmesh/gen/{newest}/fresh"])
 
 
-def await_members(store: KeyStore, attempt: int, size: int, deadline: float, pause: float = 0.005) -> None:
+def await_members(store: KeyStore, attempt: int, size: int, deadline: float) -> None:
     """Return once every rank has checked in under ``attempt``; :class:`Superseded` as soon as a newer
     attempt starts; CommTimeout at ``deadline`` naming the ranks that never checked in."""
-    keys = [f"popmesh/gen/{attempt}/member/{r}" for r in range(size)]
+    _await_all(store, attempt, [_member(attempt, r) for r in range(size)], deadline,
+               "never joined generation {attempt} (was the lost rank restarted? popmesh launch --max-restarts N)")
+
+
+def mark_up(store: KeyStore, attempt: int, rank: int) -> None:
+    """Say that ``rank``'s process group of ``attempt`` formed (its init returned)."""
+    store.set(f"popmesh/gen/{attempt}/up/{rank}", "1")
+
+
+def await_up(store: KeyStore, attempt: int, size: int, deadline: float) -> None:
+    """Return once every rank's process group of ``attempt`` is up (:func:`mark_up`); :class:`Superseded`
+    as soon as a newer attempt starts (a member died while the group formed and was restarted, or a rank
+    gave up on this one); CommTimeout at ``deadline`` naming the ranks whose group never came up."""
+    _await_all(store, attempt, [f"popmesh/gen/{attempt}/up/{r}" for r in range(size)], deadline,
+               "joined generation {attempt} but never finished forming it (did they die while it formed?)")
+
+
+def _await_all(store: KeyStore, attempt: int, keys: list[str], deadline: float, missing_said: str) -> None:
+    """Return once every one of ``keys`` (one per rank) is set; Superseded or CommTimeout as above."""
+    pause = 0.005
     while not store.check(keys):
         newest = int(store.get(ATTEMPT))
-        if newest > attempt:
+        if newest > attempt and not store.check(keys):  # the last key may have come meanwhile: then it formed
             raise Superseded(attempt, newest)
         if time.monotonic() >= deadline:
             missing = tuple(r for r, key in enumerate(keys) if not store.check([key]))
-            raise CommTimeout(f"the world did not re-form: rank(s) {list(missing)} never joined generation "
-                              f"{attempt} (was the lost rank restarted? popmesh launch --max-restarts N)", missing)
+            raise CommTimeout(f"the world did not re-form: rank(s) {list(missing)} "
+                              + missing_said.format(attempt=attempt), missing)
         time.sleep(pause)
         pause = min(2 * pause, 0.1)
+
+
+def _member(attempt: int, rank: int) -> str:
+    return f"popmesh/gen/{attempt}/member/{rank}"
 
 
 def mark_formed(store: KeyStore, attempt: int) -> None:

@@ -19,6 +19,10 @@ answers.) The process group's rendezvous (gloo's store waits) keeps to the timeo
 failure names only store keys, so each rank first leaves a mark in the store, and the error names
 the ranks whose mark is missing (rank 0 always can; another rank only while rank 0, which holds the
 store and began waiting first, is still there).
+
+A world that lost a rank forms again under a new generation (:func:`join_generation`, agreed through
+:mod:`popmesh.engines.torch.generations`): there a member may die while the group connects, so the
+group gets a short timeout of its own while it connects, and the next attempt is formed without it.
 """
 
 from __future__ import annotations
@@ -29,14 +33,32 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from popmesh.core.errors import CommTimeout, ConfigError, PopmeshError
+from popmesh.core.errors import CommTimeout, ConfigError, PeerFailure, PopmeshError
 from popmesh.core.launch_env import TorchEnv
+from popmesh.engines.torch.generations import (
+    Superseded,
+    await_members,
+    await_up,
+    check_in,
+    mark_formed,
+    mark_up,
+    next_attempt,
+    prefix,
+)
 from popmesh.engines.torch.network import pin_interface, probe_ring, spans_hosts
 
-__all__ = ["make_store", "join_world"]
+__all__ = ["make_store", "join_world", "join_generation", "store_lost"]
 
 _JOINED = "popmesh/joined/"
 _CONNECT_GRACE_S = 0.5  # torch's own connect, once something listens, even at the deadline
+_CONNECT_S = 0.5
+"""The timeout of a re-formed generation's process group while it connects, at first. Every rank has
+checked in by then, so gloo connects in 15-40 ms even with 4 ranks on a loaded 2-core box, unless a
+member died after checking in; then the others give up after this, not after the whole timeout (gloo's
+store waits after this, its wait for a peer that never connects after about 5x this), and form the next
+attempt with the restarted process (which takes about 2 s to start). Doubled after each failed attempt,
+so that a slow box is not mistaken for a lost rank twice; the timeout bounds it all."""
+_GLOO_CONNECT_FACTOR = 5  # gloo waits up to about this many times its timeout for a peer that never connects
 
 
 def make_store(dist: Any, env: TorchEnv, timeout: float) -> Any:
@@ -110,6 +132,61 @@ def join_world(dist: Any, store: Any, env: TorchEnv, backend: str, timeout: floa
             f"the world of {env.world_size} ranks did not form within {timeout:g} s: {who}. Start every rank "
             f"(popmesh launch -n {env.world_size} starts them all) with the same MASTER_ADDR:MASTER_PORT "
             f"({env.master_addr}:{env.master_port}), or raise POPMESH_TIMEOUT", missing) from e
+
+
+def join_generation(dist: Any, store: Any, env: TorchEnv, backend: str, attempt: int, timeout: float, *,
+                    fresh: bool) -> int:
+    """Check in under ``attempt`` and form its process group once every rank is there; the attempt that
+    formed. A newer attempt is joined instead where one starts (a rank died while this one formed, and was
+    restarted) or where the group does not connect within :data:`_CONNECT_S` (a member died after checking
+    in), until ``timeout``, CommTimeout after; the formed group keeps ``timeout`` for its collectives."""
+    deadline, connect = time.monotonic() + timeout, _CONNECT_S
+    while True:
+        check_in(store, attempt, env.rank, fresh=fresh)
+        try:
+            await_members(store, attempt, env.world_size, deadline)
+            left = (deadline - time.monotonic()) / _GLOO_CONNECT_FACTOR
+            dist.init_process_group(backend, store=dist.PrefixStore(prefix(attempt), store), rank=env.rank,
+                                    world_size=env.world_size, timeout=timedelta(seconds=max(min(connect, left), 0.1)))
+            mark_up(store, attempt, env.rank)
+            await_up(store, attempt, env.world_size, deadline)
+            break
+        except Superseded as e:
+            _drop_group(dist)
+            attempt = e.newer
+        except PopmeshError:  # the timeout, naming the ranks that never came
+            _drop_group(dist)
+            raise
+        except RuntimeError as e:  # the group did not connect: a member died while it formed
+            _drop_group(dist)
+            if time.monotonic() >= deadline:
+                raise CommTimeout(f"the world did not re-form within {timeout:g} s: {e}", None) from e
+            attempt, connect = next_attempt(store, attempt), 2 * connect
+    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout))  # the collectives' timeout, not the connect's
+    mark_formed(store, attempt)
+    return attempt
+
+
+def _drop_group(dist: Any) -> None:
+    """Destroy the process group of an attempt that did not form (if its init got that far). A failed init
+    had already counted the group for its name ("0", "1", ... in its rendezvous keys), and only destroying
+    a world resets that count: reset here too, or this rank would wait under another name than the others
+    in the next attempt."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.distributed_c10d._world.group_count = 0
+
+
+def store_lost(env: TorchEnv, error: BaseException) -> PopmeshError:
+    """The error of a re-form whose rendezvous store no longer answers: what happened, and what to do."""
+    where = f"{env.master_addr}:{env.master_port}"
+    if not env.agent_store:
+        return PeerFailure(f"the world cannot re-form: its rendezvous store ({where}) was served by rank 0, which is "
+                           f"gone ({error}). Nothing restarts lost ranks here, so nothing serves the store any more: "
+                           "launch with popmesh launch --max-restarts N, whose launcher serves the store so that it "
+                           "outlives every rank, rank 0 included", (0,))
+    return PopmeshError(f"the world cannot re-form: its rendezvous store ({where}), served by the launcher (node 0's "
+                        f"popmesh launch, or torchrun's agent), does not answer ({error}): is the launcher gone?")
 
 
 def _not_joined(store: Any, size: int) -> tuple[int, ...] | None:
