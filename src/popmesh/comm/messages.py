@@ -92,7 +92,8 @@ def _setup(group: Comm | None, timeout: float | None, what: str) -> tuple[Comm, 
     comm = resolve_group(group)
     comm.require_member(what)
     world = comm.world
-    seconds = resolve_timeout(timeout, world.default_timeout, "timeout", what)
+    seconds = world.default_timeout if timeout is None else resolve_timeout(timeout, world.default_timeout,
+                                                                              "timeout", what)
     p2p = getattr(world.engine, "p2p", None)
     if p2p is None:
         raise ConfigError(f"the {world.engine.name} engine has no point-to-point messages: use the torch or mpi "

@@ -49,12 +49,15 @@ __all__ = ["decode", "read_header"]
 
 WHOLE_HEADER = struct.Struct(FIXED_HEADER.format + "I")  # the 32 fixed bytes with the header CRC, in one unpack
 SHAPE_1 = SHAPE_STRUCTS[1]
+_UINT8 = np.dtype(np.uint8)
+_BYTES = int(Kind.BYTES)
 
 
 def _input_view(buf: Any) -> memoryview:
     """Accept bytes-likes, uint8 numpy arrays, CPU uint8 torch tensors or :func:`encode` output."""
     t = type(buf)
-    if t is bytes or (t is np.ndarray and buf.dtype == np.uint8 and buf.ndim == 1 and buf.flags.c_contiguous):
+    if t is bytes or (t is np.ndarray and (buf.dtype is _UINT8 or buf.dtype == _UINT8) and buf.ndim == 1
+                      and buf.flags.c_contiguous):  # identity first: a received frame's dtype is numpy's own
         return memoryview(buf)
     try:
         if isinstance(buf, (list, tuple)):
@@ -188,7 +191,7 @@ def _decode_plain(mv: memoryview) -> Any:
     data = mv[header_nbytes:]
     if flags and payload_digest(data) != digest:
         return None
-    if kind == Kind.BYTES:
+    if kind == _BYTES:  # a plain int: an IntEnum member's lookup costs more than the compare
         plain = dtype == UINT8_CODE and ndim == 1 and nbytes == SHAPE_1.unpack_from(mv, HEADER_NBYTES)[0]
         return bytes(data) if plain else None
     np_dtype = NUMPY_BY_CODE.get(dtype)

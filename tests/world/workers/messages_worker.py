@@ -306,6 +306,23 @@ def bad_arguments_are_config_errors(w):
             pass
         else:
             raise AssertionError(f"dst {dst!r} accepted")
+    p2p = getattr(w.engine, "p2p", None)  # the transport's own checks, behind its small-frame fast paths
+    if p2p is not None:
+        small = b"frame"
+        for dst, tag in ((w.size, 0), (-1, 0), (True, 0), (1.0, 0), (0, -1), (0, m.TAG_LIMIT), (0, True)):
+            try:
+                p2p().send(small, dst, tag, 1.0)
+            except ConfigError:
+                pass
+            else:
+                raise AssertionError(f"p2p send to {dst!r} on tag {tag!r} accepted")
+        for src, tag in ((w.size, 0), (-1, 0), (True, 0), (0, -1), (0, m.TAG_LIMIT)):
+            try:
+                p2p().recv(src, tag, 0.1)
+            except ConfigError:
+                pass
+            else:
+                raise AssertionError(f"p2p recv from {src!r} on tag {tag!r} accepted")
     only0 = w.new_group([0])
     if w.rank == 0 and w.size > 1:
         try:

@@ -61,7 +61,9 @@ class SendWindow:
 
     def admit(self, nbytes: int) -> bool:
         """Count a frame of ``nbytes`` as posted if there is :meth:`room` for it; whether there was."""
-        if not self.room(nbytes):
+        frames, in_flight = self.sent - self.credited, self.in_flight  # room(), written out: every frame comes here
+        if not ((frames < self.limit_frames and in_flight + nbytes <= self.limit_nbytes)
+                or (frames < CREDIT_FRAMES and in_flight < CREDIT_NBYTES)):
             return False
         self.sent += 1
         self.in_flight += nbytes
