@@ -163,3 +163,15 @@ def test_an_attempt_whose_last_rank_came_up_as_a_newer_one_started_is_still_take
     g.mark_up(store, 1, 1)
     g.next_attempt(store, 1)  # a newer attempt started (a rank died right after its group came up)
     g.await_up(store, 1, 3, time.monotonic() + 5)  # no Superseded: every group of attempt 1 is up
+
+
+def test_a_rank_whose_restarted_process_waits_is_known_lost_without_a_heartbeat():
+    """Survivors agreeing on their group (their heartbeat stopped) learn of a further loss from the store."""
+    store = _formed_world(4)
+    assert g.restarted_ranks(store, 0, 4) == frozenset()
+    attempt = g.next_attempt(store, 0)
+    g.check_in(store, attempt, 0, fresh=False)  # a survivor that moved on: not a restarted process
+    assert g.restarted_ranks(store, 0, 4) == frozenset()
+    g.check_in(store, attempt, 2, fresh=True)
+    assert g.restarted_ranks(store, 0, 4) == frozenset({2})
+    assert g.restarted_ranks(store, attempt, 4) == frozenset(), "a generation after it has nothing to learn"

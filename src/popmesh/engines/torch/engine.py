@@ -37,6 +37,7 @@ from popmesh.engines.torch.generations import (
     newcomer_waiting,
     newcomers,
     next_attempt,
+    restarted_ranks,
     start_counting,
 )
 from popmesh.engines.torch.holes import agree_survivors
@@ -319,9 +320,11 @@ class TorchEngine:
         self._stop_transport(grace=min(_SURVIVORS_GRACE_S, timeout))
         lost = heartbeat.failed_ranks()
         self._close_connections([h for h in self._all_groups() if lost & set(h[0])])
+        def failed() -> frozenset[int]:  # the heartbeat is stopped now: a rank restarted meanwhile is lost too
+            return heartbeat.failed_ranks() | lost | restarted_ranks(self._store, self.generation, self.size)
+
         with self._store_lost_says_so():
-            members, _ = agree_survivors(self._store, self.generation, self.rank, self.size,
-                                         lambda: heartbeat.failed_ranks() | lost, deadline)
+            members, _ = agree_survivors(self._store, self.generation, self.rank, self.size, failed, deadline)
         left_s = max(deadline - time.monotonic(), 1.0)
         pg = self._dist.new_group(list(members), timeout=timedelta(seconds=left_s), use_local_synchronization=True)
         self._hole = frozenset(range(self.size)) - frozenset(members)

@@ -30,7 +30,7 @@ from popmesh.core.errors import CommTimeout
 
 __all__ = ["ATTEMPT", "FORMED", "KeyStore", "Superseded", "prefix", "start_counting", "next_attempt",
            "newcomer_attempt", "check_in", "await_members", "mark_up", "await_up", "mark_formed", "newcomers",
-           "newcomer_waiting", "await_key"]
+           "newcomer_waiting", "restarted_ranks", "await_key"]
 
 ATTEMPT = "popmesh/attempt"
 FORMED = "popmesh/formed"
@@ -93,6 +93,19 @@ def newcomer_waiting(store: KeyStore, generation: int) -> bool:
     train on without it poll this, and re-form only once it is there (two store reads, no wait)."""
     newest = int(store.get(ATTEMPT))
     return newest > generation and store.check([f"popmesh/gen/{newest}/fresh"])
+
+
+def restarted_ranks(store: KeyStore, generation: int, size: int) -> frozenset[int]:
+    """The ranks whose restarted process waits to join a generation after ``generation``: their process
+    in ``generation`` is gone, whatever its heartbeat peers have heard (the launcher restarts a rank
+    only once it died)."""
+    newest = int(store.get(ATTEMPT))
+    if newest <= generation or not store.check([f"popmesh/gen/{newest}/fresh"]):
+        return frozenset()
+    keys = [f"popmesh/gen/{newest}/member/{r}" for r in range(size)]
+    present = [r for r in range(size) if store.check([keys[r]])]
+    values = store.multi_get([keys[r] for r in present]) if present else []
+    return frozenset(r for r, value in zip(present, values) if bytes(value) == b"fresh")
 
 
 def await_members(store: KeyStore, attempt: int, size: int, deadline: float) -> None:
