@@ -14,9 +14,9 @@ moment, so *rounds* in the rendezvous store settle it, under the generation's pr
 A survivor proposes the ranks it knows lost in the newest round (the engine counts a rank whose
 restarted process waits to join as lost too: its heartbeat is stopped while this runs). If the
 round's agreed set lacks one of them (a loss the first proposer had not seen yet), it starts the
-next round. Then every member
-checks in, and waits for the others: a waiting member moves to a newer round as soon as one starts,
-and starts one itself when a member it waits for is found failed meanwhile. Any round's lost set
+next round. Then every member checks in, and waits for the others: a waiting member moves to a
+newer round as soon as one starts, and starts one itself when a member it waits for is found
+failed meanwhile. Any round's lost set
 holds every loss its proposer knew, so a later call (a second loss) never forms an older round again.
 
 The logic is over the store interface of :mod:`popmesh.engines.torch.generations`, so it is tested
