@@ -21,11 +21,8 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/mypy
 
-# Two workers, a test file each at a time: a world test spends much of its time waiting on its ranks
-# (measured: ~0.85 of 2 cores busy), so two files at once fill the cores. Files stay whole, so a file's
-# shared worlds are started once.
 test: lint
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=15 tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15 tests
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/unit
