@@ -30,6 +30,7 @@ from popmesh.observe.board import Board
 from popmesh.observe.reports import Timer, print_report
 from popmesh.observe.timing import report_imbalance, report_timings
 from popmesh.population import AsyncSelectiveAveraging, AverageAll, DonorRule, ReplacementRule, SelectiveAveraging
+from popmesh.population.async_protocol import MAX_INSTANCES
 from popmesh.population.checkpoint import Checkpointer, latest_checkpoint, load_agent
 from popmesh.population.rejoin import seed_newcomers
 
@@ -255,7 +256,7 @@ def _regroup(world: Any, config: DemoConfig, learner: CartPoleLearner, lost: _Lo
     lost.regroups += 1
     if group.size > 1:
         lost.group = group
-        lost.policy = make_policy(config, learner, channel=1 + (lost.regroups - 1) % 20)
+        lost.policy = make_policy(config, learner, channel=1 + (lost.regroups - 1) % (MAX_INSTANCES - 1))
         if _lockstep(config):
             lost.policy_from = int(popmesh.all_reduce(np.array([iteration]), "max", group=group)[0])
 
