@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ import pytest
 
 from harness import mpiexec
 from popmesh.population.checkpoint import latest_checkpoint
+from ports import port_of, store_env, store_listener
 
 pytestmark = pytest.mark.world
 SCRIPT = str(Path(__file__).parent / "scripts" / "survive.py")
@@ -154,26 +154,23 @@ def test_a_rank_killed_inside_the_forming_of_a_generation_is_taken_in_within_sec
     assert len(last) == 4 and max(last) - killed < 10, formed  # measured 1.7-2.6 s on a loaded 2-core box
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("mode", ["wait", "carry-on"])
 def test_without_restarts_a_lost_rank_0_takes_the_store_and_re_forming_says_so(mode):
     """Ranks started by hand (nothing restarts them, and rank 0 serves the store): rank 0 dies; each survivor's
     reform() (or try_reform()) fails at once with a PeerFailure that says to launch with --max-restarts, not
     torch's store error, and not after POPMESH_TIMEOUT (60 s; the ranks' hard limit is 30 s)."""
-    port, size = _free_port(), 3
+    size = 3
     keep = {k: v for k, v in os.environ.items() if k not in (
         "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "POPMESH_STORE_FD", "PMI_RANK", "PMI_SIZE",
         "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT")}
-    env = {**keep, "WORLD_SIZE": str(size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-           "POPMESH_ENGINE": "torch", "POPMESH_TIMEOUT": "60", "SURVIVE_MODE": mode}
-    ranks = [subprocess.Popen([sys.executable, SCRIPT, "100", "0", "20"], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env={**env, "RANK": str(r)}) for r in range(size)]
+    with store_listener() as store:  # rank 0's store socket; the test's copy closes once rank 0 holds it
+        env = {**keep, "WORLD_SIZE": str(size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port_of(store)),
+               "POPMESH_ENGINE": "torch", "POPMESH_TIMEOUT": "60", "SURVIVE_MODE": mode}
+        ranks = [subprocess.Popen([sys.executable, SCRIPT, "100", "0", "20"], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True,
+                                  env={**env, "RANK": str(r), **(store_env(store) if r == 0 else {})},
+                                  pass_fds=(store.fileno(),) if r == 0 else ()) for r in range(size)]
     try:
         outcomes = [rank.communicate(timeout=30) for rank in ranks]
     finally:
