@@ -16,6 +16,7 @@ from popmesh.population.checkpoint import (
     capture_rng,
     latest_checkpoint,
     load_agent,
+    missing_ranks,
     read_manifest,
     restore_rng,
 )
@@ -107,3 +108,27 @@ def test_random_number_states_come_back():
 def test_selection_state_survives_json(rule):
     state = update_state(init_state(6, rule, rng=5), [1, 4], 12)
     assert state_from_json(json.loads(json.dumps(state_to_json(state)))) == state
+
+
+def test_a_checkpoint_written_while_a_rank_was_lost_names_it_and_holds_no_agent_of_it(tmp_path, agent):
+    """As the survivors' group writes it: the manifest says which of the population's ranks had no agent."""
+    model, opt = agent
+    _save(tmp_path, model, opt, (10,))
+    path = latest_checkpoint(tmp_path)
+    manifest = json.loads((path / MANIFEST).read_text())  # a population of 2 whose rank 1 was lost
+    (path / MANIFEST).write_text(json.dumps({**manifest, "world_size": 2, "missing": [1]}))
+    assert missing_ranks(path) == (1,) and load_agent(path, 0, 2).counters == {"iteration": 10}
+    with pytest.raises(ConfigError, match=r"rank 1 was lost when .* was written.*seed_newcomers"):
+        load_agent(path, 1, 2)
+    assert missing_ranks(latest_checkpoint(_save(tmp_path / "whole", model, opt, (10,)).directory)) == ()
+
+
+def test_torn_checkpoints_older_than_a_complete_one_are_removed(tmp_path, agent):
+    """A save cut short (a survivor left for the re-forming) leaves a folder without a manifest: gone once a
+    newer checkpoint is complete; a torn one newer than every complete one is left alone."""
+    model, opt = agent
+    for torn in ("ckpt-000000005", "ckpt-000000099"):
+        (tmp_path / torn).mkdir()
+        (tmp_path / torn / "rank-0.pt").write_bytes(b"half")
+    _save(tmp_path, model, opt, (10,))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-000000010", "ckpt-000000099"]

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from popmesh.population.checkpoint import latest_checkpoint
+from popmesh.population.checkpoint import read_manifest
 
 
 @pytest.mark.timeout(180)
@@ -96,11 +96,11 @@ def test_demo_population_carries_on_when_a_rank_is_lost(tmp_path):
     """--kill 1:4 with --max-restarts 1: rank 1 dies at iteration 4, is restarted, rejoins seeded by the
     best survivors, and every agent reaches the step budget; the loss and the rejoin are in
     events.jsonl and summary.json; the survivors trained on as a population of two while it restarted
-    (replacing each other, never it) and their iterations ran on (none repeated). A checkpoint written
-    after the loss resumes like any other."""
+    (replacing each other, never it) and their iterations ran on (none repeated), checkpointing among
+    themselves. A run resumed from such a checkpoint seeds rank 1 from the others, as at a rejoin."""
     cmd = [sys.executable, "-m", "popmesh", "demo", "--ranks", "3", "--steps", "20000", "--every", "2", "--warmup",
-           "0", "--no-live", "--max-restarts", "1", "--kill", "1:4", "--checkpoint-every", "4", "--out",
-           str(tmp_path / "a")]
+           "0", "--no-live", "--max-restarts", "1", "--kill", "1:4", "--checkpoint-every", "2",
+           "--checkpoint-keep", "100", "--out", str(tmp_path / "a")]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=200)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "rank 1 was killed by SIGKILL" in done.stderr and "restarted (1 of 1)" in done.stderr, done.stderr[-3000:]
@@ -124,15 +124,21 @@ def test_demo_population_carries_on_when_a_rank_is_lost(tmp_path):
     for rank in (0, 2):  # the survivors' iterations ran on, none repeated
         its = [r["iteration"] for r in rows if r["rank"] == rank]
         assert its == sorted(set(its)) and len(its) >= 38, its
-    newest = latest_checkpoint(run / "checkpoints")
-    assert newest is not None and int(newest.name.split("-")[1]) > 4, newest  # written after the loss
-    at = int(newest.name.split("-")[1])
+    written = {int(p.name.split("-")[1]): read_manifest(p) for p in sorted((run / "checkpoints").iterdir())}
+    short = [at for at, m in written.items() if 4 < at <= rejoined["iteration"]]  # by the survivors alone
+    assert short and all(written[at]["missing"] == [1] and written[at]["ranks"] == [0, 2] for at in short), written
+    assert all(m["missing"] == [] for at, m in written.items() if at not in short), written  # before, after
+    at = short[-1]
     resume = [a for a in cmd[:cmd.index("--out")] if a not in ("--kill", "1:4", "--steps", "20000")]
+    checkpoint = run / "checkpoints" / f"ckpt-{at:09d}"
     resumed = subprocess.run([*resume, "--steps", str(at * 512 + 1000), "--out", str(tmp_path / "b"), "--resume",
-                              str(run)], capture_output=True, text=True, timeout=150)
+                              str(checkpoint)], capture_output=True, text=True, timeout=150)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert f"resumed from {newest} (iteration {at}, {at * 512:,} steps per agent)" in resumed.stdout
+    assert f"resumed from {checkpoint} (iteration {at}, {at * 512:,} steps per agent)" in resumed.stdout
     again = json.loads((next((tmp_path / "b").iterdir()) / "summary.json").read_text())
+    (seeded,) = again["resumed_seeded"]
+    assert seeded["rank"] == 1 and set(seeded["donors"]) <= {0, 2} and seeded["donors"], again
+    assert f"rank 1 was lost when that checkpoint was written: seeded from ranks {seeded['donors']}" in resumed.stdout
     assert [a["steps"] for a in again["agents"]] == [(at + 2) * 512] * 3 and again["restarts"] == []
 
 

@@ -39,6 +39,8 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "perturbs it by 0.8 or 1.2, or resamples it with probability 0.25)")
     p.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
                    help="checkpoint the whole population every K iterations into runs/<ts>/checkpoints")
+    p.add_argument("--checkpoint-keep", type=int, default=2, metavar="N",
+                   help="keep the newest N complete checkpoints (default 2)")
     p.add_argument("--max-restarts", type=int, default=0, metavar="N",
                    help="restart a lost rank up to N times; it rejoins, seeded by the best agents")
     p.add_argument("--kill", default="", metavar="RANK:ITERATION",
@@ -53,7 +55,8 @@ def run_command(ns: argparse.Namespace) -> int:
     config = DemoConfig(ranks=ns.ranks, engine=ns.engine, policy=ns.policy, seed=ns.seed, steps=ns.steps,
                         every=ns.every, strategy=ns.strategy, donors=ns.donors, warmup=ns.warmup, out_dir=ns.out,
                         live=not ns.no_live, stop_at_target=ns.stop_at_target,
-                        checkpoint_every=ns.checkpoint_every, resume=ns.resume, max_restarts=ns.max_restarts,
+                        checkpoint_every=ns.checkpoint_every,
+                        checkpoint_keep=ns.checkpoint_keep, resume=ns.resume, max_restarts=ns.max_restarts,
                         kill=ns.kill, explore=not ns.no_explore, terminal=sys.stdout.isatty(), baseline=ns.baseline)
     terminal = config.live and config.terminal and config.engine == "torch"
     result = launch("popmesh.demo.worker", ["--config", json.dumps(config.to_dict())], module=True,

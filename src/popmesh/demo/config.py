@@ -37,6 +37,7 @@ class DemoConfig:
     live: bool = True
     stop_at_target: bool = False
     checkpoint_every: int = 0  # iterations between population checkpoints (0: none)
+    checkpoint_keep: int = 2  # the newest complete checkpoints kept
     resume: str = ""  # a run folder (or one of its checkpoints) to resume from
     max_restarts: int = 0  # restarts per rank (popmesh launch --max-restarts): a lost agent rejoins
     kill: str = ""  # "RANK:ITERATION": that rank's first process SIGKILLs itself there (to watch survival)
@@ -59,6 +60,8 @@ class DemoConfig:
             raise ConfigError("--donors must be at least 1 and --warmup not negative")
         if self.checkpoint_every < 0:
             raise ConfigError(f"--checkpoint-every {self.checkpoint_every}: give 0 (none) or a number of iterations")
+        if self.checkpoint_keep < 1:
+            raise ConfigError(f"--checkpoint-keep {self.checkpoint_keep}: keep at least the newest checkpoint (1)")
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts {self.max_restarts}: give 0 or more")
         if self.max_restarts and self.engine != "torch":

@@ -31,7 +31,7 @@ from popmesh.observe.reports import Timer, print_report
 from popmesh.observe.timing import report_imbalance, report_timings
 from popmesh.population import AsyncSelectiveAveraging, AverageAll, DonorRule, ReplacementRule, SelectiveAveraging
 from popmesh.population.async_protocol import MAX_INSTANCES
-from popmesh.population.checkpoint import Checkpointer, latest_checkpoint, load_agent
+from popmesh.population.checkpoint import Checkpointer, latest_checkpoint, load_agent, missing_ranks
 from popmesh.population.rejoin import seed_newcomers
 
 __all__ = ["make_policy", "run", "main"]
@@ -68,15 +68,16 @@ def run(config: DemoConfig) -> dict[str, Any] | None:
     reporter = Reporter(world, view, config.target, config.stop_at_target, at_checkpoints=config.checkpoint_every > 0)
     if world.newcomers:  # this process was restarted for a lost rank: the population seeds it
         start, out, through = _seed(world, config, learner, reporter, 0, None, None)
-        resumed_from = None
+        resumed: dict[str, Any] | None = None
         policy_from = through if _lockstep(config) else 0
     else:
         out = Path(popmesh.broadcast_object(str(new_run_dir(config.out_dir)) if world.is_main else None, src=0))
-        start, resumed_from = _resume(world, config, learner, policy)
+        start, resumed = _resume(world, config, learner, policy)
         through = policy_from = 0
     if trace.ACTIVE is None:  # every rank's timeline, merged into out/trace.json at finalize (docs/observe.md)
         world.start_trace(out)
-    checkpoints = Checkpointer(out / "checkpoints", config.checkpoint_every, group=world)
+    checkpoints = Checkpointer(out / "checkpoints", config.checkpoint_every, keep=config.checkpoint_keep,
+                               group=world)
     checkpoints.skip_through(through)
     reporter.board = Board(out / "tb", group=world)  # one TensorBoard run per rank: tensorboard --logdir runs
     if view is not None:
@@ -91,15 +92,18 @@ def run(config: DemoConfig) -> dict[str, Any] | None:
         reporter.board.close()
         if view is not None:
             view.stop()
-    summary = _finish(world, config, learner, reporter, timer, out, resumed_from, checkpoints)
+    summary = _finish(world, config, learner, reporter, timer, out, resumed, checkpoints)
     learner.close()
     world.finalize()
     return summary
 
 
-def _resume(world: Any, config: DemoConfig, learner: CartPoleLearner, policy: Any) -> tuple[int, str | None]:
+def _resume(world: Any, config: DemoConfig, learner: CartPoleLearner,
+            policy: Any) -> tuple[int, dict[str, Any] | None]:
     """With ``--resume``: every rank takes its agent (and its policy's state) back from the newest complete
-    checkpoint; the iteration to go on from and where it came from (0, None without ``--resume``)."""
+    checkpoint; a rank that was lost when the survivors wrote it is seeded from them instead, as at a
+    rejoin. The iteration to go on from, and where it came from with the ranks seeded (None without
+    ``--resume``)."""
     if not config.resume:
         return 0, None
     root = Path(config.resume)
@@ -107,13 +111,30 @@ def _resume(world: Any, config: DemoConfig, learner: CartPoleLearner, policy: An
     if found is None:
         raise ConfigError(f"--resume {config.resume}: no complete checkpoint there (a run folder written with "
                           "--checkpoint-every, or one of its checkpoints)")
-    agent = load_agent(found, world.rank, world.size)
-    iteration = learner.restore(agent)
-    if policy is not None and "policy" in agent.extra and hasattr(policy, "load_state_dict"):
-        policy.load_state_dict(agent.extra["policy"])
+    holes = missing_ranks(found)
+    iteration = 0
+    if world.rank not in holes:
+        agent = load_agent(found, world.rank, world.size)
+        iteration = learner.restore(agent)
+        if policy is not None and "policy" in agent.extra and hasattr(policy, "load_state_dict"):
+            policy.load_state_dict(agent.extra["policy"])
+    seeded = []
+    if holes:  # lost while the survivors wrote it: PBT's exploit from them, as at a rejoin
+        seeding = seed_newcomers(learner.model, learner.optimizer, learner.mean_return(),
+                                 {"iteration": iteration, "steps": learner.total_steps}, donors=config.donors,
+                                 newcomers=holes)
+        assert seeding is not None  # holes are ranks of this world (load_agent checked its size)
+        if world.rank in holes:
+            learner.total_steps = int(seeding.counters["steps"])
+            learner.adopt_learning_rate()
+            iteration = int(seeding.counters["iteration"])
+        seeded = [{"rank": r, "donors": list(seeding.donors)} for r in holes]
     if world.is_main:
         print(f"resumed from {found} (iteration {iteration}, {learner.total_steps:,} steps per agent)", flush=True)
-    return iteration, str(found)
+        for hole in seeded:
+            print(f"rank {hole['rank']} was lost when that checkpoint was written: seeded from ranks "
+                  f"{hole['donors']}", flush=True)
+    return iteration, {"path": str(found), "seeded": seeded}
 
 
 def _train(world: Any, config: DemoConfig, learner: CartPoleLearner, policy: Any, reporter: Reporter,
@@ -124,7 +145,7 @@ def _train(world: Any, config: DemoConfig, learner: CartPoleLearner, policy: Any
     hand-over keeps them): an iteration whose training was done counts even when its population
     step failed on a lost rank, so every rank meets every checkpoint at the same count. After a loss
     the survivors go on as a population of their own (``world.survivors()``: their policy's decisions
-    skip the lost rank; no checkpoint) and take the whole population back once the lost rank's
+    skip the lost rank; their checkpoints name it missing) and take the whole population back once the lost rank's
     restarted process is there (``world.newcomer_waiting()``): nobody waits for it. Ranks that meet
     again (in the survivors' group, or the world re-formed) may stand at different iterations; a
     synchronous policy, whose decisions every rank makes at the same iteration, is left out on each
@@ -151,14 +172,13 @@ def _train(world: Any, config: DemoConfig, learner: CartPoleLearner, policy: Any
             iteration = learner.total_steps // per_iteration
             if lost is not None:
                 lost.iterations += 1
-            elif checkpoints.due(iteration):
-                with timer.section("checkpoint"):
-                    state = policy.state_dict() if hasattr(policy, "state_dict") else {}
-                    checkpoints.save(iteration, learner.checkpoint(iteration, {"policy": state}))
-                reporter.agree_at_checkpoint()
+            if checkpoints.due(iteration) and (lost is None or lost.group is not None):
+                _checkpoint(learner, policy, checkpoints, timer, iteration, lost)
+                if lost is None:
+                    reporter.agree_at_checkpoint()
         except PeerFailure as e:
             iteration = learner.total_steps // per_iteration
-            lost = _leave(world, config, learner, policy, reporter, e, timer, iteration, lost)
+            lost = _leave(world, config, learner, policy, reporter, e, timer, iteration, lost, checkpoints)
     while True:  # the run ends whole: every rank, a restarted one too, meets here in one generation
         try:
             if lost is not None:  # this rank's steps ran out while the world was short: wait for the newcomer
@@ -168,7 +188,21 @@ def _train(world: Any, config: DemoConfig, learner: CartPoleLearner, policy: Any
             popmesh.barrier(group=world)
             return policy
         except PeerFailure as e:  # a loss this rank had not seen before its last iteration
-            lost = _leave(world, config, learner, policy, reporter, e, timer, iteration, lost)
+            lost = _leave(world, config, learner, policy, reporter, e, timer, iteration, lost, checkpoints)
+
+
+def _checkpoint(learner: CartPoleLearner, policy: Any, checkpoints: Checkpointer, timer: Timer, iteration: int,
+                lost: _Lost | None) -> None:
+    """Every rank of the population, or of the survivors' group while a rank is lost (the checkpoint then
+    names it missing, and a run resumed from it seeds it from the others). The policy's state is the
+    whole population's (kept from before the loss), not the survivors' policy's."""
+    with timer.section("checkpoint"):
+        if lost is None:
+            state = policy.state_dict() if hasattr(policy, "state_dict") else {}
+        else:
+            state = lost.policy_state or {}
+        checkpoints.save(iteration, learner.checkpoint(iteration, {"policy": state}),
+                         group=None if lost is None else lost.group)
 
 
 def _iterate(world: Any, config: DemoConfig, learner: CartPoleLearner, policy: Any, reporter: Reporter,
@@ -217,7 +251,7 @@ class _Lost:
 
 
 def _leave(world: Any, config: DemoConfig, learner: CartPoleLearner, policy: Any, reporter: Reporter,
-           error: PeerFailure, timer: Timer, iteration: int, lost: _Lost | None) -> _Lost:
+           error: PeerFailure, timer: Timer, iteration: int, lost: _Lost | None, checkpoints: Checkpointer) -> _Lost:
     """A rank was lost: stop what lives on the broken world (the policy, keeping its state; the reporter's
     messages) and go on with the other survivors (``_regroup``); ``error`` again when nothing restarts
     lost ranks. ``lost``: the survivors' state when this is a further failure while the world is short."""
@@ -230,7 +264,7 @@ def _leave(world: Any, config: DemoConfig, learner: CartPoleLearner, policy: Any
             lost = _Lost(time.time(), iteration, policy.state_dict() if hasattr(policy, "state_dict") else None)
             _shut_down(policy)  # its thread already stopped on the loss; this surfaces why
             reporter.detach()
-        _regroup(world, config, learner, lost, iteration)
+        _regroup(world, config, learner, lost, iteration, checkpoints)
     return lost
 
 
@@ -239,11 +273,13 @@ def _lockstep(config: DemoConfig) -> bool:
     return config.policy in ("selective", "average-all")
 
 
-def _regroup(world: Any, config: DemoConfig, learner: CartPoleLearner, lost: _Lost, iteration: int) -> None:
+def _regroup(world: Any, config: DemoConfig, learner: CartPoleLearner, lost: _Lost, iteration: int,
+             checkpoints: Checkpointer) -> None:
     """Form the survivors' group and a population policy among them, on a channel of its own (frames of the
     old policy may still be unreceived). Its replacement rules start afresh: what the whole population's
-    remembered is per member, and is taken back at the rejoin. If the survivors cannot agree on a group,
-    this rank trains on alone."""
+    remembered is per member, and is taken back at the rejoin. The survivors noticed the loss at different
+    iterations: their next checkpoint is one past the furthest, which all of them reach. If the survivors
+    cannot agree on a group, this rank trains on alone."""
     if lost.policy is not None:
         _shut_down(lost.policy)
     lost.group = lost.policy = None
@@ -257,8 +293,10 @@ def _regroup(world: Any, config: DemoConfig, learner: CartPoleLearner, lost: _Lo
     if group.size > 1:
         lost.group = group
         lost.policy = make_policy(config, learner, channel=1 + (lost.regroups - 1) % (MAX_INSTANCES - 1))
+        furthest = int(popmesh.all_reduce(np.array([iteration]), "max", group=group)[0])
+        checkpoints.skip_through(furthest)
         if _lockstep(config):
-            lost.policy_from = int(popmesh.all_reduce(np.array([iteration]), "max", group=group)[0])
+            lost.policy_from = furthest
 
 
 def _shut_down(policy: Any) -> None:
@@ -342,7 +380,7 @@ def _event(rank: int, learner: CartPoleLearner, info: Any, metric: float, warmup
 
 
 def _finish(world: Any, config: DemoConfig, learner: CartPoleLearner, reporter: Reporter,
-            timer: Timer, out: Path, resumed_from: str | None = None,
+            timer: Timer, out: Path, resumed: dict[str, Any] | None = None,
             checkpoints: Checkpointer | None = None) -> dict[str, Any] | None:
     finals = popmesh.gather_object({"rank": world.rank, "steps": learner.total_steps,
                                     "mean_return": None if math.isnan(learner.mean_return()) else learner.mean_return(),
@@ -356,8 +394,10 @@ def _finish(world: Any, config: DemoConfig, learner: CartPoleLearner, reporter: 
     survival = [e for e in reporter.events if "kind" in e]
     summary = {"config": config.to_dict(), "agents": finals, "reached_target": reporter.reached,
                "replacements": len(reporter.events) - len(survival), "engine": world.engine_name,
-               "ranks": world.size, "resumed_from": resumed_from, "generation": world.generation,
-               "restarts": [e for e in survival if e["kind"] == "rejoined"]}
+               "ranks": world.size, "resumed_from": None if resumed is None else resumed["path"],
+               "generation": world.generation, "restarts": [e for e in survival if e["kind"] == "rejoined"]}
+    if resumed is not None and resumed["seeded"]:  # lost when the survivors wrote the checkpoint
+        summary["resumed_seeded"] = resumed["seeded"]
     if checkpoints is not None and checkpoints.every:
         summary["checkpoints"] = {"written": checkpoints.saved, "seconds": round(checkpoints.seconds_spent, 3),
                                   "every": checkpoints.every, "folder": str(out / "checkpoints")}

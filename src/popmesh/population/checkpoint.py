@@ -9,6 +9,11 @@ the newest one whose manifest is there and whose files match it, so a checkpoint
 killed rank, a full disk or a lost node is skipped. Loading uses ``torch.load(weights_only=True)``:
 tensors and plain values, no code. All ranks must see the same directory (one node, or a shared
 file system).
+
+While the world is short of a lost rank, its survivors can checkpoint over their own group
+(``save(..., group=survivors)``): the manifest then names the population's ranks that had no agent to
+write (``missing``), and a resumed run seeds those from the others (:func:`missing_ranks`, then
+:func:`popmesh.population.rejoin.seed_newcomers` with ``newcomers=``), as a rejoined rank is seeded.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from popmesh.comm.world import Comm, resolve_group
 from popmesh.core.errors import ConfigError
 
 __all__ = ["AgentState", "Checkpointer", "capture_rng", "restore_rng", "latest_checkpoint", "load_agent",
-           "read_manifest"]
+           "missing_ranks", "read_manifest"]
 
 MANIFEST = "COMPLETE.json"
 _PREFIX = "ckpt-"
@@ -77,7 +82,8 @@ def restore_rng(state: Mapping[str, Any], generator: np.random.Generator | None 
 
 class Checkpointer:
     """Population checkpoints in ``directory`` every ``every`` iterations (0: never), the newest
-    ``keep`` of them kept. Every rank of ``group`` calls :meth:`save` at the same iterations."""
+    ``keep`` of them kept. Every rank of ``group`` (the population; default the world) calls
+    :meth:`save` at the same iterations, or every survivor while the world is short of a lost rank."""
 
     def __init__(self, directory: str | os.PathLike[str], every: int, *, keep: int = 2,
                  group: Comm | None = None) -> None:
@@ -103,11 +109,18 @@ class Checkpointer:
         the highest of them on every rank, so the next checkpoint is one every rank reaches."""
         self._skip_through = max(self._skip_through, int(iteration))
 
-    def save(self, iteration: int, agent: AgentState, *, policy_state: Any = None,
-             timeout: float | None = None) -> Path:
-        """Write this rank's agent, then (rank 0, after every rank has) the manifest; the checkpoint's path."""
+    def save(self, iteration: int, agent: AgentState, *, policy_state: Any = None, timeout: float | None = None,
+             group: Comm | None = None) -> Path:
+        """Write this rank's agent, then (the first rank, after every rank has) the manifest; the checkpoint's
+        path. ``group``: the ranks that write, when not the whole population (the survivors of a lost
+        rank, ``world.survivors()``); the manifest names the others ``missing``."""
         started = time.monotonic()
-        comm = resolve_group(self._group)
+        population = resolve_group(self._group)
+        comm = population if group is None else resolve_group(group)
+        missing = sorted(set(population.ranks) - set(comm.ranks))
+        if not set(comm.ranks) <= set(population.ranks):
+            raise ConfigError(f"checkpoint by ranks {list(comm.ranks)}: only ranks of the population "
+                              f"{list(population.ranks)} can write its checkpoints")
         path = self.directory / f"{_PREFIX}{iteration:09d}"
         if comm.rank == comm.ranks[0]:
             path.mkdir(parents=True, exist_ok=True)
@@ -117,8 +130,8 @@ class Checkpointer:
         facts = {"file": mine.name, "bytes": mine.stat().st_size, "sha256": _sha256(mine)}
         files = list(all_gather_object(facts, group=comm, timeout=timeout))
         if comm.rank == comm.ranks[0]:
-            manifest = {"iteration": iteration, "world_size": comm.size, "ranks": list(comm.ranks), "files": files,
-                        "time": time.time(), "policy_state": policy_state}
+            manifest = {"iteration": iteration, "world_size": population.size, "ranks": list(comm.ranks),
+                        "missing": missing, "files": files, "time": time.time(), "policy_state": policy_state}
             _atomic_write(path / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
             _fsync_dir(path)
             self._complete.add(path)  # its files' sizes and hashes are the ones just gathered
@@ -129,12 +142,16 @@ class Checkpointer:
         return path
 
     def _prune(self) -> None:
-        """Remove the complete checkpoints beyond the newest ``keep`` (each folder is hashed once)."""
-        complete = [p for p in _candidates(self.directory) if p in self._complete or _valid(p) is not None]
+        """Remove the complete checkpoints beyond the newest ``keep`` (each folder is hashed once), and the
+        torn ones older than the newest complete one (a save cut short by a loss or a re-forming)."""
+        folders = _candidates(self.directory)
+        complete = [p for p in folders if p in self._complete or _valid(p) is not None]
         self._complete.update(complete)
         for old in complete[self.keep:]:
             shutil.rmtree(old, ignore_errors=True)
             self._complete.discard(old)
+        for torn in (p for p in folders if p not in self._complete and complete and p < complete[0]):
+            shutil.rmtree(torn, ignore_errors=True)
 
 
 def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
@@ -157,12 +174,21 @@ def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
     return manifest
 
 
+def missing_ranks(path: str | os.PathLike[str]) -> tuple[int, ...]:
+    """The ranks of the population that had no agent in the checkpoint at ``path`` (lost when the survivors
+    wrote it): a resumed run seeds them from the others. Empty for a checkpoint of the whole population."""
+    return tuple(int(r) for r in read_manifest(path).get("missing", ()))
+
+
 def load_agent(path: str | os.PathLike[str], rank: int, world_size: int) -> AgentState:
     """Rank ``rank``'s agent from the checkpoint at ``path`` (which must have ``world_size`` ranks)."""
     manifest = read_manifest(path)
     if manifest["world_size"] != world_size:
         raise ConfigError(f"{path} holds a population of {manifest['world_size']} agents, but this world has "
                           f"{world_size} ranks: resume with {manifest['world_size']} ranks")
+    if rank in manifest.get("missing", ()):
+        raise ConfigError(f"rank {rank} was lost when {path} was written, so it holds no agent of rank {rank}: "
+                          "seed it from the others (missing_ranks(path), then seed_newcomers(..., newcomers=...))")
     data = torch.load(Path(path) / f"rank-{rank}.pt", weights_only=True)
     return AgentState(model=data["model"], optimizer=data["optimizer"], hyper=data["hyper"],
                       counters=data["counters"], rng=data["rng"], extra=data["extra"])

@@ -54,12 +54,15 @@ def choose_donors(metrics: Sequence[float], ranks: Sequence[int], newcomers: Seq
 
 def seed_newcomers(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, metric: float,
                    counters: Mapping[str, Any] | None = None, *, donors: int = 2, include_buffers: bool = True,
-                   group: Comm | None = None, timeout: float | None = None) -> Seeding | None:
-    """Every rank of ``group`` calls this after the world re-formed; the newcomers (``world.newcomers``)
-    take the mean of the best ``donors`` survivors' weights (and floating buffers), the best donor's
-    optimizer state and its ``counters`` (returned on every rank). None when no rank is new."""
+                   group: Comm | None = None, timeout: float | None = None,
+                   newcomers: Sequence[int] | None = None) -> Seeding | None:
+    """Every rank of ``group`` calls this after the world re-formed; the newcomers (``world.newcomers``, or
+    the ranks given: those a resumed checkpoint holds no agent of, ``checkpoint.missing_ranks``) take
+    the mean of the best ``donors`` others' weights (and floating buffers), the best donor's optimizer
+    state and its ``counters`` (returned on every rank). None when no rank is new."""
     comm = resolve_group(group)
-    newcomers = tuple(r for r in comm.world.newcomers if r in comm.ranks)
+    chosen_new = comm.world.newcomers if newcomers is None else newcomers
+    newcomers = tuple(r for r in chosen_new if r in comm.ranks)
     if not newcomers:
         return None
     metrics = [float("nan") if m is None else float(m)

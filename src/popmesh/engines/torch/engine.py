@@ -320,8 +320,8 @@ class TorchEngine:
         self._stop_transport(grace=min(_SURVIVORS_GRACE_S, timeout))
         lost = heartbeat.failed_ranks()
         self._close_connections([h for h in self._all_groups() if lost & set(h[0])])
-        def failed() -> frozenset[int]:  # the heartbeat is stopped now: a rank restarted meanwhile is lost too
-            return heartbeat.failed_ranks() | lost | restarted_ranks(self._store, self.generation, self.size)
+        def failed() -> frozenset[int]:  # the heartbeat is stopped (``lost`` is all it found): a rank whose
+            return lost | restarted_ranks(self._store, self.generation, self.size)  # process restarted is lost too
 
         with self._store_lost_says_so():
             members, _ = agree_survivors(self._store, self.generation, self.rank, self.size, failed, deadline)
