@@ -113,6 +113,7 @@ class TorchEngine:
         self.newcomers: tuple[int, ...] = ()  # ranks that joined the current generation as new processes
         self._left = False  # left a generation that lost a rank, not yet in the next one (try_reform)
         self._hole: frozenset[int] = frozenset()  # the lost ranks of this generation's survivors' group
+        self._unfinished = False  # a collective failed here (timed out, a peer gone): gloo may still run it
         _pick_cuda_device(torch, env)
         if self._owns:
             self._store = make_store(dist, env, timeout)
@@ -409,6 +410,8 @@ class TorchEngine:
     def finalize(self) -> None:
         self._stop_transport(forget=False)
         if self._owns and self._dist.is_initialized():
+            if self._unfinished:  # gloo's worker still runs the failed collective: destroying the group
+                self._close_connections(self._all_groups())  # would wait for it (5 s at exit, measured)
             self._dist.destroy_process_group()
         self._store = None
         if self._finished_works:
@@ -452,6 +455,7 @@ class TorchEngine:
         self._finished_works.append(work)
 
     def _raise(self, e: RuntimeError, group: _Handle, timeout: float, what: str) -> None:
+        self._unfinished = True
         text = str(e)
         failure = self.peer_failure(group.spec.ranks)
         if failure is not None:  # the heartbeat closed the connection to a frozen or dead member
