@@ -116,10 +116,20 @@ def _report(exc: BaseException, *, quiet: bool = False) -> None:
 
 
 def _exit_soon(code: int) -> None:
-    """Start a daemon watchdog that hard-exits with ``code`` if normal shutdown stalls."""
-    timer = threading.Timer(_EXIT_WATCHDOG_S, os._exit, args=(code,))
+    """Start a daemon watchdog that hard-exits with ``code`` if normal shutdown stalls, saying so (a
+    stalled exit is a defect of whatever stalled it: the message lets it be seen)."""
+    timer = threading.Timer(_EXIT_WATCHDOG_S, _exit_now, args=(code,))
     timer.daemon = True
     timer.start()
+
+
+def _exit_now(code: int) -> None:
+    stalled = sorted(t.name for t in threading.enumerate() if not t.daemon and t is not threading.main_thread())
+    try:
+        os.write(2, (f"popmesh: this rank's exit stalled {_EXIT_WATCHDOG_S:g} s after its failure (in an atexit "
+                     f"hook, or non-daemon threads {stalled or 'none'}); exiting now\n").encode())
+    finally:
+        os._exit(code)
 
 
 def _set_path(entry: str) -> None:
