@@ -48,3 +48,12 @@ def test_a_rank_with_an_exit_note_is_not_counted_killed(tmp_path):
     with RankWatch(str(tmp_path), HOST) as watch:
         time.sleep(0.1)
     assert watch.killed() == [] and os.path.exists(tmp_path / "rank-0.watched")
+
+
+def test_ends_seen_within_the_window_of_the_first_cannot_be_ordered():
+    from popmesh.launch.rankwatch import RankEnd
+    from popmesh.launch.verdict import TOGETHER_S, ended_together
+
+    ends = [RankEnd(2, 12, HOST, 100.0), RankEnd(1, 11, HOST, 100.0006), RankEnd(0, 10, HOST, 100.0 + 2 * TOGETHER_S)]
+    assert ended_together(ends) == [2, 1]  # the kernel showed rank 2's end first: 1 may have died before it
+    assert ended_together(ends[:1]) == [2] and ended_together([]) == []
