@@ -107,6 +107,7 @@ def one_seed(seed: int, steps: int, every: int) -> dict[str, Any]:
             "downtime_s": rejoin.get("downtime_s"), "survivors_ran_on": ran_on,
             # the survivors train on together while the lost rank restarts, then wait only for each other
             "survivor_wait_s": max(_survivors(rejoin, "survivor_wait_s", victim), default=None),
+            "survivor_leaving_s": max(_survivors(rejoin, "survivor_leaving_s", victim), default=None),
             "survivor_iterations_alone": min(_survivors(rejoin, "iterations_alone", victim), default=None),
             "replacements_while_short": meanwhile,
             "whole_steps": whole, "whole_redone_steps": redone, "whole_computed_steps": whole and whole + redone,
@@ -153,7 +154,8 @@ def main() -> None:
     print(f"survivors waited (longest per run) median {median([r['survivor_wait_s'] for r in rows])} s "
           f"(per seed {[r['survivor_wait_s'] for r in rows]}), having trained on for at least "
           f"{[r['survivor_iterations_alone'] for r in rows]} iterations meanwhile, with "
-          f"{[r['replacements_while_short'] for r in rows]} replacements among them")
+          f"{[r['replacements_while_short'] for r in rows]} replacements among them; leaving the broken world "
+          f"and forming their group took them (longest per run) {[r['survivor_leaving_s'] for r in rows]} s")
 
 
 if __name__ == "__main__":

@@ -110,6 +110,8 @@ def test_demo_population_carries_on_when_a_rank_is_lost(tmp_path):
     (rejoined,) = summary["restarts"]
     assert rejoined["rank"] == 1 and set(rejoined["donors"]) <= {0, 2} and rejoined["donors"]
     alone = rejoined["iterations_alone"]  # nobody waited for the restarted process: the survivors trained on
+    leaving = rejoined["survivor_leaving_s"]  # seconds each survivor spent leaving and forming their group
+    assert len(leaving) == 3 and leaving[1] == 0 and leaving[0] > 0 and leaving[2] > 0, rejoined
     assert alone[1] == 0 and alone[0] > 0 and alone[2] > 0, rejoined
     assert all(names for names in _traced(run, 3))  # the restarted rank 1's track too
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]

@@ -244,6 +244,7 @@ class _Lost:
     policy: Any = None
     regroups: int = 0
     policy_from: int = 0  # the survivors' policy acts from this iteration on (see _train)
+    leaving_s: float = 0.0  # seconds spent leaving the broken world and forming survivors' groups
 
     @property
     def members(self) -> tuple[int, ...]:
@@ -259,12 +260,14 @@ def _leave(world: Any, config: DemoConfig, learner: CartPoleLearner, policy: Any
         raise error
     if lost is not None and world.failure(lost.members) is None:
         return lost  # no member of the survivors' group is lost: one of them went on to re-form, as this rank will
+    began = time.monotonic()
     with timer.section("re-forming"):
         if lost is None:
             lost = _Lost(time.time(), iteration, policy.state_dict() if hasattr(policy, "state_dict") else None)
             _shut_down(policy)  # its thread already stopped on the loss; this surfaces why
             reporter.detach()
         _regroup(world, config, learner, lost, iteration, checkpoints)
+    lost.leaving_s += time.monotonic() - began
     return lost
 
 
@@ -324,18 +327,20 @@ def _rejoin(world: Any, config: DemoConfig, learner: CartPoleLearner, reporter: 
         policy.load_state_dict(lost.policy_state)
     reporter.reconnect()
     seen = {"time": lost.at, "iteration": lost.iteration}
-    through = _seed(world, config, learner, reporter, iteration, seen, out, (lost.iterations, waited))[2]
+    alone = (lost.iterations, waited, lost.leaving_s)
+    through = _seed(world, config, learner, reporter, iteration, seen, out, alone)[2]
     checkpoints.skip_through(through)
     return policy, through if _lockstep(config) else 0
 
 
 def _seed(world: Any, config: DemoConfig, learner: CartPoleLearner, reporter: Reporter, iteration: int,
           lost: dict[str, Any] | None, out: Path | None,
-          alone: tuple[int, float] = (0, 0.0)) -> tuple[int, Path, int]:
+          alone: tuple[int, float, float] = (0, 0.0, 0.0)) -> tuple[int, Path, int]:
     """Every rank, right after the world (re-)formed with newcomers: they take the mean of the best agents
     (PBT's exploit), the best one's counters and the run's folder; rank 0 records the loss and the
     rejoin (``lost``: when and at which iteration a survivor saw the loss), with the iterations each
-    survivor trained on alone meanwhile and the seconds it then waited for the others (``alone``).
+    survivor trained on alone meanwhile, the seconds it then waited for the others, and those it spent
+    leaving the broken world and forming its survivors' groups (``alone``).
     The iteration this rank goes on from (a newcomer's is its best donor's), the folder, and the highest iteration
     of any rank: ranks noticed the loss at different iterations, so no checkpoint up to it
     (Checkpointer.skip_through), or ranks would meet in different ones."""
@@ -362,7 +367,8 @@ def _seed(world: Any, config: DemoConfig, learner: CartPoleLearner, reporter: Re
                                "weights": list(seeding.weights), "generation": world.generation,
                                "downtime_s": round(now - (lost_at or now), 3),
                                "iterations_alone": [a[0] for a in alone_by_rank],
-                               "survivor_wait_s": [round(a[1], 3) for a in alone_by_rank]})
+                               "survivor_wait_s": [round(a[1], 3) for a in alone_by_rank],
+                               "survivor_leaving_s": [round(a[2], 3) for a in alone_by_rank]})
     through = int(popmesh.all_reduce(np.array([iteration]), "max")[0])
     return iteration, out, through
 
