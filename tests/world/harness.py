@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ports import port_of, store_env, store_listener
 from worldlib import SKIPPED
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -109,21 +109,14 @@ def _popen(cmd: list[str], env: dict[str, str], log: Path, fds: tuple[int, ...] 
 
 
 def _spawn_torch(script: Path, size: int, env: dict[str, str], logs: Path) -> list[subprocess.Popen]:
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(size + 8)
-    port = listener.getsockname()[1]
     procs = []
-    for rank in range(size):
-        rank_env = dict(env, RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank),
-                        LOCAL_WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                        POPMESH_ENGINE="torch")
-        fds: tuple[int, ...] = ()
-        if rank == 0:
-            rank_env["POPMESH_STORE_FD"] = str(listener.fileno())
-            fds = (listener.fileno(),)
-        procs.append(_popen([sys.executable, str(script)], rank_env, logs / f"out{rank}.log", fds))
-    listener.close()
+    with store_listener(size + 8) as listener:  # rank 0's store socket; closed here once it holds it
+        for rank in range(size):
+            rank_env = dict(env, RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank),
+                            LOCAL_WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port_of(listener)),
+                            POPMESH_ENGINE="torch", **(store_env(listener) if rank == 0 else {}))
+            fds = (listener.fileno(),) if rank == 0 else ()
+            procs.append(_popen([sys.executable, str(script)], rank_env, logs / f"out{rank}.log", fds))
     return procs
 
 

@@ -120,14 +120,8 @@ def _resume(world: Any, config: DemoConfig, learner: CartPoleLearner,
             policy.load_state_dict(agent.extra["policy"])
     seeded = []
     if holes:  # lost while the survivors wrote it: PBT's exploit from them, as at a rejoin
-        seeding = seed_newcomers(learner.model, learner.optimizer, learner.mean_return(),
-                                 {"iteration": iteration, "steps": learner.total_steps}, donors=config.donors,
-                                 newcomers=holes)
+        seeding, iteration = _exploit(world, config, learner, iteration, holes)
         assert seeding is not None  # holes are ranks of this world (load_agent checked its size)
-        if world.rank in holes:
-            learner.total_steps = int(seeding.counters["steps"])
-            learner.adopt_learning_rate()
-            iteration = int(seeding.counters["iteration"])
         seeded = [{"rank": r, "donors": list(seeding.donors)} for r in holes]
     if world.is_main:
         print(f"resumed from {found} (iteration {iteration}, {learner.total_steps:,} steps per agent)", flush=True)
@@ -165,8 +159,8 @@ def _train(world: Any, config: DemoConfig, learner: CartPoleLearner, policy: Any
                 with timer.section("re-forming"):
                     policy, policy_from = _rejoin(world, config, learner, reporter, lost, iteration, out, checkpoints)
                 lost = None
-            acting = (lost.policy if iteration >= lost.policy_from else None) if lost else (
-                policy if iteration >= policy_from else None)
+            current, since = (lost.policy, lost.policy_from) if lost else (policy, policy_from)
+            acting = current if iteration >= since else None
             _iterate(world, config, learner, acting, reporter, timer, iteration, started, first_steps,
                      lost.group if lost else None)
             iteration = learner.total_steps // per_iteration
@@ -344,19 +338,15 @@ def _seed(world: Any, config: DemoConfig, learner: CartPoleLearner, reporter: Re
     The iteration this rank goes on from (a newcomer's is its best donor's), the folder, and the highest iteration
     of any rank: ranks noticed the loss at different iterations, so no checkpoint up to it
     (Checkpointer.skip_through), or ranks would meet in different ones."""
-    seeding = seed_newcomers(learner.model, learner.optimizer, learner.mean_return(),
-                             {"iteration": iteration, "steps": learner.total_steps}, donors=config.donors)
+    lost_iteration = iteration  # this rank's, unless the donor says where a survivor saw the loss
+    seeding, iteration = _exploit(world, config, learner, iteration)
     if seeding is None:
         raise ConfigError("the world re-formed without a new process: nothing to seed")
     donor = seeding.donors[0]
     lost = popmesh.broadcast_object(lost, src=donor) or {}  # when and where a survivor saw the loss
-    lost_at, lost_iteration = lost.get("time"), lost.get("iteration", iteration)
+    lost_at, lost_iteration = lost.get("time"), lost.get("iteration", lost_iteration)
     out = Path(popmesh.broadcast_object(None if out is None else str(out), src=donor))
     alone_by_rank = popmesh.gather_object(list(alone), dst=0)
-    if world.rank in seeding.newcomers:
-        learner.total_steps = int(seeding.counters["steps"])
-        learner.adopt_learning_rate()
-        iteration = int(seeding.counters["iteration"])
     if world.is_main:
         now = time.time()
         for rank in seeding.newcomers:
@@ -371,6 +361,21 @@ def _seed(world: Any, config: DemoConfig, learner: CartPoleLearner, reporter: Re
                                "survivor_leaving_s": [round(a[2], 3) for a in alone_by_rank]})
     through = int(popmesh.all_reduce(np.array([iteration]), "max")[0])
     return iteration, out, through
+
+
+def _exploit(world: Any, config: DemoConfig, learner: CartPoleLearner, iteration: int,
+             newcomers: tuple[int, ...] | None = None) -> tuple[Any, int]:
+    """PBT's exploit for the newcomers (``world.newcomers``, or the ranks given): :func:`seed_newcomers`, and a
+    newcomer takes its best donor's step count and learning rate. The seeding (None when no rank is new)
+    and the iteration this rank goes on from (a newcomer's is its best donor's)."""
+    seeding = seed_newcomers(learner.model, learner.optimizer, learner.mean_return(),
+                             {"iteration": iteration, "steps": learner.total_steps}, donors=config.donors,
+                             newcomers=newcomers)
+    if seeding is not None and world.rank in seeding.newcomers:
+        learner.total_steps = int(seeding.counters["steps"])
+        learner.adopt_learning_rate()
+        iteration = int(seeding.counters["iteration"])
+    return seeding, iteration
 
 
 def _event(rank: int, learner: CartPoleLearner, info: Any, metric: float, warmup: int) -> dict[str, Any]:

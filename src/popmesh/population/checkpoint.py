@@ -117,7 +117,6 @@ class Checkpointer:
         started = time.monotonic()
         population = resolve_group(self._group)
         comm = population if group is None else resolve_group(group)
-        missing = sorted(set(population.ranks) - set(comm.ranks))
         if not set(comm.ranks) <= set(population.ranks):
             raise ConfigError(f"checkpoint by ranks {list(comm.ranks)}: only ranks of the population "
                               f"{list(population.ranks)} can write its checkpoints")
@@ -130,6 +129,7 @@ class Checkpointer:
         facts = {"file": mine.name, "bytes": mine.stat().st_size, "sha256": _sha256(mine)}
         files = list(all_gather_object(facts, group=comm, timeout=timeout))
         if comm.rank == comm.ranks[0]:
+            missing = sorted(set(population.ranks) - set(comm.ranks))
             manifest = {"iteration": iteration, "world_size": population.size, "ranks": list(comm.ranks),
                         "missing": missing, "files": files, "time": time.time(), "policy_state": policy_state}
             _atomic_write(path / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode()))

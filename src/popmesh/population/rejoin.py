@@ -61,8 +61,7 @@ def seed_newcomers(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
     the mean of the best ``donors`` others' weights (and floating buffers), the best donor's optimizer
     state and its ``counters`` (returned on every rank). None when no rank is new."""
     comm = resolve_group(group)
-    chosen_new = comm.world.newcomers if newcomers is None else newcomers
-    newcomers = tuple(r for r in chosen_new if r in comm.ranks)
+    newcomers = tuple(r for r in (comm.world.newcomers if newcomers is None else newcomers) if r in comm.ranks)
     if not newcomers:
         return None
     metrics = [float("nan") if m is None else float(m)

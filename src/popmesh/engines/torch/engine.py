@@ -321,8 +321,10 @@ class TorchEngine:
         self._stop_transport(grace=min(_SURVIVORS_GRACE_S, timeout))
         lost = heartbeat.failed_ranks()
         self._close_connections([h for h in self._all_groups() if lost & set(h[0])])
-        def failed() -> frozenset[int]:  # the heartbeat is stopped (``lost`` is all it found): a rank whose
-            return lost | restarted_ranks(self._store, self.generation, self.size)  # process restarted is lost too
+
+        def failed() -> frozenset[int]:
+            """``lost`` is all the stopped heartbeat found; a rank whose restarted process waits is lost too."""
+            return lost | restarted_ranks(self._store, self.generation, self.size)
 
         with self._store_lost_says_so():
             members, _ = agree_survivors(self._store, self.generation, self.rank, self.size, failed, deadline)
@@ -334,7 +336,7 @@ class TorchEngine:
         known = {rank: error for rank, error in heartbeat.errors().items() if rank in self._hole}
         from popmesh.engines.torch.p2p import TorchP2P
 
-        self._p2p = TorchP2P(self, members, pg, dict(known))
+        self._p2p = TorchP2P(self, members, pg, known)  # it and the heartbeat keep copies of their own
         if older is not None:
             self._p2p.adopt(older)
         self._heartbeat = start_heartbeat(self._p2p, self._peer_failed, known)

@@ -102,7 +102,7 @@ def restarted_ranks(store: KeyStore, generation: int, size: int) -> frozenset[in
     newest = int(store.get(ATTEMPT))
     if newest <= generation or not store.check([f"popmesh/gen/{newest}/fresh"]):
         return frozenset()
-    keys = [f"popmesh/gen/{newest}/member/{r}" for r in range(size)]
+    keys = [_member(newest, r) for r in range(size)]
     present = [r for r in range(size) if store.check([keys[r]])]
     values = store.multi_get([keys[r] for r in present]) if present else []
     return frozenset(r for r, value in zip(present, values) if bytes(value) == b"fresh")

@@ -41,6 +41,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -296,7 +297,7 @@ class TorchP2P(P2PBase):
     _tells_arrivals = True  # every delivery runs on a pump thread, which calls _notify
 
     def __init__(self, engine: Any, members: tuple[int, ...] | None = None, pg: Any = None,
-                 lost: dict[int, PopmeshError] | None = None) -> None:
+                 lost: Mapping[int, PopmeshError] | None = None) -> None:
         import torch.distributed as dist
 
         super().__init__(engine.rank, engine.size)
@@ -413,6 +414,7 @@ class TorchP2P(P2PBase):
                 pump.thread.join(max(0.0, deadline - time.monotonic()))
         self._workers.close(max(0.0, deadline - time.monotonic()))
         self._own_pg = None
+
     def _say_goodbye(self, peer: int) -> None:
         """Tell ``peer`` that nothing more comes from us (once); its pump for us then ends."""
         if peer == self.rank or self._group.WORLD is None or peer not in self._place:
