@@ -1,4 +1,5 @@
-"""Claim: `popmesh launch` brings up a 4-rank gloo world no slower than torchrun (ratio <= 1.0x).
+"""Claim: `popmesh launch` brings up a 4-rank gloo world no slower than torchrun (ratio <= 1.0x), and with
+`--preload torch` several times faster wherever ranks outnumber cores.
 
 Each variant starts 4 CPU ranks of tests/world/scripts/launch_torch_worker.py, which prints
 ``READY <time.time()>`` after init_process_group and one barrier. Measured per run:
@@ -9,6 +10,7 @@ Each variant starts 4 CPU ranks of tests/world/scripts/launch_torch_worker.py, w
 Variants, interleaved within each repetition so machine load hits them alike:
 
 * popmesh: ``python -m popmesh launch -n 4`` (rank 0 serves the TCPStore on the launcher's socket),
+* preload: the same with ``--preload torch`` (ranks forked from a fork server that imported torch once),
 * torchrun: ``python -m torch.distributed.run --standalone --nproc-per-node 4``,
 * naive: 4 ``subprocess.Popen`` ranks with env:// (rank 0 binds the store itself, no launcher).
 
@@ -58,6 +60,11 @@ def _popmesh(nproc: int) -> list[subprocess.Popen[str]]:
     return [subprocess.Popen(cmd, env=_clean_env(), stdout=subprocess.PIPE, text=True)]
 
 
+def _preload(nproc: int) -> list[subprocess.Popen[str]]:
+    cmd = [sys.executable, "-m", "popmesh", "launch", "-n", str(nproc), "--preload", "torch", WORKER, "bench"]
+    return [subprocess.Popen(cmd, env=_clean_env(), stdout=subprocess.PIPE, text=True)]
+
+
 def _torchrun(nproc: int) -> list[subprocess.Popen[str]]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", WORKER, "bench"]
     env = {**_clean_env(), "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc))}
@@ -87,7 +94,7 @@ def main() -> None:
 
 
 def _compare(nproc: int, reps: int) -> None:
-    variants = {"popmesh": _popmesh, "torchrun": _torchrun, "naive": _naive}
+    variants = {"popmesh": _popmesh, "preload": _preload, "torchrun": _torchrun, "naive": _naive}
     results: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
     for rep in range(reps):
         for name, start in variants.items():
@@ -98,10 +105,10 @@ def _compare(nproc: int, reps: int) -> None:
     med = {n: (statistics.median(r[0] for r in rs), statistics.median(r[1] for r in rs)) for n, rs in results.items()}
     for name, (ready, total) in med.items():
         print(f"{name:<10}{ready:>12.3f}{total:>12.3f}")
-    for other in ("torchrun", "naive"):
+    for ours, other in (("popmesh", "torchrun"), ("popmesh", "naive"), ("preload", "torchrun"), ("preload", "popmesh")):
         print(
-            f"popmesh / {other}: ready {med['popmesh'][0] / med[other][0]:.2f}x, "
-            f"total {med['popmesh'][1] / med[other][1]:.2f}x"
+            f"{ours} / {other}: ready {med[ours][0] / med[other][0]:.2f}x, "
+            f"total {med[ours][1] / med[other][1]:.2f}x"
         )
     print()
 

@@ -97,9 +97,10 @@ def test_demo_population_carries_on_when_a_rank_is_lost(tmp_path):
     best survivors, and every agent reaches the step budget; the loss and the rejoin are in
     events.jsonl and summary.json; the survivors trained on as a population of two while it restarted
     (replacing each other, never it) and their iterations ran on (none repeated), checkpointing among
-    themselves. A run resumed from such a checkpoint seeds rank 1 from the others, as at a rejoin."""
+    themselves. A run resumed from such a checkpoint seeds rank 1 from the others, as at a rejoin. The ranks
+    start anew (--no-preload): a forked restart is back before the survivors have decided anything."""
     cmd = [sys.executable, "-m", "popmesh", "demo", "--ranks", "3", "--steps", "20000", "--every", "2", "--warmup",
-           "0", "--no-live", "--max-restarts", "1", "--kill", "1:4", "--checkpoint-every", "2",
+           "0", "--no-live", "--max-restarts", "1", "--kill", "1:4", "--checkpoint-every", "2", "--no-preload",
            "--checkpoint-keep", "100", "--out", str(tmp_path / "a")]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=200)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -150,7 +151,8 @@ def test_a_lockstep_policy_carries_on_among_the_survivors_and_meets_the_rejoined
     decide among themselves while rank 1 restarts, and after the rejoin every rank decides in step
     again (ranks that met at different iterations catch up first) through to the end of the run."""
     cmd = [sys.executable, "-m", "popmesh", "demo", "--ranks", "3", "--steps", "12000", "--every", "2", "--warmup",
-           "0", "--no-live", "--max-restarts", "1", "--kill", "1:3", "--policy", "selective", "--out", str(tmp_path)]
+           "0", "--no-live", "--max-restarts", "1", "--kill", "1:3", "--policy", "selective", "--no-preload",
+           "--out", str(tmp_path)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=140)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     run = next(tmp_path.iterdir())

@@ -45,8 +45,15 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="restart a lost rank up to N times; it rejoins, seeded by the best agents")
     p.add_argument("--kill", default="", metavar="RANK:ITERATION",
                    help="that rank kills itself once at that iteration (to watch --max-restarts at work)")
+    p.add_argument("--no-preload", action="store_true",
+                   help="start every rank, and every restart, as a new interpreter instead of forking it from one "
+                        "that imported torch (popmesh launch --preload): a restart then takes seconds")
     p.add_argument("--resume", default="", metavar="RUN",
                    help="resume from a run folder's newest complete checkpoint (or from one checkpoint)")
+
+
+# The demo's ranks and restarts are forked from one process that imported these (docs/launcher.md).
+_PRELOAD = ("torch", "numpy")
 
 
 def run_command(ns: argparse.Namespace) -> int:
@@ -61,7 +68,8 @@ def run_command(ns: argparse.Namespace) -> int:
     terminal = config.live and config.terminal and config.engine == "torch"
     result = launch("popmesh.demo.worker", ["--config", json.dumps(config.to_dict())], module=True,
                     nproc=config.ranks, engine=config.engine, quiet_others=True, rank0_terminal=terminal,
-                    max_restarts=config.max_restarts)
+                    max_restarts=config.max_restarts,
+                    preload=() if ns.no_preload or config.engine == "mpi" else _PRELOAD)
     if result.returncode != 0:
         print(f"popmesh demo: a rank failed (exit {result.returncode}); see the summary above", file=sys.stderr)
     return result.returncode

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -30,13 +29,16 @@ from popmesh.launch.plan import (
     base_env,
     cpu_count,
     error_file_name,
+    is_module_name,
     loopback_env,
     loopback_interface,
     oversubscription_warning,
     plan_mpi_env,
     plan_ranks,
+    shared_env,
     validate,
 )
+from popmesh.launch.preload import ForkServer
 from popmesh.launch.rankwatch import RankEnd, RankWatch
 from popmesh.launch.result import LaunchResult, exit_status, format_summary
 from popmesh.launch.runner import Child, Supervisor
@@ -49,7 +51,6 @@ __all__ = ["launch", "DEFAULT_GRACE_S", "BOOTSTRAP"]
 DEFAULT_GRACE_S = 3.0
 # Run by path (``python -P``) so a rank starts without importing the popmesh package.
 BOOTSTRAP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bootstrap.py")
-_MODULE_NAME = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 _PORT_CLASH = ("EADDRINUSE", "address already in use")
 
 
@@ -79,6 +80,7 @@ def launch(
     hostfile: str | None = None,
     env: Mapping[str, str] | None = None,
     trace: str | None = None,
+    preload: Sequence[str] = (),
     python: Sequence[str] | None = None,
     stdout: TextIO | None = None,
     stderr: TextIO | None = None,
@@ -94,7 +96,10 @@ def launch(
 
     ``env`` adds variables to the ranks' environment; ``trace`` is a folder each rank records its
     timeline into, merged at the end into ``trace/trace.json`` (:mod:`popmesh.launch.timeline`);
-    ``python`` is the interpreter command line (default ``[sys.executable]``); ``store_fd=False`` stops
+    ``preload`` names modules (like ``["torch"]``) that a fork server imports once, forking every local
+    rank from it instead of starting a new interpreter (:mod:`popmesh.launch.forkserver`: seconds
+    saved per rank and per restart; torch and jax engines); ``python`` is the interpreter command line
+    (default ``[sys.executable]``); ``store_fd=False`` stops
     handing rank 0 a pre-bound socket for torch's TCPStore (for scripts that bind ``MASTER_PORT``
     themselves). ``rank0_terminal=True``
     hands rank 0 this process's stdout/stderr directly, unprefixed, so it can draw a live terminal
@@ -102,14 +107,14 @@ def launch(
 
     torchrun's settings: ``run_id`` (``TORCHELASTIC_RUN_ID`` and the log folder's prefix; default a new
     uuid when the launcher picks the port, else ``"none"``), ``role`` (``ROLE_NAME``), ``max_restarts``
-    (only 0 until restarts are supported), ``log_dir``/``tee``/``redirects`` (per-rank log files, values
+    (restarts per rank, torch engine), ``log_dir``/``tee``/``redirects`` (per-rank log files, values
     as torchrun's: see :mod:`popmesh.launch.logs`) and ``local_ranks_filter`` (the local ranks whose
     output the console shows).
     """
     spec = LaunchSpec(
         nproc=nproc, engine=engine, nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
         master_port=master_port, run_id=_run_id(run_id, master_port), role=role, max_restarts=max_restarts,
-        hosts=_hosts(hosts, hostfile, nproc),
+        hosts=_hosts(hosts, hostfile, nproc), preload=tuple(preload),
     )
     validate(spec)
     _check_target(target, module)
@@ -129,7 +134,7 @@ def launch(
     logs = _open_logs(request, spec, err)
     try:
         pump = OutputPump(stdout or sys.stdout, err, quiet_others=quiet_others, sink=logs)
-        result = _supervise(spec, worker, parent_env, pump, grace=grace, store_fd=store_fd, python=python[0],
+        result = _supervise(spec, worker, parent_env, pump, grace=grace, store_fd=store_fd, python=python,
                             rank0_terminal=rank0_terminal, logs=logs, err=err)
     finally:
         if logs is not None:
@@ -180,7 +185,7 @@ def _open_logs(request: LogRequest, spec: LaunchSpec, err: TextIO) -> RankLogs |
 
 def _supervise(
     spec: LaunchSpec, worker: list[str], parent_env: dict[str, str], pump: OutputPump, *, grace: float,
-    store_fd: bool, python: str, rank0_terminal: bool = False, logs: RankLogs | None = None,
+    store_fd: bool, python: list[str], rank0_terminal: bool = False, logs: RankLogs | None = None,
     err: TextIO = sys.stderr,
 ) -> LaunchResult:
     """Start the children, watch them to the end (killing them if we are interrupted), judge.
@@ -199,7 +204,7 @@ def _supervise(
         try:
             with ranks:
                 if spec.engine == "mpi":
-                    _start_mpi(supervisor, spec, worker, parent_env, error_dir, python)
+                    _start_mpi(supervisor, spec, worker, parent_env, error_dir, python[0])
                 else:
                     store = _start_local(supervisor, spec, worker, parent_env, error_dir, store_fd, rank0_terminal,
                                          python, restarts)
@@ -269,7 +274,7 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 def _check_target(target: str, module: bool) -> None:
     if module:
-        if not _MODULE_NAME.match(target):
+        if not is_module_name(target):
             raise ConfigError(f"-m expects a module name like pkg.train, got {target!r}")
     elif not os.path.exists(target):
         raise ConfigError(
@@ -279,10 +284,11 @@ def _check_target(target: str, module: bool) -> None:
 
 def _start_local(
     sup: Supervisor, spec: LaunchSpec, worker: list[str], parent_env: dict[str, str], error_dir: str, store_fd: bool,
-    rank0_terminal: bool = False, python: str = sys.executable, restarts: _Restarts | None = None,
+    rank0_terminal: bool = False, python: Sequence[str] = (sys.executable,), restarts: _Restarts | None = None,
 ) -> subprocess.Popen[bytes] | None:
     """Spawn the ranks of this node; rank 0 of node 0 gets the pre-bound store socket (torch), or, with
-    restarts, a store process of the launcher does (returned, for the caller to stop)."""
+    restarts, a store process of the launcher does (returned, for the caller to stop). With
+    ``spec.preload`` a fork server (the supervisor's, closed with it) forks them instead."""
     sock = None
     store = None
     port = spec.master_port
@@ -293,13 +299,16 @@ def _start_local(
         port = _free_port(spec.master_addr)
     try:
         if sock is not None and spec.serves_store_apart:
-            store = _serve_store(python, sock, spec, port)
+            store = _serve_store(python[0], sock, spec, port)
             sock.close()
             sock = None
         fd = None if sock is None else sock.fileno()
         common = {**base_env(parent_env, spec, cpu_count()), **loopback_env(parent_env, spec, loopback_interface())}
         common["POPMESH_PARENT_PID"] = str(os.getpid())
-        for plan in plan_ranks(spec, port, error_dir, store_fd=fd):
+        plans = plan_ranks(spec, port, error_dir, store_fd=fd)
+        if spec.preload:
+            sup.forks = ForkServer(python, BOOTSTRAP, spec.preload, shared_env([{**common, **p.env} for p in plans]))
+        for plan in plans:
             gets_fd = "POPMESH_STORE_FD" in plan.env
             env = {**common, **plan.env}
             inherit = rank0_terminal and plan.rank == 0

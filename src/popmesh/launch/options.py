@@ -22,6 +22,7 @@ __all__ = [
     "configure",
     "launch_options",
     "parse_nproc",
+    "parse_preload",
     "parse_nnodes",
     "parse_endpoint",
     "parse_rank_list",
@@ -53,6 +54,11 @@ REFUSED: tuple[tuple[tuple[str, ...], bool, str], ...] = (
     (("--duplicate-stderr-filters", "--duplicate_stderr_filters"), True,
      "lines are not duplicated by filter; grep the per-rank logs (--log-dir) instead"),
 )
+
+
+def parse_preload(value: str) -> tuple[str, ...]:
+    """``--preload torch,numpy`` → ("torch", "numpy"); names are checked with the launch's settings."""
+    return tuple(name.strip() for name in value.split(",") if name.strip())
 
 
 def parse_nproc(value: str) -> int:
@@ -234,7 +240,7 @@ def launch_options(ns: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
         max_restarts=ns.max_restarts, quiet_others=ns.quiet_others, grace=ns.grace, store_fd=ns.store_fd,
         log_dir=ns.log_dir, tee=ns.tee, redirects=ns.redirects,
         local_ranks_filter=parse_rank_list(ns.local_ranks_filter), hosts=ns.hosts or (), hostfile=ns.hostfile,
-        trace=ns.trace,
+        trace=ns.trace, preload=parse_preload(ns.preload),
     )
     return kwargs, warnings
 
@@ -250,6 +256,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", default=None, metavar="DIR",
                    help="record every rank's timeline into DIR; merged into DIR/trace.json (open it in "
                         "https://ui.perfetto.dev)")
+    p.add_argument("--preload", default="", metavar="MODULES",
+                   help="import these modules (like torch,numpy) once in a fork server and fork every rank from "
+                        "it: seconds saved per rank and per restart (torch and jax engines)")
     p.add_argument(
         "--no-store-fd", dest="store_fd", action="store_false",
         help="do not hand rank 0 a pre-bound TCPStore socket (for scripts that bind MASTER_PORT themselves)",
@@ -303,7 +312,7 @@ def _output_options(p: argparse.ArgumentParser) -> None:
 def _accepted_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("other torchrun options")
     g.add_argument("--max-restarts", "--max_restarts", type=int, default=0,
-                   help="only 0: restarts are not supported yet")
+                   help="restarts per rank after a failure, the others running on (torch engine; default 0)")
     g.add_argument("--role", default="default", help="ROLE_NAME of the ranks (default 'default')")
     g.add_argument("--monitor-interval", "--monitor_interval", type=float, default=0.1, metavar="S",
                    help="accepted; popmesh sees a rank's exit at once, whatever the interval")

@@ -26,8 +26,9 @@ On one node the torch and mpi engines' transports are pinned to the loopback int
 from __future__ import annotations
 
 import os
+import re
 import socket
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from popmesh.core.errors import ConfigError
@@ -51,9 +52,12 @@ __all__ = [
     "elastic_env",
     "plan_ranks",
     "plan_mpi_env",
+    "shared_env",
+    "is_module_name",
 ]
 
 ENGINES = ("torch", "mpi", "jax")
+_MODULE_NAME = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 
 # Variables of an enclosing world (an outer launcher, torchrun, mpiexec) that must not leak into
 # the ranks we start: a child that saw an outer PMI_RANK could join the wrong world.
@@ -95,6 +99,8 @@ class LaunchSpec:
     ``run_id``, ``role`` and ``max_restarts`` are torchrun's (``TORCHELASTIC_RUN_ID``, ``ROLE_NAME``,
     ``TORCHELASTIC_MAX_RESTARTS``); ``max_restarts`` is the budget of restarts per rank (torch engine).
     ``hosts`` (mpi engine only) names the hosts one mpiexec starts the world on, with their ranks.
+    ``preload`` names modules a fork server imports once before forking every local rank (torch and jax
+    engines; :mod:`popmesh.launch.forkserver`).
     """
 
     nproc: int
@@ -107,6 +113,7 @@ class LaunchSpec:
     role: str = "default"
     max_restarts: int = 0
     hosts: Slots = ()
+    preload: tuple[str, ...] = ()
 
     @property
     def world_size(self) -> int:
@@ -165,6 +172,35 @@ def validate(spec: LaunchSpec) -> None:
             "engine start one popmesh launch per host with --nnodes, --node-rank and --master-addr"
         )
     _validate_elastic(spec)
+    _validate_preload(spec)
+
+
+def _validate_preload(spec: LaunchSpec) -> None:
+    """Module names the launcher's fork server can import, on an engine whose ranks the launcher starts."""
+    if not spec.preload:
+        return
+    if spec.engine == "mpi":
+        raise ConfigError(
+            "--preload with --engine mpi: mpiexec starts the MPI ranks, so the launcher cannot fork them; "
+            "leave --preload out"
+        )
+    bad = [name for name in spec.preload if not is_module_name(name)]
+    if bad:
+        raise ConfigError(f"--preload {','.join(spec.preload)}: {bad[0]!r} is not a module name; "
+                          "give module names separated by commas, like torch,numpy")
+
+
+def is_module_name(name: str) -> bool:
+    """True for a dotted Python module name like ``pkg.train``."""
+    return _MODULE_NAME.match(name) is not None
+
+
+def shared_env(envs: Sequence[Mapping[str, str]]) -> dict[str, str]:
+    """The variables every one of ``envs`` holds with the same value (what a fork server imports under)."""
+    if not envs:
+        return {}
+    first, *rest = envs
+    return {k: v for k, v in first.items() if all(other.get(k) == v for other in rest)}
 
 
 def _validate_elastic(spec: LaunchSpec) -> None:

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from popmesh.launch.output import OutputPump
+from popmesh.launch.preload import ForkedProcess, ForkServer
 
 __all__ = ["Child", "Supervisor"]
 
@@ -35,7 +36,7 @@ class Child:
     """One spawned process: a rank, or (``rank=None``) the mpiexec that runs all ranks."""
 
     rank: int | None
-    proc: subprocess.Popen[bytes]
+    proc: subprocess.Popen[bytes] | ForkedProcess
     pidfd: int | None = None
     returncode: int | None = None
     exited_at: float | None = None  # wall clock, comparable with error records
@@ -46,8 +47,12 @@ class Child:
 class Supervisor:
     """Owns the children of one launch until every one of them has been reaped."""
 
-    def __init__(self, pump: OutputPump, grace: float, restart: Callable[[Child], Child | None] | None = None) -> None:
+    def __init__(
+        self, pump: OutputPump, grace: float, restart: Callable[[Child], Child | None] | None = None,
+        forks: ForkServer | None = None,
+    ) -> None:
         self.children: list[Child] = []
+        self.forks = forks  # --preload: ranks are forked by this server instead of started
         self._restart = restart  # given a failed child, spawns its replacement (None: no budget left)
         self._sel: selectors.BaseSelector | None = None
         self.teardown_at: float | None = None
@@ -72,16 +77,21 @@ class Supervisor:
         ``inherit_output`` gives the child this process's stdout/stderr unprefixed (a live terminal
         view on rank 0); its traceback still reaches the summary through its error file.
         """
+        proc: subprocess.Popen[bytes] | ForkedProcess
         piped = None if inherit_output else subprocess.PIPE
-        proc = subprocess.Popen(
-            list(cmd),
-            env=dict(env),
-            stdin=None if rank in (0, None) else subprocess.DEVNULL,
-            stdout=piped,
-            stderr=piped,
-            start_new_session=True,
-            pass_fds=tuple(pass_fds),
-        )
+        if self.forks is not None:
+            proc = self.forks.popen(cmd, env, stdin=None if rank in (0, None) else subprocess.DEVNULL, stdout=piped,
+                                    stderr=piped, pass_fds=pass_fds)
+        else:
+            proc = subprocess.Popen(
+                list(cmd),
+                env=dict(env),
+                stdin=None if rank in (0, None) else subprocess.DEVNULL,
+                stdout=piped,
+                stderr=piped,
+                start_new_session=True,
+                pass_fds=tuple(pass_fds),
+            )
         child = Child(rank=rank, proc=proc, pidfd=_pidfd(proc.pid))
         self.children.append(child)
         if proc.stdout is not None and proc.stderr is not None:
@@ -137,6 +147,11 @@ class Supervisor:
                 os.close(fd)
         for child in self.children:
             child.pidfd = None
+        if self.forks is not None:
+            for child in self.children:
+                _reap_group(child.proc.pid)
+            self.forks.close()
+            self.forks = None
 
     def _live(self) -> list[Child]:
         return [c for c in self.children if c.returncode is None]
@@ -154,6 +169,8 @@ class Supervisor:
         child.proc.wait()
         child.returncode = child.proc.returncode
         child.exited_at = time.time()
+        if self.forks is not None:  # this process adopts the group's orphans while it forks ranks
+            _reap_group(child.proc.pid)
         if child.pidfd is not None:
             sel.unregister(child.pidfd)
             os.close(child.pidfd)
@@ -213,6 +230,13 @@ def _has_exited(pid: int) -> bool:
     except ChildProcessError:
         return True
     return info is not None and info.si_pid != 0
+
+
+def _reap_group(pgid: int) -> None:
+    """Reap the exited children of ours in process group ``pgid`` (a rank's orphans we adopted)."""
+    with contextlib.suppress(ChildProcessError):
+        while (info := os.waitid(os.P_PGID, pgid, os.WEXITED | os.WNOHANG)) is not None and info.si_pid:
+            pass
 
 
 def _killpg(pgid: int, sig: int) -> None:
