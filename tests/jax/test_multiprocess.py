@@ -13,9 +13,11 @@ WORKER = Path(__file__).parent / "workers" / "multiprocess_worker.py"
 
 
 @pytest.mark.timeout(240)
-def test_two_processes_four_devices_each(tmp_path):
+@pytest.mark.parametrize("preload", [(), ("--preload", "jax,numpy")], ids=["started", "forked"])
+def test_two_processes_four_devices_each(tmp_path, preload):
+    """Also with the processes forked from a fork server that imported jax (popmesh launch --preload)."""
     env = dict(os.environ, POPMESH_TEST_OUT=str(tmp_path), XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    cmd = [sys.executable, "-m", "popmesh", "launch", "-n", "2", "--engine", "jax", str(WORKER)]
+    cmd = [sys.executable, "-m", "popmesh", "launch", "-n", "2", "--engine", "jax", *preload, str(WORKER)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=200)
     results = {p.name: p.read_text() for p in tmp_path.glob("process*.txt")}
     assert results == {"process0.txt": "ok", "process1.txt": "ok"}, (results, done.stderr[-3000:])

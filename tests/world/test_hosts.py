@@ -163,13 +163,15 @@ def test_popmesh_launch_runs_an_mpi_world_across_two_hosts(how, tmp_path):
 @pytest.mark.timeout(120)
 def test_a_rank_lost_on_one_host_is_restarted_there_and_the_world_reforms_across_hosts():
     """--max-restarts over two hosts: node 0's launcher serves the store, host b's launcher restarts its
-    rank 3, and the four ranks finish in generation 1 with every sum right."""
+    rank 3, and the four ranks finish in generation 1 with every sum right. Each host's launcher forks its
+    ranks and the restart from a fork server of its own (--preload torch)."""
     survive = str(Path(__file__).parent / "scripts" / "survive.py")
     with TwoHosts(names="unresolved") as th:
         a = th.hosts[0]
         procs = [
             host.start([sys.executable, "-m", "popmesh", "launch", "-n", "2", "--nnodes", "2", "--node-rank", str(i),
-                        "--master-addr", a.addr, "--master-port", "29613", "--max-restarts", "1", survive,
+                        "--master-addr", a.addr, "--master-port", "29613", "--max-restarts", "1", "--preload", "torch",
+                        survive,
                         "120", "3", "50"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env())
             for i, host in enumerate(th.hosts)
         ]
