@@ -40,7 +40,7 @@ from typing import NoReturn
 
 from popmesh.launch import bootstrap
 
-__all__ = ["main", "MAX_MESSAGE", "MAX_FDS"]
+__all__ = ["main", "close_quietly", "MAX_MESSAGE", "MAX_FDS"]
 
 MAX_MESSAGE = 1 << 20  # bytes of one request (an environment is a few kB)
 MAX_FDS = 16
@@ -134,13 +134,13 @@ def _serve(sock: socket.socket) -> _Job | None:
             job = _Job(list(request["argv"]), dict(request["env"]), str(request["cwd"]), fds,
                        [int(fd) for fd in request["fds"]])
         except (ValueError, KeyError, TypeError) as exc:
-            _close(fds)
+            close_quietly(fds)
             sock.send(json.dumps({"error": f"bad request: {exc}"}).encode())
             continue
         pid = _fork_twice(sock)
         if pid is None:
             return job
-        _close(fds)
+        close_quietly(fds)
         sock.send(json.dumps({"pid": pid} if pid > 0 else {"error": "fork failed"}).encode())
 
 
@@ -196,13 +196,14 @@ def _place_fds(fds: list[int], targets: list[int]) -> None:
         os.write(2, f"popmesh fork server: got {len(fds)} descriptors for {len(targets)} places\n".encode())
         os._exit(1)
     high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, _HIGH_FD) for fd in fds]
-    _close(fds)
+    close_quietly(fds)
     for fd, target in zip(high, targets):
         os.dup2(fd, target)  # the copy is inheritable, like Popen's pass_fds
-    _close(high)
+    close_quietly(high)
 
 
-def _close(fds: list[int]) -> None:
+def close_quietly(fds: list[int]) -> None:
+    """Close each descriptor, ignoring those already closed."""
     for fd in fds:
         try:
             os.close(fd)

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from typing import IO
 
 from popmesh.core.errors import ConfigError, PopmeshError
-from popmesh.launch.forkserver import MAX_MESSAGE
+from popmesh.launch.forkserver import MAX_MESSAGE, close_quietly
 
 __all__ = ["ForkServer", "ForkedProcess", "set_child_subreaper"]
 
@@ -105,14 +105,6 @@ def _read_ends(ours: list[int], stdout: int | None, stderr: int | None) -> tuple
     return out, err
 
 
-def _close_all(fds: list[int]) -> None:
-    for fd in fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-
-
 class ForkServer:
     """One fork server for one launch: ``spawn`` a rank, ``close`` at the end."""
 
@@ -150,10 +142,10 @@ class ForkServer:
             err_fd = out_fd if stderr == subprocess.STDOUT else _child_end(stderr, 2, "w", ours, theirs)
             pid = self._spawn(args, env, [in_fd, out_fd, err_fd], pass_fds)
         except BaseException:
-            _close_all(ours)
+            close_quietly(ours)
             raise
         finally:
-            _close_all(theirs)
+            close_quietly(theirs)
         out, err = (None if fd is None else os.fdopen(fd, "rb") for fd in _read_ends(ours, stdout, stderr))
         return ForkedProcess(pid, out, err)
 
