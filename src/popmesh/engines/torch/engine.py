@@ -16,9 +16,7 @@ from __future__ import annotations
 import socket
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Callable, Collection
 from datetime import timedelta
 from typing import Any
 
@@ -30,19 +28,10 @@ from popmesh.core.ops import ReduceOp
 from popmesh.engines.base import GroupSpec, SnapshotWindow, Tuning, timeout_message
 from popmesh.engines.interop import numpy_to_torch, torch_to_numpy
 from popmesh.engines.liveness import Heartbeat, start_heartbeat
-from popmesh.engines.torch.generations import (
-    ATTEMPT,
-    mark_formed,
-    newcomer_attempt,
-    newcomer_waiting,
-    newcomers,
-    next_attempt,
-    restarted_ranks,
-    start_counting,
-)
-from popmesh.engines.torch.holes import agree_survivors
+from popmesh.engines.torch.generations import mark_formed, newcomer_attempt, start_counting
 from popmesh.engines.torch.network import pin_interface
-from popmesh.engines.torch.rendezvous import join_generation, join_world, make_store, store_lost
+from popmesh.engines.torch.reforming import GroupHandle, Reforming
+from popmesh.engines.torch.rendezvous import join_world, make_store
 from popmesh.engines.torch.send import is_gone
 
 __all__ = ["TorchEngine"]
@@ -53,7 +42,6 @@ _PROBE_TAG = (1 << 20) - 2  # a gloo tag no one receives on (below the point-to-
 _PROBE_WAITS_S = (0.0, 0.05, 0.2)
 _CLOSE_TAG = (1 << 20) - 3  # nobody sends on it: a receive that times out there closes the connection
 _CLOSE_WAIT = timedelta(milliseconds=1)  # a peer's closed connection may take a moment to be noticed
-_SURVIVORS_GRACE_S = 5.0  # how long survivors forming their group give their pending sends to complete
 
 
 def _import_dist() -> Any:
@@ -68,14 +56,7 @@ def _import_dist() -> Any:
     return dist
 
 
-@dataclass
-class _Handle:
-    spec: GroupSpec
-    pg: Any
-    seq: int = 0
-
-
-class TorchEngine:
+class TorchEngine(Reforming):
     """Engine over torch.distributed. Adopts an existing default process group if one exists."""
 
     name = "torch"
@@ -107,7 +88,7 @@ class TorchEngine:
         # with older ones); more would keep large collectives' tensors alive. See finalize().
         self._finished_works: deque[Any] = deque(maxlen=_KEEP_FINISHED_WORKS)
         self._probes: list[Any] = []  # zero-byte sends to live peers stay posted: never freed mid-flight
-        self._groups: list[_Handle] = []  # the subgroups this rank is a member of
+        self._groups: list[GroupHandle] = []  # the subgroups this rank is a member of
         self._heartbeat: Heartbeat | None = None
         self.generation = 0  # which forming of the world this process is in (see reform)
         self.newcomers: tuple[int, ...] = ()  # ranks that joined the current generation as new processes
@@ -161,11 +142,11 @@ class TorchEngine:
 
     def make_group(self, spec: GroupSpec, timeout: float) -> Any:
         if spec.gid == 0:
-            return _Handle(spec, None)
+            return GroupHandle(spec, None)
         pg = self._dist.new_group(list(spec.ranks), timeout=timedelta(seconds=timeout))
         if self.rank not in spec.ranks:
             return None
-        handle = _Handle(spec, pg)
+        handle = GroupHandle(spec, pg)
         self._groups.append(handle)
         return handle
 
@@ -187,7 +168,7 @@ class TorchEngine:
                     pass  # the expected outcome: gloo closed the connection when the receive timed out
 
     # ---- collectives -------------------------------------------------------------------------
-    def all_reduce_(self, buf: Any, op: ReduceOp, group: _Handle, timeout: float) -> None:
+    def all_reduce_(self, buf: Any, op: ReduceOp, group: GroupHandle, timeout: float) -> None:
         if type(buf) is not np.ndarray and buf.dtype not in _NARROW_INTS and not (self._stage_cuda and buf.is_cuda):
             # The common case, without staging or widening: small-message latency lives here.
             work = self._dist.all_reduce(buf, op=self._ops[op], group=group.pg, async_op=True)
@@ -195,7 +176,7 @@ class TorchEngine:
             return
         self.all_reduce_start(buf, op, group).wait(timeout)
 
-    def all_reduce_start(self, buf: Any, op: ReduceOp, group: _Handle) -> _TorchPending:
+    def all_reduce_start(self, buf: Any, op: ReduceOp, group: GroupHandle) -> _TorchPending:
         t, finish = self._prepare(buf)
         wide = self._widen(t, op)
         work = self._dist.all_reduce(wide, op=self._op(op), group=group.pg, async_op=True)
@@ -207,7 +188,7 @@ class TorchEngine:
 
         return _TorchPending(self, work, group, complete)
 
-    def all_gather(self, buf: Any, group: _Handle, timeout: float) -> Any:
+    def all_gather(self, buf: Any, group: GroupHandle, timeout: float) -> Any:
         t, _ = self._prepare(buf)
         n = len(group.spec.ranks)
         out = self._torch.empty((n,) + tuple(t.shape), dtype=t.dtype, device=t.device)
@@ -215,13 +196,13 @@ class TorchEngine:
         self._wait(work, group, timeout, "all_gather")
         return self._restore(out, buf)
 
-    def broadcast_(self, buf: Any, root: int, group: _Handle, timeout: float) -> None:
+    def broadcast_(self, buf: Any, root: int, group: GroupHandle, timeout: float) -> None:
         t, finish = self._prepare(buf)
         work = self._dist.broadcast(_bytes(t), src=group.spec.ranks[root], group=group.pg, async_op=True)
         self._wait(work, group, timeout, "broadcast")
         finish(t)
 
-    def gather(self, buf: Any, root: int, group: _Handle, timeout: float) -> Any:
+    def gather(self, buf: Any, root: int, group: GroupHandle, timeout: float) -> Any:
         t, _ = self._prepare(buf)
         n = len(group.spec.ranks)
         is_root = group.spec.ranks[root] == self.rank
@@ -231,7 +212,7 @@ class TorchEngine:
         self._wait(work, group, timeout, "gather")
         return self._restore(out, buf) if out is not None else None
 
-    def reduce_scatter(self, buf: Any, op: ReduceOp, group: _Handle, timeout: float) -> Any:
+    def reduce_scatter(self, buf: Any, op: ReduceOp, group: GroupHandle, timeout: float) -> Any:
         t, _ = self._prepare(buf)
         t = self._widen(t, op)
         n = len(group.spec.ranks)
@@ -240,142 +221,20 @@ class TorchEngine:
         self._wait(work, group, timeout, "reduce_scatter")
         return self._restore(out.to(_dtype_of(buf)), buf)
 
-    def barrier(self, group: _Handle, timeout: float) -> None:
+    def barrier(self, group: GroupHandle, timeout: float) -> None:
         work = self._dist.barrier(group=group.pg, async_op=True)
         self._wait(work, group, timeout, "barrier")
 
-    def native_group(self, group: _Handle | None) -> Any:
+    def native_group(self, group: GroupHandle | None) -> Any:
         """The torch ProcessGroup of ``group`` (torch's non-member sentinel where this rank is none)."""
         if group is None:
             return self._dist.GroupMember.NON_GROUP_MEMBER
         return group.pg if group.pg is not None else self._dist.group.WORLD
 
-    def snapshot_window(self, group: _Handle, nbytes: int) -> SnapshotWindow:
+    def snapshot_window(self, group: GroupHandle, nbytes: int) -> SnapshotWindow:
         """No one-sided windows on this engine (``one_sided`` is False)."""
         raise ConfigError(f"the {self.name} engine has no one-sided windows: launch under mpiexec or "
                           "popmesh.init(engine='mpi')")
-
-    # ---- a world that re-forms ----------------------------------------------------------------
-    def reform(self, timeout: float) -> tuple[int, ...]:
-        """Leave this generation's process group and form the next one over the same store, with the
-        processes restarted for lost ranks; the ranks that joined as new processes. Every survivor calls
-        this; a restarted process joins from ``__init__``. Subgroups of the old generation are gone."""
-        if not self._owns:
-            raise ConfigError("this world adopted a process group popmesh did not create, so popmesh cannot "
-                              "re-form it: let popmesh.init() create the world")
-        if self.size == 1:
-            return ()
-        with self._store_lost_says_so():
-            if not self._left:
-                self._leave_generation()
-            self._join_generation(next_attempt(self._store, self.generation), timeout, fresh=False)
-        self._heartbeat = start_heartbeat(self.p2p(), self._peer_failed)
-        return self.newcomers
-
-    def try_reform(self, timeout: float) -> tuple[int, ...] | None:
-        """:meth:`reform` without waiting for the restarted process: the first call leaves the generation
-        that lost a rank (nothing of it can block this rank any more), unless its survivors formed a group
-        (:meth:`survivors`), which lives on until then; each call returns None until a restarted process
-        waits to join, then forms the next generation (waiting only for the other survivors, within
-        ``timeout``) and returns its newcomers."""
-        if self._owns and self.size > 1:  # else reform() says what it says (an adopted group, a world of one)
-            with self._store_lost_says_so():
-                if not self._left and not self._hole:
-                    self._leave_generation()
-                if not newcomer_waiting(self._store, self.generation):
-                    return None
-        return self.reform(timeout)
-
-    def newcomer_waiting(self) -> bool:
-        """Whether a process restarted for a lost rank waits to join the next generation (two store reads)."""
-        if not self._owns or self.size == 1:
-            return False
-        with self._store_lost_says_so():
-            return newcomer_waiting(self._store, self.generation)
-
-    def survivors(self, gid: int, timeout: float) -> tuple[tuple[int, ...], _Handle]:
-        """The ranks of this generation still alive, agreed by all of them (:mod:`~popmesh.engines.torch.holes`),
-        and a process group of theirs in it, formed by them only: they go on together while the lost
-        ranks restart. Waits (within ``timeout``) until the heartbeat names a loss this rank's last
-        survivors' group did not know."""
-        if not self._owns:
-            raise ConfigError("this world adopted a process group popmesh did not create, so popmesh cannot form "
-                              "its survivors' group: let popmesh.init() create the world")
-        if self._left:
-            raise ConfigError("this rank left its generation of the world (world.try_reform()): its survivors' group "
-                              "can no longer be formed; call world.try_reform() until it returns")
-        if self._heartbeat is None:
-            raise ConfigError("world.survivors() needs heartbeats to know which ranks were lost: do not set "
-                              "POPMESH_HEARTBEAT_TIMEOUT=0 (and a world of one has nobody to lose)")
-        deadline = time.monotonic() + timeout
-        heartbeat = self._heartbeat
-        while not heartbeat.failed_ranks() - self._hole:
-            if time.monotonic() >= deadline:
-                raise CommTimeout(f"world.survivors(): no rank of generation {self.generation} was found lost within "
-                                  f"{timeout:g} s (call it after a PeerFailure that names a lost rank)", None)
-            time.sleep(0.01)
-        # What the loss broke goes: the transport (its unreceived frames are kept for the next one), and
-        # this rank's connections in every group with a lost rank, so a survivor still blocked there
-        # (on a peer that gave up, not on the lost rank) fails now instead of at its timeout.
-        older = self._p2p
-        self._stop_transport(grace=min(_SURVIVORS_GRACE_S, timeout))
-        lost = heartbeat.failed_ranks()
-        self._close_connections([h for h in self._all_groups() if lost & set(h[0])])
-
-        def failed() -> frozenset[int]:
-            """``lost`` is all the stopped heartbeat found; a rank whose restarted process waits is lost too."""
-            return lost | restarted_ranks(self._store, self.generation, self.size)
-
-        with self._store_lost_says_so():
-            members, _ = agree_survivors(self._store, self.generation, self.rank, self.size, failed, deadline)
-        left_s = max(deadline - time.monotonic(), 1.0)
-        pg = self._dist.new_group(list(members), timeout=timedelta(seconds=left_s), use_local_synchronization=True)
-        self._hole = frozenset(range(self.size)) - frozenset(members)
-        handle = _Handle(GroupSpec(gid, members), pg)
-        self._groups.append(handle)
-        known = {rank: error for rank, error in heartbeat.errors().items() if rank in self._hole}
-        from popmesh.engines.torch.p2p import TorchP2P
-
-        self._p2p = TorchP2P(self, members, pg, known)  # it and the heartbeat keep copies of their own
-        if older is not None:
-            self._p2p.adopt(older)
-        self._heartbeat = start_heartbeat(self._p2p, self._peer_failed, known)
-        return members, handle
-
-    def _join_generation(self, attempt: int, timeout: float, *, fresh: bool) -> None:
-        """Form the generation of ``attempt`` (or a newer one) with every rank (:func:`join_generation`)."""
-        attempt = join_generation(self._dist, self._store, self._env, self.backend, attempt, timeout, fresh=fresh)
-        self._left = False
-        self._hole = frozenset()
-        self.generation = attempt
-        self.newcomers = newcomers(self._store, attempt, self._env.world_size)
-
-    @contextmanager
-    def _store_lost_says_so(self) -> Iterator[None]:
-        """Turn torch's error of a store that is gone into one that says what happened and what to do."""
-        try:
-            yield
-        except PopmeshError:
-            raise
-        except RuntimeError as e:  # torch's DistNetworkError and friends: is the store still there?
-            try:
-                self._store.check([ATTEMPT])
-            except RuntimeError:
-                raise store_lost(self._env, e) from e
-            raise
-
-    def _leave_generation(self) -> None:
-        """Stop the heartbeat and the transport, close this rank's connections of the old generation (so
-        survivors still blocked on it there fail now and re-form too, instead of waiting out their
-        timeout), and destroy the process groups, keeping the store."""
-        self._stop_transport()
-        self._left = True
-        self._close_connections(self._all_groups())
-        self._groups.clear()
-        self._probes.clear()
-        self._finished_works.clear()
-        if self._dist.is_initialized():
-            self._dist.destroy_process_group()
 
     def _all_groups(self) -> list[tuple[tuple[int, ...], Any]]:
         """(global ranks, process group) of the world and of every group this rank is a member of."""
@@ -445,7 +304,7 @@ class TorchEngine:
             return torch_to_numpy(out, like)
         return out.to(like.device) if out.device != like.device else out
 
-    def _wait(self, work: Any, group: _Handle, timeout: float, what: str) -> None:
+    def _wait(self, work: Any, group: GroupHandle, timeout: float, what: str) -> None:
         group.seq += 1
         span = self._timedeltas.get(timeout)
         if span is None:
@@ -456,7 +315,7 @@ class TorchEngine:
             self._raise(e, group, timeout, what)
         self._finished_works.append(work)
 
-    def _raise(self, e: RuntimeError, group: _Handle, timeout: float, what: str) -> None:
+    def _raise(self, e: RuntimeError, group: GroupHandle, timeout: float, what: str) -> None:
         self._unfinished = True
         text = str(e)
         failure = self.peer_failure(group.spec.ranks)
@@ -472,7 +331,7 @@ class TorchEngine:
             "POPMESH_CHECK=1 reports each rank's values."
         ) from e
 
-    def _peer_failure(self, what: str, group: _Handle, text: str) -> PeerFailure:
+    def _peer_failure(self, what: str, group: GroupHandle, text: str) -> PeerFailure:
         """The PeerFailure of a collective gloo failed with a closed connection, naming the peers whose
         connection is closed. gloo's text names only an address; when no peer can be told apart, every
         peer of the group is a suspect (``exact=False``)."""
@@ -486,7 +345,7 @@ class TorchEngine:
         return PeerFailure(f"{what}: a peer closed its connection, but no peer of {suspects} could be told apart "
                            f"(all are suspects; did a rank die?): {text}", suspects, exact=False)
 
-    def _closed_peers(self, group: _Handle, peers: list[int]) -> list[int]:
+    def _closed_peers(self, group: GroupHandle, peers: list[int]) -> list[int]:
         """The ``peers`` whose connection in ``group`` is closed: gloo refuses a zero-byte send to one at
         once, and leaves one to a live peer posted (kept, and never received: harmless)."""
         pg = group.pg if group.pg is not None else self._dist.group.WORLD
@@ -502,7 +361,7 @@ class TorchEngine:
                     dead.append(rank)
         return dead
 
-    def _missing_ranks(self, group: _Handle, timeout: float) -> tuple[int, ...] | None:
+    def _missing_ranks(self, group: GroupHandle, timeout: float) -> tuple[int, ...] | None:
         """Ask the store which ranks reached this collective: each timed-out rank leaves a mark."""
         if self._store is None:
             return None
@@ -522,7 +381,7 @@ class TorchEngine:
 class _TorchPending:
     """An all_reduce in flight on torch.distributed."""
 
-    def __init__(self, engine: TorchEngine, work: Any, group: _Handle, complete: Callable[[], None]) -> None:
+    def __init__(self, engine: TorchEngine, work: Any, group: GroupHandle, complete: Callable[[], None]) -> None:
         self._engine, self._work, self._group, self._complete = engine, work, group, complete
         self._finished = False
 
