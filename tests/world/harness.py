@@ -24,6 +24,7 @@ from pathlib import Path
 
 from popmesh.launch.api import BOOTSTRAP
 from popmesh.launch.preload import ForkedProcess, ForkServer
+from popmesh.launch.runner import reap_group
 from ports import port_of, store_env, store_listener
 from worldlib import SKIPPED
 
@@ -180,7 +181,7 @@ def run_world(script: str | Path, engine: str, size: int, timeout: float = 120,
         kill_all(procs)
         for p in procs:
             p.wait()
-            _reap_group(p.pid)
+            reap_group(p.pid)  # what a forked rank's group left to this process (the fork server's adopter)
     output = "\n".join((out_dir / f"out{i}.log").read_text(errors="replace") for i in range(len(procs)))
     run = WorldRun(engine, size, [p.returncode for p in procs], output, timed_out=timed_out, aborted=aborted)
     for rank in range(size):
@@ -257,15 +258,6 @@ def _death(out_dir: Path, rank: int, code: int) -> Abort:
     f = out_dir / f"rank{rank}.json"
     running = json.loads(f.read_text())["running"] if f.exists() else None
     return Abort(rank, running, f"rank {rank} exited with code {code} without reporting (see its output)")
-
-
-def _reap_group(pgid: int) -> None:
-    """Reap what a forked rank's group left to this process (the fork server's adopter)."""
-    try:
-        while (info := os.waitid(os.P_PGID, pgid, os.WEXITED | os.WNOHANG)) is not None and info.si_pid:
-            pass
-    except ChildProcessError:
-        pass
 
 
 def kill_all(procs: list[Proc]) -> None:

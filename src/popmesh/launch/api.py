@@ -306,11 +306,11 @@ def _start_local(
         common = {**base_env(parent_env, spec, cpu_count()), **loopback_env(parent_env, spec, loopback_interface())}
         common["POPMESH_PARENT_PID"] = str(os.getpid())
         plans = plan_ranks(spec, port, error_dir, store_fd=fd)
+        envs = [{**common, **plan.env} for plan in plans]
         if spec.preload:
-            sup.forks = ForkServer(python, BOOTSTRAP, spec.preload, shared_env([{**common, **p.env} for p in plans]))
-        for plan in plans:
+            sup.forks = ForkServer(python, BOOTSTRAP, spec.preload, shared_env(envs))
+        for plan, env in zip(plans, envs):
             gets_fd = "POPMESH_STORE_FD" in plan.env
-            env = {**common, **plan.env}
             inherit = rank0_terminal and plan.rank == 0
             if restarts is not None:
                 restarts.remember(plan.rank, env, inherit)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from popmesh.launch.output import OutputPump
 from popmesh.launch.preload import ForkedProcess, ForkServer
 
-__all__ = ["Child", "Supervisor"]
+__all__ = ["Child", "Supervisor", "reap_group"]
 
 _POLL_S = 0.05
 _FORWARDED = (signal.SIGINT, signal.SIGTERM)
@@ -149,7 +149,7 @@ class Supervisor:
             child.pidfd = None
         if self.forks is not None:
             for child in self.children:
-                _reap_group(child.proc.pid)
+                reap_group(child.proc.pid)
             self.forks.close()
             self.forks = None
 
@@ -170,7 +170,7 @@ class Supervisor:
         child.returncode = child.proc.returncode
         child.exited_at = time.time()
         if self.forks is not None:  # this process adopts the group's orphans while it forks ranks
-            _reap_group(child.proc.pid)
+            reap_group(child.proc.pid)
         if child.pidfd is not None:
             sel.unregister(child.pidfd)
             os.close(child.pidfd)
@@ -232,7 +232,7 @@ def _has_exited(pid: int) -> bool:
     return info is not None and info.si_pid != 0
 
 
-def _reap_group(pgid: int) -> None:
+def reap_group(pgid: int) -> None:
     """Reap the exited children of ours in process group ``pgid`` (a rank's orphans we adopted)."""
     with contextlib.suppress(ChildProcessError):
         while (info := os.waitid(os.P_PGID, pgid, os.WEXITED | os.WNOHANG)) is not None and info.si_pid:
