@@ -12,6 +12,7 @@ group of one every collective returns its input.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -126,18 +127,24 @@ def _all_reduce(x: Any, op: Any, group: Comm | None, timeout: float | None, *, i
 
 def _all_reduce_array(x: Any, op: ReduceOp, comm: Comm, seconds: float, in_place: bool) -> Any:
     """The common case, one array or tensor, without the tree machinery (latency matters here)."""
+    history = comm.history
+    carried = history.carried  # the group's predicted call where its payload carries its check
+    if carried is not None and not comm.check:  # is it this call? This function's key, compared field by
+        known, lowering = carried.key, carried.lowering  # field (cheaper than building one: small calls'
+        if (lowering is not None and x.shape == known[3] and x.dtype is known[2] and op is known[1]  # latency
+                and known[0] is _ONE):  # lives here). The prediction's lowering is this call's: no lookup.
+            result = _reduce_array(x, op, lowering, comm, seconds, in_place)
+            if (carried.finite_item and type(result) is np.ndarray and _isfinite(result.item(0))
+                    and history.last == carried.signature):
+                history.issued += 1  # settle()'s answer for an unflagged repeat, written inline
+                return result
+            return settle(comm, carried, result, seconds, "all_reduce", in_place)
     lowering = lowering_of(x, op)
     if comm.size == 1:
         return x
     if comm.check:
         agree(comm, describe_one(op, x), "all_reduce", seconds)
         return _reduce_array(x, op, lowering, comm, seconds, in_place)
-    carried = comm.history.carried  # the group's predicted call where its payload carries its check
-    if carried is not None:  # is it this call? This function's key, compared field by field (cheaper than
-        known = carried.key  # building one: small calls' latency lives here)
-        if x.shape == known[3] and x.dtype is known[2] and op is known[1] and known[0] is _ONE:
-            return settle(comm, carried, _reduce_array(x, op, lowering, comm, seconds, in_place), seconds,
-                          "all_reduce", in_place)
     key = (_ONE, op, x.dtype, x.shape)
 
     def body(bufs: list[Any], t: float) -> Any:
@@ -147,6 +154,7 @@ def _all_reduce_array(x: Any, op: ReduceOp, comm: Comm, seconds: float, in_place
                    carry=lowering, writes_input=in_place)
 
 
+_isfinite = math.isfinite
 _ONE = "all_reduce of one array"  # the key of a one-array all_reduce: (_ONE, op, dtype, shape)
 
 

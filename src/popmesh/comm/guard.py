@@ -274,7 +274,7 @@ def _form_of(arrays: list[Any], run: Body, carry: Lowering | None, sig: int, key
     if sentinel is None:
         return Form(run, leaves, None, sig, key, text)
     reader = _READERS.get(dtype_name(arrays[0])) if sentinel.nonfinite else None
-    return Form(run, leaves, sentinel, sig, key, text, _flagged(sentinel), sentinel.nonfinite, reader)
+    return Form(run, leaves, sentinel, sig, key, text, _flagged(sentinel), sentinel.nonfinite, reader, carry)
 
 
 def _flagged(sentinel: Sentinel) -> Callable[[Any], bool]:

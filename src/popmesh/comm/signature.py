@@ -112,6 +112,7 @@ class Form:
     flagged: Callable[[Any], bool] | None = None  # whether a result of this form may carry the sentinel
     finite_item: bool = False  # for a numpy result, flagged is ``not isfinite(result.item(0))`` (written inline)
     reader: Any = None  # the ctypes type of one element, to read a CPU tensor's element 0 in place (inline too)
+    lowering: Lowering | None = None  # a carried reduction's lowering, reused by calls of this form (same op, dtype)
 
 
 @dataclass

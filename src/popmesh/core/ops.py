@@ -46,10 +46,24 @@ class Lowering(NamedTuple):
     divide: bool  # divide the result by the size of the group afterwards (AVG)
 
 
+_LOWERINGS: dict[tuple[ReduceOp, str], Lowering] = {}  # (op, dtype name) -> its lowering, built once
+_LOWERINGS_LIMIT = 1024  # dtype names are few; a bound all the same
+
+
 def lower(op: ReduceOp, dtype: str) -> Lowering:
     """The one lowering of every reduction popmesh offers: AVG is SUM then a division by the group
     size; booleans reduce their bytes with MAX (SUM and MAX: any) or MIN (MIN and PROD: all).
-    ConfigError where the reduction is undefined (AVG of booleans, MAX/MIN of complex numbers)."""
+    ConfigError where the reduction is undefined (AVG of booleans, MAX/MIN of complex numbers).
+    Looked up once per (op, dtype): building the tuple cost ~0.5 us, a twentieth of a 4 B all_reduce."""
+    known = _LOWERINGS.get((op, dtype))
+    if known is None:
+        known = _lower(op, dtype)
+        if len(_LOWERINGS) < _LOWERINGS_LIMIT:
+            _LOWERINGS[(op, dtype)] = known
+    return known
+
+
+def _lower(op: ReduceOp, dtype: str) -> Lowering:
     if dtype == "bool":
         if op is ReduceOp.AVG:
             raise ConfigError("AVG of booleans is undefined: cast to a float dtype first")
