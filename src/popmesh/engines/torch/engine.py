@@ -30,6 +30,7 @@ from popmesh.engines.interop import numpy_to_torch, torch_to_numpy
 from popmesh.engines.liveness import Heartbeat, start_heartbeat
 from popmesh.engines.torch.generations import mark_formed, newcomer_attempt, start_counting
 from popmesh.engines.torch.network import pin_interface
+from popmesh.engines.torch.pumps import CLOSE_TAG, CLOSE_WAIT
 from popmesh.engines.torch.reforming import GroupHandle, Reforming
 from popmesh.engines.torch.rendezvous import join_world, make_store
 from popmesh.engines.torch.send import is_gone
@@ -40,8 +41,6 @@ _NARROW_INTS: tuple[Any, ...] = ()
 _KEEP_FINISHED_WORKS = 4
 _PROBE_TAG = (1 << 20) - 2  # a gloo tag no one receives on (below the point-to-point transport's tags)
 _PROBE_WAITS_S = (0.0, 0.05, 0.2)
-_CLOSE_TAG = (1 << 20) - 3  # nobody sends on it: a receive that times out there closes the connection
-_CLOSE_WAIT = timedelta(milliseconds=1)  # a peer's closed connection may take a moment to be noticed
 
 
 def _import_dist() -> Any:
@@ -163,7 +162,7 @@ class TorchEngine(Reforming):
         for handle in self._groups:
             if rank in handle.spec.ranks:
                 try:
-                    handle.pg.recv([empty], handle.spec.group_rank(rank), _CLOSE_TAG).wait(_CLOSE_WAIT)
+                    handle.pg.recv([empty], handle.spec.group_rank(rank), CLOSE_TAG).wait(CLOSE_WAIT)
                 except RuntimeError:
                     pass  # the expected outcome: gloo closed the connection when the receive timed out
 
@@ -249,7 +248,7 @@ class TorchEngine(Reforming):
         for ranks, pg in groups:
             for peer in (i for i, r in enumerate(ranks) if r != self.rank):
                 try:  # a receive that times out closes every connection of this gloo context
-                    pg.recv([empty], peer, _CLOSE_TAG).wait(_CLOSE_WAIT)
+                    pg.recv([empty], peer, CLOSE_TAG).wait(CLOSE_WAIT)
                 except RuntimeError:
                     pass  # timed out (all closed now: the next fail at once), or that peer was gone already
 
