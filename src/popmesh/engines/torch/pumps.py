@@ -12,20 +12,19 @@ from __future__ import annotations
 import threading
 from collections import deque
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from popmesh.core.errors import ConfigError, MessageError, PeerClosed, PeerFailure, PopmeshError
 from popmesh.core.launch_env import read_number
 from popmesh.engines.envelope import GOODBYE_TAG, HEADER_NBYTES, MAX_SEGMENTS, parse_envelope
+from popmesh.engines.p2p_base import BufferPool, Item
 from popmesh.engines.torch.send import LONG, failure, tensor
 
-if TYPE_CHECKING:
-    from popmesh.engines.torch.p2p import TorchP2P
-
-__all__ = ["Pump", "AnyPump", "peer_pumps_max", "hands_over", "ENV_TAG", "SEG_TAG", "PING_TAG", "CLOSE_TAG",
-           "CLOSE_WAIT", "DEPTH", "PEER_PUMPS_MAX", "GLOO_ENVELOPE_NBYTES", "GLOO_INLINE_NBYTES", "HANDOVER_NBYTES"]
+__all__ = ["Pump", "AnyPump", "PumpOwner", "peer_pumps_max", "hands_over", "ENV_TAG", "SEG_TAG", "PING_TAG",
+           "CLOSE_TAG", "CLOSE_WAIT", "DEPTH", "PEER_PUMPS_MAX", "GLOO_ENVELOPE_NBYTES", "GLOO_INLINE_NBYTES",
+           "HANDOVER_NBYTES"]
 
 TAG_BASE = 1 << 20  # kept away from the small tags a program may use with dist.send itself
 ENV_TAG, SEG_TAG, PING_TAG = TAG_BASE, TAG_BASE + 1, TAG_BASE - 1
@@ -45,6 +44,25 @@ GLOO_INLINE_NBYTES = GLOO_ENVELOPE_NBYTES - HEADER_NBYTES - 8 * MAX_SEGMENTS
 HANDOVER_NBYTES = 1 << 16
 
 
+class PumpOwner(Protocol):
+    """What a pump needs of its transport (:class:`~popmesh.engines.torch.p2p.TorchP2P`)."""
+
+    members: tuple[int, ...]
+    rank: int
+    _envelopes: BufferPool
+
+    @property
+    def _pg(self) -> Any: ...
+    def _at(self, rank: int) -> int: ...
+    def _has_room(self) -> bool: ...
+    def _wait_for_room(self) -> None: ...
+    def _end_peer(self, peer: int, why: PopmeshError) -> None: ...
+    def _say_goodbye(self, peer: int) -> None: ...
+    def _receive_rest(self, envelope: Any, src: int) -> Item: ...
+    def _deliver(self, tag: int, item: Item) -> None: ...
+    def _alive(self, rank: int) -> bool: ...
+
+
 class Pump:
     """The receive side of one peer: envelope receives posted ahead, and the thread that waits on them.
 
@@ -54,7 +72,7 @@ class Pump:
     :meth:`top_up` before it blocks, and the pump posts only when nothing is posted any more.
     """
 
-    def __init__(self, owner: TorchP2P, peer: int | None) -> None:
+    def __init__(self, owner: PumpOwner, peer: int | None) -> None:
         self.owner, self.peer = owner, peer
         self._lock = threading.Lock()
         self._posted: deque[tuple[Any, np.ndarray]] = deque()
@@ -186,7 +204,7 @@ class AnyPump(Pump):
     said goodbye or is gone.
     """
 
-    def __init__(self, owner: TorchP2P) -> None:
+    def __init__(self, owner: PumpOwner) -> None:
         super().__init__(owner, None)
         self._open = set(owner.members) - {owner.rank}
 
