@@ -17,7 +17,8 @@ standard library until something fails: a rank does not pay for importing the po
 * under ``popmesh launch --engine mpi`` (whose ranks mpiexec starts, so the launcher does not know
   their pids) leaves two notes beside the error record: ``rank-R.pid`` (pid and host) when it starts
   and ``rank-R.exit`` (the exit status) when it exits normally, so that the launcher, which watches
-  the pids, can tell a rank that was killed (no exit note, no error record) and name it.
+  the pids, can tell a rank that was killed (no exit note, no error record) and name it; and it holds
+  its end pipe (``rank-R.end``), whose end tells the launcher exactly which rank died first.
 
 ``bootstrap.py --leash SIGNUM PARENT_PID CMD ARGS...`` sets the parent-death signal and execs CMD
 (the setting survives exec): the launcher puts mpiexec on this leash.
@@ -41,6 +42,8 @@ _PR_SET_PDEATHSIG = 1
 PID_NOTE = ".pid"  # beside the error record rank-R.json: "PID HOST" once the rank runs
 WATCHED_NOTE = ".watched"  # the launcher's answer: it holds a pidfd of this rank (or cannot watch it)
 EXIT_NOTE = ".exit"  # "STATUS" once it exits normally
+END_PIPE = ".end"  # a FIFO the launcher reads; the rank holds its only writer, so its end shows there
+HELD_NOTE = ".held"  # the rank holds its end pipe (the launcher then reads it, and answers "watched")
 _WATCH_WAIT_S = 5.0  # how long a rank waits for that answer before it runs unwatched (1 s was too short on a
 # loaded box: a killed rank went unwatched and the rank Hydra killed after it was named the root cause)
 _MPI_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
@@ -183,16 +186,44 @@ def _mpi_notes() -> str | None:
     if os.environ.get("POPMESH_ENGINE") != "mpi" or not template or rank is None:
         return None
     if _write_note(note_path(template, rank, PID_NOTE), f"{os.getpid()} {os.uname().nodename}"):
-        _await_watch(note_path(template, rank, WATCHED_NOTE))
+        _await_watch(note_path(template, rank, WATCHED_NOTE), note_path(template, rank, END_PIPE),
+                     note_path(template, rank, HELD_NOTE))
     return note_path(template, rank, EXIT_NOTE)
 
 
-def _await_watch(path: str) -> None:
+def _await_watch(watched: str, end_pipe: str, held: str) -> None:
     """Run the user's code only once the launcher watches this process: a rank killed before that would
-    be found already gone, with no telling when, and could not be told from the ranks torn down after it."""
+    be found already gone, with no telling when, and could not be told from the ranks torn down after it.
+    Meanwhile hold this rank's end pipe once the launcher has made it, and say so (``held``): the
+    launcher starts reading it only then, and says ``watched`` after."""
     deadline = time.monotonic() + _WATCH_WAIT_S
-    while not os.path.exists(path) and time.monotonic() < deadline:
+    holding = False
+    while not os.path.exists(watched) and time.monotonic() < deadline:
+        if not holding and _hold_end_pipe(end_pipe):
+            holding = _write_note(held, "")
         time.sleep(0.002)
+
+
+def _hold_end_pipe(path: str) -> bool:
+    """Hold the only writer of this rank's end pipe (False: no pipe, or nobody reads it yet), at a
+    descriptor number above Hydra's PMI socket (``PMI_FD``): a dying process's files are released
+    highest number first, so the launcher sees this rank's end before Hydra sees the PMI socket close
+    and kills the other ranks."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    pmi = os.environ.get("PMI_FD", "")
+    if pmi.isdigit() and fd <= int(pmi):
+        import fcntl  # only here, as ctypes above
+
+        try:
+            fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, int(pmi) + 1)  # kept open: the rank's end closes it
+        except OSError:  # no number above it is free: this pipe cannot order the rank's end, and says so
+            os.write(fd, b"?")  # (the launcher drops a pipe with data in it)
+            return True
+        os.close(fd)
+    return True
 
 
 def _write_note(path: str, text: str) -> bool:

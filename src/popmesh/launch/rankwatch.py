@@ -4,39 +4,97 @@ mpiexec reports only its own exit status, and Hydra's "BAD TERMINATION" banner n
 processes its cleanup killed, not the first to die. So each rank's bootstrap leaves a pid note when it
 starts and an exit note when it exits normally (:mod:`popmesh.launch.bootstrap`); a thread of the
 launcher adopts every pid note of this host as it appears, opens a pidfd for it and answers with a
-``.watched`` note, which the rank waits for (up to a second) before it runs the user's code; so every
-process's end is seen through its pidfd, in order, even on a loaded machine. A rank whose process
-ended without an exit note (and without an error record, which the judge checks) was killed; the
-first such rank is the root cause (ranks seen to end in the same wake-up cannot be told apart: the
-judge says so). Ranks on other hosts are seen only through their error records.
+``.watched`` note, which the rank waits for before it runs the user's code; so every process's end is
+seen through its pidfd, even on a loaded machine. A rank whose process ended without an exit note
+(and without an error record, which the judge checks) was killed; the first such rank is the root cause.
+
+Which rank died first is told exactly by an *end pipe*: a FIFO per rank whose only writer the rank
+holds, at a descriptor number above Hydra's PMI socket. A dying process's files are released highest
+number first (checked on this kernel once: :func:`releases_highest_first`), so the rank's end pipe
+reports its end before Hydra can see the PMI socket close, which is what makes Hydra kill the other
+ranks; and the launcher reads the pipes' ends in the order the kernel made them ready (epoll's ready
+list). Ranks without an end pipe (a kernel that releases lowest first, a rank whose forked child still
+holds the pipe, a rank found already gone) are ordered by when their pidfd was seen to be ready, and
+ranks seen in the same wake-up cannot be told apart: the judge says so. Ranks on other hosts are seen
+only through their error records.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob
 import os
 import select
+import subprocess
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
 
-from popmesh.launch.bootstrap import EXIT_NOTE, PID_NOTE, WATCHED_NOTE
+from popmesh.launch.bootstrap import END_PIPE, EXIT_NOTE, HELD_NOTE, PID_NOTE, WATCHED_NOTE
 from popmesh.launch.plan import error_file_name
 
-__all__ = ["RankEnd", "RankWatch"]
+__all__ = ["RankEnd", "RankWatch", "earliest_first", "releases_highest_first"]
 
 _TICK_S = 0.02
+_ARM_TICK_S = 0.002  # the tick while a rank waits to be told it is watched
+_HOLD_WAIT_S = 3.0  # how long a rank may take to hold its end pipe before it is watched without one
+_HUP = select.EPOLLHUP | select.EPOLLERR
 
 
 @dataclass(frozen=True)
 class RankEnd:
-    """A rank's process that ended without an exit note: when it was seen to end (wall clock), where."""
+    """A rank's process that ended without an exit note: when it was seen to end (wall clock), where;
+    ``order``: its place among this host's ranks' ends as the kernel made them (from its end pipe;
+    None where it had none)."""
 
     rank: int
     pid: int
     host: str
     time: float
+    order: int | None = None
+
+
+@functools.cache
+def releases_highest_first() -> bool:
+    """Whether this kernel releases a dying process's files highest descriptor number first (Linux runs
+    the deferred closes of an exiting task last queued, first run): a throwaway shell holds two FIFOs as
+    descriptors 3 and 9 and kills itself; the order in which their readers see the end tells (the
+    readers are watched only once the shell holds both: an open also readies a reader). ~3 ms, once."""
+    try:
+        with tempfile.TemporaryDirectory(prefix="popmesh-order-") as tmp:
+            low, high = os.path.join(tmp, "low"), os.path.join(tmp, "high")
+            os.mkfifo(low)
+            os.mkfifo(high)
+            readers = [os.open(path, os.O_RDONLY | os.O_NONBLOCK) for path in (low, high)]
+            poll = select.epoll()
+            shell = f'exec 3>"{low}" 9>"{high}"; echo held; read go; kill -9 $$'
+            try:
+                with subprocess.Popen(["/bin/sh", "-c", shell], stdin=subprocess.PIPE, stdout=subprocess.PIPE) as proc:
+                    assert proc.stdin is not None and proc.stdout is not None
+                    held = proc.stdout.readline() == b"held\n"
+                    for fd in readers:
+                        poll.register(fd, _HUP)
+                    proc.stdin.write(b"go\n")
+                    proc.stdin.close()
+                    proc.wait(10)
+                events = poll.poll(1.0)
+            finally:
+                poll.close()
+                for fd in readers:
+                    os.close(fd)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return held and len(events) == 2 and events[0][0] == readers[1]
+
+
+def earliest_first(ends: list[RankEnd]) -> list[RankEnd]:
+    """``ends`` in the kernel's order where each has its place in it (:attr:`RankEnd.order`), else by
+    when each was seen (then by rank). Pure."""
+    if all(end.order is not None for end in ends):
+        return sorted(ends, key=lambda end: end.order or 0)
+    return sorted(ends, key=lambda end: (end.time, end.rank))
 
 
 class RankWatch:
@@ -46,6 +104,12 @@ class RankWatch:
         self._dir = error_dir
         self._host = host or os.uname().nodename
         self._pidfds: dict[int, tuple[int, int, str]] = {}  # pidfd -> (rank, pid, host)
+        self._pipes: dict[int, int] = {}  # end pipe's read end -> rank, once the rank holds the writer
+        self._unheld: dict[int, tuple[int, float]] = {}  # rank -> (its end pipe's read end, adopted when)
+        self._orders: dict[int, int] = {}  # rank -> its place among the ends its end pipe showed
+        self._seen: set[int] = set()  # ranks whose pidfd showed their end
+        self._epoll = select.epoll()
+        self._exact = releases_highest_first()
         self._adopted: set[str] = set()
         self._ended: list[RankEnd] = []
         self._gone: list[tuple[int, int, str]] = []  # adopted already ended: when is unknown (see _collect)
@@ -61,18 +125,22 @@ class RankWatch:
         self._thread.join()
         self._adopt()  # a note written just before the end
         self._collect(0.0)
-        for fd in self._pidfds:
+        for fd in [*self._pidfds, *self._pipes, *(fd for fd, _ in self._unheld.values())]:
             os.close(fd)
         self._pidfds.clear()
+        self._pipes.clear()
+        self._unheld.clear()
+        self._epoll.close()
 
     def killed(self) -> list[RankEnd]:
         """The ranks of this host whose process ended without an exit note, earliest first (after exit)."""
         noted = {end.rank for end in self._ended if os.path.exists(self._note(end.rank, EXIT_NOTE))}
-        return sorted((end for end in self._ended if end.rank not in noted), key=lambda end: (end.time, end.rank))
+        return earliest_first([end for end in self._ended if end.rank not in noted])
 
     def _run(self) -> None:
         while not self._stop.is_set():
             self._adopt()
+            self._arm()
             self._collect(_TICK_S)
 
     def _note(self, rank: int | str, suffix: str) -> str:
@@ -90,31 +158,79 @@ class RankWatch:
                 pid = int(pid_text)
             except (OSError, ValueError):
                 continue
+            piped = False
             if host == self._host:
                 try:
-                    self._pidfds[os.pidfd_open(pid)] = (rank, pid, host)
+                    pidfd = os.pidfd_open(pid)
                 except ProcessLookupError:  # already gone (it gave up waiting for the answer)
                     self._gone.append((rank, pid, host))
                 except OSError:  # no pidfds here: this rank is not watched
                     pass
-            with contextlib.suppress(OSError):  # the rank goes on (a rank of another host: unwatched)
-                open(self._note(rank, WATCHED_NOTE), "w").close()
+                else:
+                    self._pidfds[pidfd] = (rank, pid, host)
+                    self._epoll.register(pidfd, select.EPOLLIN)
+                    piped = self._exact and self._open_end_pipe(rank)
+            if not piped:
+                self._say_watched(rank)
+
+    def _say_watched(self, rank: int) -> None:
+        with contextlib.suppress(OSError):  # the rank goes on (a rank of another host: unwatched)
+            open(self._note(rank, WATCHED_NOTE), "w").close()
+
+    def _arm(self) -> None:
+        """Read the end pipes whose rank now holds the writer, and tell those ranks they are watched.
+        Only now: opening a FIFO readies its reader, and a reader already in epoll's ready list keeps
+        its place there, so a pipe read before its writer opened could be ordered by its open."""
+        now = time.monotonic()
+        for rank, (fd, adopted) in list(self._unheld.items()):
+            if os.path.exists(self._note(rank, HELD_NOTE)):
+                self._pipes[fd] = rank
+                self._epoll.register(fd, _HUP | select.EPOLLIN)  # data: the rank could not place its writer
+            elif now - adopted < _HOLD_WAIT_S:
+                continue
+            else:
+                os.close(fd)  # the rank did not hold it (no end pipes in its bootstrap): pidfd order
+            del self._unheld[rank]
+            self._say_watched(rank)
+
+    def _open_end_pipe(self, rank: int) -> bool:
+        """Make ``rank``'s end pipe and open its read end (read once the rank holds the writer: :meth:`_arm`)."""
+        path = self._note(rank, END_PIPE)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        try:
+            os.mkfifo(path)
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        except OSError:  # no FIFOs in this folder: the pidfd order stays
+            return False
+        self._unheld[rank] = (fd, time.monotonic())
+        return True
 
     def _collect(self, wait: float) -> None:
         """Record the watched processes that ended, waiting up to ``wait`` seconds for one. Ranks found
         already gone when adopted ended at some moment since the last wake-up, as did the ones seen now:
         they share this wake-up's time, so the judge says their order cannot be told (stamping each at
-        its adoption ordered them by file name, and named a rank Hydra killed as the root cause)."""
-        if not self._pidfds and not self._gone:
+        its adoption ordered them by file name, and named a rank Hydra killed as the root cause), unless
+        their end pipes ordered them: epoll returns ready descriptors in the order they became ready."""
+        if not self._pidfds and not self._pipes and not self._gone and not self._unheld:
             if wait:
                 self._stop.wait(wait)
             return
-        ready, _, _ = select.select(list(self._pidfds), [], [], 0.0 if self._gone else wait)
+        events = self._epoll.poll(0.0 if self._gone else min(wait, _ARM_TICK_S) if self._unheld else wait)
         now = time.time()
         for rank, pid, host in self._gone:
             self._ended.append(RankEnd(rank, pid, host, now))
         self._gone.clear()
-        for fd in ready:
-            rank, pid, host = self._pidfds.pop(fd)
+        for fd, flags in events:
+            if fd in self._pipes:
+                rank = self._pipes.pop(fd)
+                if not flags & select.EPOLLIN and rank not in self._seen:  # its pipe ended before its pidfd
+                    self._orders[rank] = len(self._orders)
+            elif fd in self._pidfds:
+                rank, pid, host = self._pidfds.pop(fd)
+                self._seen.add(rank)  # a pipe that ends later (a forked child held it) orders nothing
+                self._ended.append(RankEnd(rank, pid, host, now, self._orders.get(rank)))
+            else:
+                continue
+            self._epoll.unregister(fd)
             os.close(fd)
-            self._ended.append(RankEnd(rank, pid, host, now))

@@ -23,9 +23,9 @@ from popmesh.launch.runner import Child
 
 __all__ = ["judge_local", "judge_mpi", "ended_together"]
 
-# Ranks whose ends the watch saw this close together cannot be ordered: Hydra kills the other ranks the
-# moment one dies, and the kernel may make a killed rank's end visible before the end of the rank that
-# died first (measured on a quiet 2-core box: about 1 run in 7, the two ends 0.3-0.6 ms apart).
+# Ranks whose ends the watch saw this close together cannot be ordered unless their end pipes ordered them:
+# Hydra kills the other ranks the moment one dies, and a pidfd may show a killed rank's end before the end
+# of the rank that died first (measured on a quiet 2-core box: about 1 run in 7, the two ends 0.3-0.6 ms apart).
 TOGETHER_S = 0.01
 
 
@@ -127,8 +127,11 @@ def judge_mpi(
 
 def ended_together(killed: Sequence[RankEnd], window: float = TOGETHER_S) -> list[int]:
     """The ranks of ``killed`` (earliest first) whose end was seen within ``window`` seconds of the first:
-    the first of them to die cannot be told. Pure."""
-    return [end.rank for end in killed if killed and end.time - killed[0].time <= window]
+    the first of them to die cannot be told. None where every end has its place in the kernel's order
+    (:attr:`RankEnd.order`, from the ranks' end pipes): that order is exact. Pure."""
+    if all(end.order is not None for end in killed):
+        return []
+    return [end.rank for end in killed if end.time - killed[0].time <= window]
 
 
 def _signal_of(code: int) -> str | None:
