@@ -98,7 +98,8 @@ def test_demo_population_carries_on_when_a_rank_is_lost(tmp_path):
     events.jsonl and summary.json; the survivors trained on as a population of two while it restarted
     (replacing each other, never it) and their iterations ran on (none repeated), checkpointing among
     themselves. A run resumed from such a checkpoint seeds rank 1 from the others, as at a rejoin. The ranks
-    start anew (--no-preload): a forked restart is back before the survivors have decided anything."""
+    start anew (--no-preload): a forked restart is back before the survivors have decided anything;
+    the resumed run forks them."""
     cmd = [sys.executable, "-m", "popmesh", "demo", "--ranks", "3", "--steps", "20000", "--every", "2", "--warmup",
            "0", "--no-live", "--max-restarts", "1", "--kill", "1:4", "--checkpoint-every", "2", "--no-preload",
            "--checkpoint-keep", "100", "--out", str(tmp_path / "a")]
@@ -132,7 +133,7 @@ def test_demo_population_carries_on_when_a_rank_is_lost(tmp_path):
     assert short and all(written[at]["missing"] == [1] and written[at]["ranks"] == [0, 2] for at in short), written
     assert all(m["missing"] == [] for at, m in written.items() if at not in short), written  # before, after
     at = short[-1]
-    resume = [a for a in cmd[:cmd.index("--out")] if a not in ("--kill", "1:4", "--steps", "20000")]
+    resume = [a for a in cmd[:cmd.index("--out")] if a not in ("--kill", "1:4", "--steps", "20000", "--no-preload")]
     checkpoint = run / "checkpoints" / f"ckpt-{at:09d}"
     resumed = subprocess.run([*resume, "--steps", str(at * 512 + 1000), "--out", str(tmp_path / "b"), "--resume",
                               str(checkpoint)], capture_output=True, text=True, timeout=150)
