@@ -107,7 +107,6 @@ class RankWatch:
         self._pipes: dict[int, int] = {}  # end pipe's read end -> rank, once the rank holds the writer
         self._unheld: dict[int, tuple[int, float]] = {}  # rank -> (its end pipe's read end, adopted when)
         self._orders: dict[int, int] = {}  # rank -> its place among the ends its end pipe showed
-        self._seen: set[int] = set()  # ranks whose pidfd showed their end
         self._epoll = select.epoll()
         self._exact = releases_highest_first()
         self._adopted: set[str] = set()
@@ -224,11 +223,10 @@ class RankWatch:
         for fd, flags in events:
             if fd in self._pipes:
                 rank = self._pipes.pop(fd)
-                if not flags & select.EPOLLIN and rank not in self._seen:  # its pipe ended before its pidfd
-                    self._orders[rank] = len(self._orders)
+                if not flags & select.EPOLLIN:  # data in it: the rank could not place its writer
+                    self._orders[rank] = len(self._orders)  # read when its pidfd ends: later, it orders nothing
             elif fd in self._pidfds:
                 rank, pid, host = self._pidfds.pop(fd)
-                self._seen.add(rank)  # a pipe that ends later (a forked child held it) orders nothing
                 self._ended.append(RankEnd(rank, pid, host, now, self._orders.get(rank)))
             else:
                 continue

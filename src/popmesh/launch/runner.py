@@ -79,19 +79,12 @@ class Supervisor:
         """
         proc: subprocess.Popen[bytes] | ForkedProcess
         piped = None if inherit_output else subprocess.PIPE
+        stdin = None if rank in (0, None) else subprocess.DEVNULL
         if self.forks is not None:
-            proc = self.forks.popen(cmd, env, stdin=None if rank in (0, None) else subprocess.DEVNULL, stdout=piped,
-                                    stderr=piped, pass_fds=pass_fds)
+            proc = self.forks.popen(cmd, env, stdin=stdin, stdout=piped, stderr=piped, pass_fds=pass_fds)
         else:
-            proc = subprocess.Popen(
-                list(cmd),
-                env=dict(env),
-                stdin=None if rank in (0, None) else subprocess.DEVNULL,
-                stdout=piped,
-                stderr=piped,
-                start_new_session=True,
-                pass_fds=tuple(pass_fds),
-            )
+            proc = subprocess.Popen(list(cmd), env=dict(env), stdin=stdin, stdout=piped, stderr=piped,
+                                    start_new_session=True, pass_fds=tuple(pass_fds))
         child = Child(rank=rank, proc=proc, pidfd=_pidfd(proc.pid))
         self.children.append(child)
         if proc.stdout is not None and proc.stderr is not None:
