@@ -16,6 +16,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
+def resident_bytes() -> int:
+    """This process's resident set (VmRSS), in bytes: what the memory benchmarks compare."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
 def launch_json(script: str, n: int, engine: str, *args: str, timeout: float = 600) -> dict:
     """Run ``script`` on ``n`` ranks of ``engine``; rank 0 writes JSON to $BENCH_OUT, returned here."""
     with tempfile.TemporaryDirectory() as tmp:

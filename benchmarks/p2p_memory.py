@@ -17,12 +17,7 @@ import os
 import statistics
 import threading
 
-from _common import launch_json, write_result
-
-
-def _rss() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+from _common import launch_json, resident_bytes, write_result
 
 
 def worker() -> None:
@@ -32,14 +27,14 @@ def worker() -> None:
         import mpi4py.MPI  # noqa: F401  the engine's own import, before popmesh starts it
     else:
         import torch.distributed  # noqa: F401
-    base = _rss()
+    base = resident_bytes()
     import popmesh
     from popmesh.comm import messages as m
 
     world = popmesh.init()
     rank, size = world.rank, world.size
     popmesh.all_reduce(np.ones(4), timeout=600)
-    after_init = _rss()
+    after_init = resident_bytes()
     peers = [p for p in range(size) if p != rank]
     sends = [m.isend(np.full(1 << 13, rank, np.int64), p, tag=100 + rank) for p in peers]
     for p in peers:
@@ -52,7 +47,7 @@ def worker() -> None:
     assert int(m.recv(left, tag=7, timeout=600)[1][0]) == left
     h.wait(600)
     popmesh.barrier(timeout=600)
-    after = _rss()
+    after = resident_bytes()
     mem = world.engine.p2p().memory()
     threads = len([t for t in threading.enumerate() if t.name.startswith("popmesh-")])
     rows = popmesh.all_gather(np.array([base, after_init, after, threads, mem.get("send_channels", 0),

@@ -17,12 +17,7 @@ import argparse
 import os
 import time
 
-from _common import launch_json, write_result
-
-
-def _rss() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+from _common import launch_json, resident_bytes, write_result
 
 
 def worker(nbytes: int, count: int, stall: float) -> None:
@@ -34,7 +29,7 @@ def worker(nbytes: int, count: int, stall: float) -> None:
     world = popmesh.init()
     payload = np.zeros(max(1, nbytes // 4), np.int32)
     popmesh.barrier(timeout=600)
-    base = _rss()
+    base = resident_bytes()
     held: dict = {}
     if world.rank == 0:
         started = time.monotonic()
@@ -53,7 +48,7 @@ def worker(nbytes: int, count: int, stall: float) -> None:
             other.done()
             time.sleep(0.001)
         del other
-    grown = _rss() - base
+    grown = resident_bytes() - base
     popmesh.barrier(timeout=600)
     if world.rank == 1:
         for i in range(count):

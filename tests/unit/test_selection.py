@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -525,3 +526,5 @@ def test_a_group_decision_summary_names_agents_by_global_rank():
     assert decision.replaced == (1,) and decision.summary == "replace 1 of 3 agents [1] by mean"
     assert decision.summary_in([0, 2, 3]) == "replace 1 of 3 agents [2] by mean"
     assert decision.summary_in(range(3)) == decision.summary
+    own = dataclasses.replace(decision, summary="replace the laggard")  # a caller's own text: kept as it is
+    assert own.summary_in([0, 2, 3]) == "replace the laggard"

@@ -14,7 +14,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -245,6 +245,14 @@ class _Lost:
         return () if self.group is None else tuple(self.group.ranks)
 
 
+class _Alone(NamedTuple):
+    """What one survivor did while the world was short of a lost rank (zeros on a newcomer)."""
+
+    iterations: int = 0  # trained on without the lost rank
+    waited_s: float = 0.0  # waiting for the other survivors to re-form
+    leaving_s: float = 0.0  # leaving the broken world and forming survivors' groups
+
+
 def _leave(world: Any, config: DemoConfig, learner: CartPoleLearner, policy: Any, reporter: Reporter,
            error: PeerFailure, timer: Timer, iteration: int, lost: _Lost | None, checkpoints: Checkpointer) -> _Lost:
     """A rank was lost: stop what lives on the broken world (the policy, keeping its state; the reporter's
@@ -321,7 +329,7 @@ def _rejoin(world: Any, config: DemoConfig, learner: CartPoleLearner, reporter: 
         policy.load_state_dict(lost.policy_state)
     reporter.reconnect()
     seen = {"time": lost.at, "iteration": lost.iteration}
-    alone = (lost.iterations, waited, lost.leaving_s)
+    alone = _Alone(lost.iterations, waited, lost.leaving_s)
     through = _seed(world, config, learner, reporter, iteration, seen, out, alone)[2]
     checkpoints.skip_through(through)
     return policy, through if _lockstep(config) else 0
@@ -329,7 +337,7 @@ def _rejoin(world: Any, config: DemoConfig, learner: CartPoleLearner, reporter: 
 
 def _seed(world: Any, config: DemoConfig, learner: CartPoleLearner, reporter: Reporter, iteration: int,
           lost: dict[str, Any] | None, out: Path | None,
-          alone: tuple[int, float, float] = (0, 0.0, 0.0)) -> tuple[int, Path, int]:
+          alone: _Alone | None = None) -> tuple[int, Path, int]:
     """Every rank, right after the world (re-)formed with newcomers: they take the mean of the best agents
     (PBT's exploit), the best one's counters and the run's folder; rank 0 records the loss and the
     rejoin (``lost``: when and at which iteration a survivor saw the loss), with the iterations each
@@ -346,7 +354,7 @@ def _seed(world: Any, config: DemoConfig, learner: CartPoleLearner, reporter: Re
     lost = popmesh.broadcast_object(lost, src=donor) or {}  # when and where a survivor saw the loss
     lost_at, lost_iteration = lost.get("time"), lost.get("iteration", lost_iteration)
     out = Path(popmesh.broadcast_object(None if out is None else str(out), src=donor))
-    alone_by_rank = popmesh.gather_object(list(alone), dst=0)
+    alone_by_rank = [_Alone(*a) for a in popmesh.gather_object(list(alone or _Alone()), dst=0) or []]
     if world.is_main:
         now = time.time()
         for rank in seeding.newcomers:
@@ -356,9 +364,9 @@ def _seed(world: Any, config: DemoConfig, learner: CartPoleLearner, reporter: Re
                                "steps": int(seeding.counters["steps"]), "donors": list(seeding.donors),
                                "weights": list(seeding.weights), "generation": world.generation,
                                "downtime_s": round(now - (lost_at or now), 3),
-                               "iterations_alone": [a[0] for a in alone_by_rank],
-                               "survivor_wait_s": [round(a[1], 3) for a in alone_by_rank],
-                               "survivor_leaving_s": [round(a[2], 3) for a in alone_by_rank]})
+                               "iterations_alone": [a.iterations for a in alone_by_rank],
+                               "survivor_wait_s": [round(a.waited_s, 3) for a in alone_by_rank],
+                               "survivor_leaving_s": [round(a.leaving_s, 3) for a in alone_by_rank]})
     through = int(popmesh.all_reduce(np.array([iteration]), "max")[0])
     return iteration, out, through
 

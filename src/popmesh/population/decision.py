@@ -112,11 +112,13 @@ class Decision:
     def summary_in(self, ranks: Sequence[int]) -> str:
         """:attr:`summary` naming each agent by its global rank: the decision's ranks are positions in
         ``ranks`` (a group's global ranks). The same text when the group is the whole world, or when
-        the summary was not written by :func:`decide`."""
-        if list(ranks) == list(range(len(ranks))) or not self.summary.startswith(("replace ", "no replacement")):
+        the summary is not the one :func:`decide` writes (a caller's own text is kept as it is)."""
+        strategy = Strategy.parse(self.strategy)
+        if (list(ranks) == list(range(len(ranks)))
+                or self.summary != _summary(len(ranks), list(self.replaced), dict(self.skipped), strategy)):
             return self.summary
         return _summary(len(ranks), [ranks[r] for r in self.replaced], {ranks[r]: v for r, v in self.skipped.items()},
-                        Strategy.parse(self.strategy))
+                        strategy)
 
     @classmethod
     def _normalised(cls, **fields: Any) -> Decision:

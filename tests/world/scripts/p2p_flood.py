@@ -11,6 +11,7 @@ import sys
 import time
 
 import numpy as np
+from scriptlib import resident_bytes
 
 import popmesh
 from popmesh.comm import messages as m
@@ -22,11 +23,6 @@ rank, engine = world.rank, world.engine_name
 p2p = world.engine.p2p()
 count = int(sys.argv[1])
 stall = float(os.environ.get("FLOOD_STALL_S", "5"))
-
-
-def rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 if rank == 0:
@@ -58,9 +54,9 @@ if rank == 0:
     else:
         assert mem["held_sends"] <= 600, mem
 else:
-    before = rss()
+    before = resident_bytes()
     time.sleep(stall)  # rank 0 floods meanwhile; nobody here receives
-    mem, grown = p2p.memory(), rss() - before
+    mem, grown = p2p.memory(), resident_bytes() - before
     print(f"rank 1 holds after {stall:g} s of flood: {mem}, RSS grown by {grown / 2**20:.1f} MiB "
           f"(flood {count * FRAME / 2**20:.0f} MiB)")
     if engine == "torch":

@@ -16,6 +16,7 @@ import sys
 import time
 
 import numpy as np
+from scriptlib import resident_bytes
 
 import popmesh
 from popmesh.comm import messages as m
@@ -27,11 +28,6 @@ rank, size = world.rank, world.size
 p2p = world.engine.p2p()
 count = int(sys.argv[1])
 stall = float(os.environ.get("FLOOD_STALL_S", "4"))
-
-
-def rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def message(i: int) -> np.ndarray:
@@ -56,13 +52,13 @@ if rank == 0:
         assert e.missing == (1,) and "rank 1 has not received" in str(e), (e.missing, str(e))
     print(f"rank 0 holds while rank 1 does not receive: {p2p.memory()}")
 elif rank == 1:
-    before = rss()
+    before = resident_bytes()
     other, until = m.irecv(0, tag=8), time.monotonic() + stall
     while time.monotonic() < until:  # busy elsewhere: MPI progresses here all along
         other.done()
         time.sleep(0.001)
     del other
-    grown = rss() - before
+    grown = resident_bytes() - before
     print(f"rank 1 RSS grew {grown / 2**20:.1f} MiB while {count} messages of 1 KiB were sent to it")
     assert grown < 48 << 20, f"grew {grown} bytes while {count} KiB were sent"
     assert world.failure() is None, f"a rank was taken for dead: {world.failure()}"

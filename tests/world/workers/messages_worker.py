@@ -238,9 +238,11 @@ def timeout_then_late_message_arrives(w):
             pass
         else:
             raise AssertionError("the irecv must time out too")
+        if w.size > 1:
+            m.send("gave up", src, tag=12)  # both receives above have given up: now the late messages
     if w.rank == src:
         if w.size > 1:
-            time.sleep(1.5)  # both receives above have given up by now
+            assert m.recv(dst, tag=12, timeout=30) == (dst, "gave up")
         m.send("late", dst, tag=13)
         m.send("late handle", dst, tag=14)
     if w.rank == dst:

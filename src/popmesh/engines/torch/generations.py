@@ -24,13 +24,14 @@ The logic is over a small store interface (``set``, ``get``, ``check``, ``compar
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from popmesh.core.errors import CommTimeout
 
 __all__ = ["ATTEMPT", "FORMED", "KeyStore", "Superseded", "prefix", "start_counting", "next_attempt",
            "newcomer_attempt", "check_in", "await_members", "mark_up", "await_up", "mark_formed", "newcomers",
-           "newcomer_waiting", "restarted_ranks", "await_key"]
+           "newcomer_waiting", "restarted_ranks", "await_key", "poll_store"]
 
 ATTEMPT = "popmesh/attempt"
 FORMED = "popmesh/formed"
@@ -130,17 +131,33 @@ def await_up(store: KeyStore, attempt: int, size: int, deadline: float) -> None:
 
 def _await_all(store: KeyStore, attempt: int, keys: list[str], deadline: float, missing_said: str) -> None:
     """Return once every one of ``keys`` (one per rank) is set; Superseded or CommTimeout as above."""
-    pause = 0.005
-    while not store.check(keys):
+
+    def superseded() -> None:
         newest = int(store.get(ATTEMPT))
         if newest > attempt and not store.check(keys):  # the last key may have come meanwhile: then it formed
             raise Superseded(attempt, newest)
+
+    def timed_out() -> CommTimeout:
+        missing = tuple(r for r, key in enumerate(keys) if not store.check([key]))
+        return CommTimeout(f"the world did not re-form: rank(s) {list(missing)} "
+                           + missing_said.format(attempt=attempt), missing)
+
+    poll_store(lambda: store.check(keys), deadline, timed_out, meanwhile=superseded)
+
+
+def poll_store(done: Callable[[], bool], deadline: float, timed_out: Callable[[], Exception], *,
+               meanwhile: Callable[[], None] | None = None, max_pause: float = 0.1) -> None:
+    """Return once ``done()``; between polls run ``meanwhile()`` (it raises to stop waiting for another
+    reason), and raise ``timed_out()`` at ``deadline``. The pause doubles from 5 ms to ``max_pause``: a
+    key set at once is seen at once, and a long wait asks the store little."""
+    pause = 0.005
+    while not done():
+        if meanwhile is not None:
+            meanwhile()
         if time.monotonic() >= deadline:
-            missing = tuple(r for r, key in enumerate(keys) if not store.check([key]))
-            raise CommTimeout(f"the world did not re-form: rank(s) {list(missing)} "
-                              + missing_said.format(attempt=attempt), missing)
+            raise timed_out()
         time.sleep(pause)
-        pause = min(2 * pause, 0.1)
+        pause = min(2 * pause, max_pause)
 
 
 def _member(attempt: int, rank: int) -> str:
@@ -160,10 +177,5 @@ def newcomers(store: KeyStore, attempt: int, size: int) -> tuple[int, ...]:
 
 def await_key(store: Any, key: str, deadline: float, failure: str) -> str:
     """The text under ``key`` once it is set; CommTimeout saying ``failure`` at ``deadline``."""
-    pause = 0.005
-    while not store.check([key]):
-        if time.monotonic() >= deadline:
-            raise CommTimeout(failure, None)
-        time.sleep(pause)
-        pause = min(2 * pause, 0.1)
+    poll_store(lambda: bool(store.check([key])), deadline, lambda: CommTimeout(failure, None))
     return bytes(store.get(key)).decode()

@@ -25,15 +25,13 @@ with an in-memory store, without processes.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Collection
 
 from popmesh.core.errors import CommTimeout, PeerFailure
-from popmesh.engines.torch.generations import KeyStore, Superseded
+from popmesh.engines.torch.generations import KeyStore, Superseded, poll_store
 
 __all__ = ["agree_survivors", "newest_round", "next_round", "propose_lost", "encode_ranks", "decode_ranks"]
 
-_PAUSE_S = 0.005
 _PAUSE_MAX_S = 0.05
 
 
@@ -73,20 +71,21 @@ class _MemberFailed(Exception):
 def _await_round(store: KeyStore, generation: int, round_: int, members: tuple[int, ...], deadline: float,
                  failed: Callable[[], Collection[int]]) -> None:
     keys = [_key(generation, f"{round_}/member/{r}") for r in members]
-    pause = _PAUSE_S
-    while not store.check(keys):
+
+    def moved_on() -> None:
         newest = newest_round(store, generation)
         if newest > round_:
             raise Superseded(round_, newest)
         if set(failed()) & set(members):
             raise _MemberFailed()
-        if time.monotonic() >= deadline:
-            missing = [r for r, key in zip(members, keys) if not store.check([key])]
-            raise CommTimeout(f"the survivors of generation {generation} did not agree on their group: rank(s) "
-                              f"{missing} never took part (each survivor calls world.survivors() after the loss)",
-                              tuple(missing))
-        time.sleep(pause)
-        pause = min(2 * pause, _PAUSE_MAX_S)
+
+    def timed_out() -> CommTimeout:
+        missing = [r for r, key in zip(members, keys) if not store.check([key])]
+        return CommTimeout(f"the survivors of generation {generation} did not agree on their group: rank(s) "
+                           f"{missing} never took part (each survivor calls world.survivors() after the loss)",
+                           tuple(missing))
+
+    poll_store(lambda: store.check(keys), deadline, timed_out, meanwhile=moved_on, max_pause=_PAUSE_MAX_S)
 
 
 def agree_survivors(store: KeyStore, generation: int, rank: int, size: int,
