@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from popmesh.launch.api import BOOTSTRAP
+
 pytestmark = pytest.mark.world
 SCRIPT = str(Path(__file__).parent / "scripts" / "preload_rank.py")
 
@@ -55,6 +57,8 @@ def test_forked_ranks_form_a_world_each_with_its_own_rank_argv_folder_and_random
     for rank, report in reports.items():
         assert report["size"] == 3 and report["env_rank"] == str(rank) and report["total"] == 6.0
         assert report["argv"] == [SCRIPT, str(out), "report"] and report["cwd"] == str(tmp_path)
+        assert report["orig_argv"] == [sys.executable, "-P", BOOTSTRAP, "--", SCRIPT, str(out), "report"], \
+            "the command line a started rank has (popmesh.launch.fork() re-executes it), not the fork server's"
         assert report["pgid"] == report["pid"], "each rank leads its own session, as a started one does"
         assert report["torch_preloaded"] is True
     launchers = {r["ppid"] for r in reports.values()}

@@ -16,7 +16,8 @@ judges a forked rank as it does a spawned one. What a forked rank inherits, beyo
 * nothing of the server's own descriptors: only its stdin, stdout, stderr and any passed ones.
 
 Protocol (a ``SOCK_SEQPACKET`` socket pair, one message per request): the launcher sends a JSON
-object ``{"argv", "env", "cwd", "fds"}`` with the descriptors for stdin, stdout, stderr and then
+object ``{"argv", "command", "env", "cwd", "fds"}`` (``command``: the whole command line the rank
+would have been started with, its ``sys.orig_argv``) with the descriptors for stdin, stdout, stderr and then
 ``fds`` (the numbers they must have in the rank) attached; the server answers ``{"pid": N}`` or
 ``{"error": text}``. It answers ``{"ready": true}`` once the modules are imported, or exits 1 with
 the traceback on stderr.
@@ -53,6 +54,7 @@ class _Job:
     """What one forked rank runs: the bootstrap's arguments, its variables, folder and descriptors."""
 
     argv: list[str]
+    command: list[str]  # the rank's sys.orig_argv: as if started, not the server's own
     env: dict[str, str]
     cwd: str
     fds: list[int]  # received: stdin, stdout, stderr, then the passed ones
@@ -78,6 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     if job is None:
         return
     _become_rank(job, launcher)
+    sys.orig_argv = job.command  # what popmesh.launch.fork() and other re-executing code read
     try:
         bootstrap.main(job.argv)
         status: object = 0
@@ -131,7 +134,7 @@ def _serve(sock: socket.socket) -> _Job | None:
             return None
         try:
             request = json.loads(data)
-            job = _Job(list(request["argv"]), dict(request["env"]), str(request["cwd"]), fds,
+            job = _Job(list(request["argv"]), list(request["command"]), dict(request["env"]), str(request["cwd"]), fds,
                        [int(fd) for fd in request["fds"]])
         except (ValueError, KeyError, TypeError) as exc:
             close_quietly(fds)

@@ -140,7 +140,7 @@ class ForkServer:
             in_fd = _child_end(stdin, 0, "r", ours, theirs)
             out_fd = _child_end(stdout, 1, "w", ours, theirs)
             err_fd = out_fd if stderr == subprocess.STDOUT else _child_end(stderr, 2, "w", ours, theirs)
-            pid = self._spawn(args, env, [in_fd, out_fd, err_fd], pass_fds)
+            pid = self._spawn(args, list(cmd), env, [in_fd, out_fd, err_fd], pass_fds)
         except BaseException:
             close_quietly(ours)
             raise
@@ -155,8 +155,10 @@ class ForkServer:
             raise PopmeshError(f"the fork server runs the bootstrap only ({prefix}), not {list(cmd)}")
         return list(cmd[len(prefix):])
 
-    def _spawn(self, args: list[str], env: Mapping[str, str], stdio: list[int], pass_fds: Sequence[int]) -> int:
-        request = json.dumps({"argv": args, "env": dict(env), "cwd": os.getcwd(), "fds": list(pass_fds)})
+    def _spawn(self, args: list[str], command: list[str], env: Mapping[str, str], stdio: list[int],
+               pass_fds: Sequence[int]) -> int:
+        request = json.dumps({"argv": args, "command": command, "env": dict(env), "cwd": os.getcwd(),
+                              "fds": list(pass_fds)})
         if len(request) > MAX_MESSAGE:
             raise PopmeshError(f"the ranks' environment is too large for the fork server ({len(request)} bytes)")
         try:

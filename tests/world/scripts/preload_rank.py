@@ -45,6 +45,7 @@ except popmesh.PeerFailure:  # a survivor of the killed rank: form the world aga
     total = popmesh.all_reduce(torch.tensor([float(world.rank + 1)]))
 (out / f"rank-{world.rank}.json").write_text(json.dumps({
     "rank": world.rank, "size": world.size, "env_rank": os.environ["RANK"], "argv": sys.argv,
+    "orig_argv": sys.orig_argv,
     "cwd": os.getcwd(), "ppid": os.getppid(), "pid": os.getpid(), "pgid": os.getpgid(0),
     "random": random.random(), "numpy": float(np.random.rand()), "total": float(total[0]),
     "restarts": restarts, "torch_preloaded": "torch" in sys.modules, "stdin_tty": os.isatty(0),
