@@ -106,3 +106,46 @@ def test_a_failed_send_never_recycles_its_buffer():
     op = TorchSend([FailedWork()], [env], True, Outbox(1, 0), (pool, pool.base(env)))
     op.complete()
     assert op.error is not None and pool.idle_nbytes() == 0
+
+
+def test_a_send_gloo_never_ends_is_abandoned_once_its_receiver_failed():
+    """gloo may never end a send whose receiver died (a send it queued to retry when the connection
+    broke is not signalled when it then sees the connection closed). Once the receiver is known
+    failed, every send of its channels fails at once, the worker gloo holds is let go (close does not
+    wait for it, and another worker serves the other channels: here the only one), and new sends to it
+    fail too."""
+    from popmesh.core.errors import CommTimeout, PeerFailure
+    from popmesh.engines.torch.send import SendWorkers
+
+    workers, stuck, fine = SendWorkers(threads=1), HeldWork(), HeldWork()
+    dead, alive = Outbox(dst=1, tag=5, workers=workers), Outbox(dst=2, tag=5, workers=workers)
+    try:
+        first, behind = (TorchSend([stuck], [np.zeros(64, np.uint8)], False, dead) for _ in range(2))
+        dead.push(first)
+        dead.push(behind)
+        deadline = time.monotonic() + 5
+        while not dead._serving and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert dead._serving, "a worker should be completing the first send"
+        other = TorchSend([fine], [np.zeros(64, np.uint8)], False, alive)
+        fine.release.set()
+        alive.push(other)
+        with pytest.raises(CommTimeout):
+            other.wait(0.2)  # the only worker is held by gloo
+        workers.abandon([dead], PeerFailure("rank 1 failed", (1,)))
+        for op in (first, behind):
+            started = time.monotonic()
+            with pytest.raises(PeerFailure, match="rank 1 failed"):
+                op.wait(5)
+            assert time.monotonic() - started < 0.5
+        other.wait(5)  # a new worker took the other channel
+        late = TorchSend([fine], [np.zeros(64, np.uint8)], False, dead)
+        dead.push(late)
+        with pytest.raises(PeerFailure):
+            late.wait(0.5)
+        assert dead.backlog() == 0 and workers.eager_nbytes() == 0
+        started = time.monotonic()
+        workers.close(5)
+        assert time.monotonic() - started < 0.5, "close must not wait for the worker gloo holds"
+    finally:
+        stuck.release.set()  # the let-go worker ends

@@ -14,7 +14,8 @@ over the group, checked against the group's own closed form, until the world re-
 SURVIVE_KILL_FORMING=RANK:STAGE that rank's first process SIGKILLs itself while a re-formed
 generation forms, after it checked in: at STAGE "checked-in" as it starts the process group (before
 gloo has its address), at "published" right after gloo stored its address (the others may be
-connecting to it). GEN and KILLING lines carry the time.
+connecting to it). With SURVIVE_STUCK_SEND=1 rank 0 has a send to VICTIM that never ends queued just
+before the kill (see gloo_loses_a_send). GEN, KILLING, LOST and SURVIVORS lines carry the time.
 """
 
 import os
@@ -88,6 +89,23 @@ def die_while_forming(rank: int, stage: str) -> None:
     dist.init_process_group = init_process_group
 
 
+def gloo_loses_a_send(to: int) -> None:
+    """Stand in for a send gloo never ends: one it queued to retry as the connection to a dying rank
+    broke, and did not signal when it then found the connection closed (seen on the survivors' path:
+    their transport's close waited 7 s for it). Queued on the transport's own channel to ``to``, its
+    wait never returns."""
+    import threading
+
+    from popmesh.engines.torch.send import TorchSend
+
+    class NeverEnds:
+        def wait(self, timeout):
+            threading.Event().wait()
+
+    box = world.engine.p2p()._outbox(to, 11)  # the transport's channel to ``to`` on tag 11
+    box.push(TorchSend([NeverEnds()], [np.zeros(8, np.uint8)], False, box))
+
+
 forming = os.environ.get("SURVIVE_KILL_FORMING")
 if forming and restart == 0 and int(forming.split(":")[0]) == int(os.environ["RANK"]):
     die_while_forming(int(os.environ["RANK"]), forming.split(":")[1])
@@ -106,7 +124,7 @@ def handoff(state: dict) -> dict:
 def together(state: dict) -> None:
     """Go on with the other survivors as a group until the restarted process(es) wait to join."""
     group, n = world.survivors(timeout=60), 0
-    print(f"SURVIVORS rank={world.rank} ranks={list(group.ranks)}", flush=True)
+    print(f"SURVIVORS rank={world.rank} ranks={list(group.ranks)} t={time.time():.3f}", flush=True)
     if os.environ.get("SURVIVE_PROBE"):  # the world's own calls say to use the survivors' group
         for call in (lambda: popmesh.all_reduce(np.array([1.0]), timeout=5), lambda: world.new_group([0, 1])):
             try:
@@ -138,6 +156,9 @@ if world.newcomers:
 while state["step"] < steps:
     dies = (world.rank == victim and restart == 0 and state["step"] == kill_at) or (
         again is not None and world.rank == again[0] and again[1] >= 0 and restart == 1 and state["step"] == again[1])
+    if os.environ.get("SURVIVE_STUCK_SEND") and world.rank == 0 != victim and restart == 0 \
+            and state["step"] == kill_at - 1:
+        gloo_loses_a_send(victim)
     if dies:
         print(f"KILLING rank={world.rank} t={time.time():.3f}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
@@ -151,7 +172,7 @@ while state["step"] < steps:
         else:
             total = popmesh.all_reduce(np.array([world.rank + 1.0]), timeout=60)
     except popmesh.PeerFailure as e:
-        print(f"LOST rank={world.rank} step={state['step']}: {str(e)[:120]}", flush=True)
+        print(f"LOST rank={world.rank} step={state['step']} t={time.time():.3f}: {str(e)[:120]}", flush=True)
         if again is not None and again[1] == -1 and world.rank == again[0] and restart == 0:
             os.kill(os.getpid(), signal.SIGKILL)  # a second loss while the world re-forms
         if os.environ.get("SURVIVE_MODE") == "together":

@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from popmesh.core.errors import ConfigError, PeerFailure, PopmeshError
+from popmesh.core.errors import ConfigError, PeerClosed, PeerFailure, PopmeshError
 from popmesh.engines.envelope import goodbye_envelope, plan_frame
 from popmesh.engines.p2p_base import BUFFER_NBYTES, BufferPool, Item, P2PBase, RecvRequest, buffer_cap
 from popmesh.engines.torch.pumps import (
@@ -120,6 +120,7 @@ class TorchP2P(P2PBase):
         self._envelopes = BufferPool(keep=DEPTH * engine.size + 8, min_nbytes=GLOO_ENVELOPE_NBYTES)
         self._pings: list[Any] = []
         self._goodbyes: dict[int, Any] = {}  # peer -> our goodbye send to it
+        self._failed_peers: set[int] = set()  # our sends to these were abandoned (_abandon)
         self._closed = False
         atexit.register(self.close)
         self._start_pumps()
@@ -226,7 +227,7 @@ class TorchP2P(P2PBase):
         if dst not in self._place:
             why = self._gone.get(dst, "it is not a member of the survivors' group")
             raise PeerFailure(f"send to rank {dst} on tag {tag}: {why}", (dst,))
-        if dst in self._goodbyes and dst in self._gone:
+        if dst in self._failed_peers or (dst in self._goodbyes and dst in self._gone):
             raise PeerFailure(f"send to rank {dst} on tag {tag}: {self._gone[dst]}", (dst,))
         outbox = self._outbox(dst, tag)
         if outbox.error is not None:
@@ -256,6 +257,8 @@ class TorchP2P(P2PBase):
 
     def _outbox(self, dst: int, tag: int) -> Outbox:
         with self._lock:
+            if dst in self._failed_peers:  # failed since _post_send looked
+                raise PeerFailure(f"send to rank {dst} on tag {tag}: {self._gone[dst]}", (dst,))
             box = self._outboxes.get((dst, tag))
             if box is None:
                 if len(self._outboxes) >= self._outbox_limit or time.monotonic() >= self._next_prune:
@@ -354,6 +357,7 @@ class TorchP2P(P2PBase):
         gloo, a collective included, fails at once instead of at its timeout (gloo closes a pair
         whose receive times out: a zero-byte receive with a 1 ms limit does it)."""
         super().fail_peer(rank, error)
+        self._abandon(rank, error)
         if self._group.WORLD is None or rank == self.rank or rank not in self._place:
             return
         try:
@@ -364,7 +368,19 @@ class TorchP2P(P2PBase):
     def _end_peer(self, peer: int, why: PopmeshError) -> None:
         with self._lock:
             self._gone.setdefault(peer, why)
+        if not isinstance(why, PeerClosed):  # a goodbye: its sends to us were flushed, ours may still land
+            self._abandon(peer, why)
         self._notify()
+
+    def _abandon(self, peer: int, why: PopmeshError) -> None:
+        """``peer`` failed: fail our sends to it now instead of waiting on gloo for them (it may never
+        end one, :meth:`SendWorkers.abandon`), and refuse new ones; ``flush`` and ``close`` then have
+        nothing of it to wait for."""
+        error = why if isinstance(why, PeerFailure) else PeerFailure(f"rank {peer} failed: {why}", (peer,))
+        with self._lock:
+            self._failed_peers.add(peer)
+            boxes = [box for (dst, _), box in self._outboxes.items() if dst == peer]
+        self._workers.abandon(boxes, error)
 
     def _receive_rest(self, envelope: Any, src: int) -> Item:
         if not envelope.lengths:

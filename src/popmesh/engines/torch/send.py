@@ -146,6 +146,11 @@ class TorchSend:
                 pool.give_back(base)
             self._event.set()
 
+    def abandon(self, error: PopmeshError) -> None:
+        """Fail this send now (its receiver failed); its buffers stay referenced, never reused."""
+        self.error, self._recycle = error, None
+        self._event.set()
+
     def done(self) -> bool:
         """Complete, or (eager) our own copy is with gloo and the channel's backlog is bounded."""
         return self._event.is_set() or (self.eager and self.outbox.bounded())
@@ -180,9 +185,15 @@ class Outbox:
         self._awaited = 0
         self._due = 0.0  # when the oldest eager send is to be reaped
         self._serving = False  # a worker is completing this channel's sends
+        self._server: threading.Thread | None = None  # that worker
+        self.abandoned: PopmeshError | None = None  # its receiver failed: see SendWorkers.abandon
 
     def backlog(self) -> int:
         return len(self._ops)
+
+    def is_abandoned(self) -> bool:
+        """Whether its receiver failed (SendWorkers.abandon): its sends failed, none are taken."""
+        return self.abandoned is not None
 
     def bounded(self) -> bool:
         """The queued eager sends are few and small enough to let their callers go on (at most
@@ -222,9 +233,14 @@ class SendWorkers:
         self._wakeup = 0.0  # when the idle workers wake up next by themselves
         self._closed = False
         self._queued = 0  # bytes queued on every channel together (bounded: see Outbox.bounded)
+        self._abandoned: list[TorchSend] = []  # sends to failed receivers: their buffers stay with gloo
 
     def push(self, box: Outbox, op: TorchSend) -> None:
         with self._cond:
+            if box.abandoned is not None:  # its receiver failed while this send was posted
+                op.abandon(box.abandoned)
+                self._abandoned.append(op)
+                return
             if not box._ops:
                 box._due = time.monotonic() + REAP_S
                 self._boxes.append(box)
@@ -252,6 +268,34 @@ class SendWorkers:
         elif box._urgent() or box._due < self._wakeup:
             self._cond.notify()
 
+    def abandon(self, boxes: list[Outbox], error: PopmeshError) -> None:
+        """The receiver of ``boxes`` failed: their sends fail with ``error`` now, and nothing waits on them.
+
+        gloo does not always end a send whose receiver died: a send it queued to retry when the
+        connection broke is never signalled when it then sees the connection closed, and its ``wait``
+        never returns. So a worker completing such a channel is let go (it ends if gloo ever returns,
+        and no longer counts against :data:`SEND_THREADS` or :meth:`close`), and every send of the
+        channel is failed and kept: gloo may still hold its buffers, which are never reused.
+        """
+        with self._cond:
+            for box in boxes:
+                if box.abandoned is not None:
+                    continue
+                box.abandoned = error
+                for op in box._ops:
+                    op.abandon(error)
+                self._abandoned.extend(box._ops)
+                self._queued -= box._queued_nbytes
+                box._ops.clear()
+                box._queued_nbytes = box._awaited = 0
+                if box in self._boxes:
+                    self._boxes.remove(box)
+                if box._server is not None and box._server in self._threads:
+                    self._threads.remove(box._server)
+                box._serving, box._server = False, None
+            if self._boxes:  # the let-go workers' places are free again for the other channels
+                self._wake(self._boxes[0])
+
     def close(self, timeout: float) -> None:
         """End every worker once the queued sends are done (or ``timeout`` passed)."""
         with self._cond:
@@ -270,7 +314,7 @@ class SendWorkers:
                 now = time.monotonic()
                 box = next((b for b in self._boxes if b._ready(now)), None)
                 if box is not None:
-                    box._serving = True
+                    box._serving, box._server = True, threading.current_thread()
                     return box
                 if self._closed and not any(b._ops for b in self._boxes):
                     break
@@ -287,14 +331,22 @@ class SendWorkers:
 
     def _run(self) -> None:
         while (box := self._next()) is not None:
-            self._serve(box)
+            if not self._serve(box):
+                return  # let go while gloo held it (abandon): no longer one of the workers
 
-    def _serve(self, box: Outbox) -> None:
-        batch = len(box._ops)  # only the serving worker removes sends, so the first ``batch`` stay put
+    def _serve(self, box: Outbox) -> bool:
+        """Complete the sends queued on ``box`` now; False if the channel was abandoned meanwhile."""
+        with self._cond:
+            batch = len(box._ops)  # only the serving worker removes sends, so the first ``batch`` stay put
         for _ in range(batch):
-            op = box._ops[0]
+            with self._cond:
+                if box.is_abandoned():
+                    return False
+                op = box._ops[0]
             op.complete()
             with self._cond:
+                if box.is_abandoned():  # while gloo held this worker
+                    return False
                 box._ops.popleft()
                 box._queued_nbytes -= op.nbytes
                 self._queued -= op.nbytes
@@ -302,9 +354,12 @@ class SendWorkers:
                 if op.error is not None and op.eager:
                     box.error = op.error
         with self._cond:
-            box._serving = False
+            if box.is_abandoned():
+                return False
+            box._serving, box._server = False, None
             if box._ops:
                 box._due = time.monotonic() + REAP_S
                 self._cond.notify()
             else:
                 self._boxes.remove(box)
+        return True
