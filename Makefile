@@ -14,7 +14,12 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e ".[mpi,jax,demo,dev]"
 	touch $(STAMP)
 
+# Every rank process imports popmesh: compile it once here, since an import writes no .pyc where
+# PYTHONDONTWRITEBYTECODE is set (a fresh clone then compiled it in each of the suite's processes).
+COMPILE := $(BIN)/python -m compileall -q src tests examples benchmarks
+
 demo: $(STAMP)
+	$(COMPILE)
 	$(BIN)/popmesh demo
 
 lint: $(STAMP)
@@ -22,6 +27,7 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 test: lint
+	$(COMPILE)
 	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15 tests
 
 test-fast: $(STAMP)
