@@ -158,7 +158,8 @@ class TorchSend:
     def wait(self, timeout: float) -> None:
         if self.done() and not self._event.is_set():
             return
-        self.outbox.hurry()
+        if not self._event.is_set():  # completed (or abandoned) sends need no worker
+            self.outbox.hurry()
         if not self._event.wait(timeout):
             raise CommTimeout(
                 f"send to rank {self.outbox.dst} on tag {self.outbox.tag} did not complete within {timeout:g} s: "
