@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from popmesh.launch.bootstrap import END_PIPE, EXIT_NOTE, PID_NOTE
+from popmesh.launch.bootstrap import END_PIPE, EXIT_NOTE, HELD_NOTE, PID_NOTE, WATCHED_NOTE
 from popmesh.launch.rankwatch import RankEnd, RankWatch, earliest_first, releases_highest_first
 
 HOST = "testhost"
@@ -26,7 +26,7 @@ def _note(directory, rank, pid):
 
 def _rank(directory, rank, env=None):
     """A process that waits to be watched as rank ``rank`` of ``directory``, holding its end pipe."""
-    notes = [str(directory / f"rank-{rank}{suffix}") for suffix in (".watched", END_PIPE, ".held")]
+    notes = [str(directory / f"rank-{rank}{suffix}") for suffix in (WATCHED_NOTE, END_PIPE, HELD_NOTE)]
     proc = subprocess.Popen([sys.executable, "-c", _RANK, *notes], env={**os.environ, **(env or {})})
     _note(directory, rank, proc.pid)
     return proc
@@ -34,9 +34,9 @@ def _rank(directory, rank, env=None):
 
 def _wait_watched(directory, *ranks):
     deadline = time.monotonic() + 10
-    while not all((directory / f"rank-{r}.watched").exists() for r in ranks) and time.monotonic() < deadline:
+    while not all((directory / f"rank-{r}{WATCHED_NOTE}").exists() for r in ranks) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert all((directory / f"rank-{r}.watched").exists() for r in ranks)
+    assert all((directory / f"rank-{r}{WATCHED_NOTE}").exists() for r in ranks)
 
 
 def _ended_process() -> int:

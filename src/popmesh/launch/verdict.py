@@ -127,7 +127,7 @@ def judge_mpi(
 
 def ended_together(killed: Sequence[RankEnd], window: float = TOGETHER_S) -> list[int]:
     """The ranks of ``killed`` (earliest first) whose end was seen within ``window`` seconds of the first:
-    the first of them to die cannot be told. None where every end has its place in the kernel's order
+    the first of them to die cannot be told. Empty where every end has its place in the kernel's order
     (:attr:`RankEnd.order`, from the ranks' end pipes): that order is exact. Pure."""
     if all(end.order is not None for end in killed):
         return []

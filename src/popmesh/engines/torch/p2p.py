@@ -227,7 +227,7 @@ class TorchP2P(P2PBase):
         if dst not in self._place:
             why = self._gone.get(dst, "it is not a member of the survivors' group")
             raise PeerFailure(f"send to rank {dst} on tag {tag}: {why}", (dst,))
-        if dst in self._failed_peers or (dst in self._goodbyes and dst in self._gone):
+        if dst in self._goodbyes and dst in self._gone:
             raise PeerFailure(f"send to rank {dst} on tag {tag}: {self._gone[dst]}", (dst,))
         outbox = self._outbox(dst, tag)
         if outbox.error is not None:
@@ -257,7 +257,7 @@ class TorchP2P(P2PBase):
 
     def _outbox(self, dst: int, tag: int) -> Outbox:
         with self._lock:
-            if dst in self._failed_peers:  # failed since _post_send looked
+            if dst in self._failed_peers:  # its sends were abandoned (_abandon): refused, under the lock abandon takes
                 raise PeerFailure(f"send to rank {dst} on tag {tag}: {self._gone[dst]}", (dst,))
             box = self._outboxes.get((dst, tag))
             if box is None:

@@ -337,13 +337,9 @@ class SendWorkers:
 
     def _serve(self, box: Outbox) -> bool:
         """Complete the sends queued on ``box`` now; False if the channel was abandoned meanwhile."""
-        with self._cond:
-            batch = len(box._ops)  # only the serving worker removes sends, so the first ``batch`` stay put
-        for _ in range(batch):
-            with self._cond:
-                if box.is_abandoned():
-                    return False
-                op = box._ops[0]
+        with self._cond:  # only this worker removes sends (or abandon, which then lets it go)
+            batch = list(box._ops)
+        for op in batch:
             op.complete()
             with self._cond:
                 if box.is_abandoned():  # while gloo held this worker
