@@ -17,8 +17,12 @@ $(STAMP): pyproject.toml
 # Every rank process imports popmesh: compile it once here, since an import writes no .pyc where
 # PYTHONDONTWRITEBYTECODE is set (a fresh clone then compiled it in each of the suite's processes).
 COMPILE := $(BIN)/python -m compileall -q src tests examples benchmarks
+# The MPI transport's C path (src/popmesh/engines/mpi/_native.c), built with zig's compiler from PyPI;
+# a no-op when it is up to date, and MPI messages take the Python path where it cannot be built.
+NATIVE  := $(BIN)/python -m popmesh.engines.mpi.build_native
 
 demo: $(STAMP)
+	$(NATIVE)
 	$(COMPILE)
 	$(BIN)/popmesh demo
 
@@ -27,14 +31,17 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 test: lint
+	$(NATIVE)
 	$(COMPILE)
 	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15 tests
 
 test-fast: $(STAMP)
+	$(NATIVE)
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/unit
 
 bench: $(STAMP)
+	$(NATIVE)
 	$(BIN)/python benchmarks/collectives.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info src/*.egg-info
+	rm -rf $(VENV) .pytest_cache build *.egg-info src/*.egg-info src/popmesh/engines/mpi/_native*.so src/popmesh/engines/mpi/_native*.inputs

@@ -11,7 +11,8 @@ Contenders, alternating in the same processes:
   numpy array; on gloo torchgfn's protocol (``dist.send`` of a length tensor, then the
   ``pickle.dumps`` bytes as a uint8 tensor; the receiver allocates from the length and unpickles);
 * ``popmesh``: ``popmesh.send/recv`` (wire frame, tags, timeouts, integrity checks);
-* ``p2p``: the engine's frame transport under it, bytes only (no codec).
+* ``p2p``: the engine's frame transport under it, bytes only (no codec);
+* ``py path`` (MPI): ``popmesh`` with the transport's C path switched off, as where it is not built.
 
 Goals (issue #22), printed per row: popmesh <= 1.0x users everywhere; MPI 4 B <= 0.5x users;
 gloo 4 B <= 2.0x raw; 336 KB <= 1.5x raw; 64 MB >= 0.95x raw throughput.
@@ -99,6 +100,22 @@ def popmesh_pingpong(rank: int, numel: int):
     return lambda: popmesh.send(popmesh.recv(other, tag=1)[1], other, tag=1)
 
 
+def python_path_pingpong(world, rank: int, numel: int):
+    """``popmesh`` with the MPI transport's C path switched off (the Python path, as where it is not
+    built or ``POPMESH_MPI_NATIVE=0``), in the same processes."""
+    p2p, inner = world.engine.p2p(), popmesh_pingpong(rank, numel)
+    native = p2p._native
+
+    def run() -> None:
+        p2p._native = None
+        try:
+            inner()
+        finally:
+            p2p._native = native
+
+    return run
+
+
 def p2p_pingpong(world, rank: int, numel: int):
     p2p = world.engine.p2p()
     data, other = np.ones(numel, dtype=np.float32).view(np.uint8), rank ^ 1
@@ -117,6 +134,8 @@ def worker() -> None:
                "users": users_pingpong(world.engine_name, world.rank, numel),
                "popmesh": popmesh_pingpong(world.rank, numel),
                "p2p": p2p_pingpong(world, world.rank, numel)}
+        if world.engine_name == "mpi" and world.engine.p2p()._native is not None:
+            fns["py path"] = python_path_pingpong(world, world.rank, numel)
         rows[label] = interleaved(fns, reps(REPS[label]), rounds=ROUNDS[label])
         popmesh.barrier()
     threads = world_threads()
@@ -142,8 +161,8 @@ def goals(engine: str, label: str, t: dict[str, float]) -> list[tuple[str, float
 
 
 def main() -> None:
-    print(f"{'engine':7} {'size':>6} {'raw':>14} {'users':>14} {'popmesh':>14} {'p2p':>14} {'popmesh/raw':>12} "
-          f"{'popmesh/users':>14}   goals")
+    print(f"{'engine':7} {'size':>6} {'raw':>14} {'users':>14} {'popmesh':>14} {'p2p':>14} {'py path':>14} "
+          f"{'popmesh/raw':>12} {'popmesh/users':>14}   goals")
     engines = [a for a in sys.argv[1:] if a in ("torch", "mpi")] or ["torch", "mpi"]
     ranks = int(sys.argv[sys.argv.index("--ranks") + 1]) if "--ranks" in sys.argv else 2
     if ranks < 2 or ranks % 2:
@@ -154,12 +173,12 @@ def main() -> None:
         result = launch_json(os.path.abspath(__file__), ranks, engine, "--worker")
         name = "gloo" if engine == "torch" else "mpich"
         for label, t in result["rows"].items():
-            names = ("raw", "users", "popmesh", "p2p")
+            names = ("raw", "users", "popmesh", "p2p", "py path")
             if label == "64 MB":
-                nbytes = SIZES[label] * 4
-                cells = [f"{2 * nbytes / t[k] / 1e9:9.2f} GB/s" for k in names]  # two one-way transfers a round trip
+                nbytes = SIZES[label] * 4  # two one-way transfers a round trip
+                cells = [f"{2 * nbytes / t[k] / 1e9:9.2f} GB/s" if k in t else "-" for k in names]
             else:
-                cells = [f"{t[k] * 1e6:9.1f} us  " for k in names]
+                cells = [f"{t[k] * 1e6:9.1f} us  " if k in t else "-" for k in names]
             checks = []
             for what, value, limit in goals(engine, label, t):
                 if limit == float("inf"):

@@ -13,7 +13,15 @@ Each rung adds one layer to the one above it, so a layer's cost is the differenc
   accounting and credit counts replaced by no-ops: a measurement, not a mode popmesh has);
 * ``p2p``: the transport's ``send/recv`` (checks, fast-path gates, flow control, held sends);
 * ``p2p+codec``: the same with ``encode_message`` and ``decode`` around the frames;
-* ``popmesh``: ``popmesh.send/recv`` (front end: group, timeout, tag and rank checks);
+* ``popmesh py``: ``popmesh.send/recv`` (front end: group, timeout, tag and rank checks) on the Python path;
+
+and the C path (:mod:`popmesh.engines.mpi.native`), where it is built:
+
+* ``C calls``: its ``isend`` of a ready-made envelope and its ``probe`` (the MPI calls, the checks and
+  the decode in C);
+* ``+C framing``: the envelope framed in C for every send (``native.envelope``);
+* ``C transport``: the transport's ``send_value/recv_decoded`` (gates, window, credits);
+* ``popmesh``: ``popmesh.send/recv`` as it runs (the front end around the C path);
 * ``users``: mpi4py's pickle ``comm.send/recv``.
 
 This script reaches into the MPI transport's internals on purpose (its communicator, and the flow
@@ -83,6 +91,39 @@ def rungs(world, p2p) -> dict[str, Callable[[], object]]:
         return recv
 
     p2p_send, p2p_recv = (lambda: p2p.send(frame, other, TAG, 60)), (lambda: p2p.recv(other, TAG, 60))
+    native, handle = p2p._native, p2p._handle
+
+    def python_path(fn: Callable[[], object]) -> Callable[[], object]:
+        def run() -> object:
+            p2p._native = None
+            try:
+                return fn()
+            finally:
+                p2p._native = native
+        return run
+
+    popmesh_pair = pair(lambda: popmesh.send(data, other, tag=1), lambda: popmesh.recv(other, tag=1))
+    c_rungs: dict[str, Callable[[], object]] = {}
+    if native is not None:
+        from popmesh.wire.format import NATIVE_DTYPE_CODES
+
+        code = NATIVE_DTYPE_CODES[data.dtype]
+        envelope = native.envelope(data, code, TAG, False)[0]
+
+        def c_send(framed: bool) -> Callable[[], None]:
+            def send() -> None:
+                request = native.isend(handle, native.envelope(data, code, TAG, False)[0] if framed else envelope,
+                                       data, code, other, 2 * TAG)
+                while request is not None and not request.Test():
+                    pass
+            return send
+
+        def c_recv() -> object:
+            return native.probe(handle, other, 2 * TAG, 0.05, 0.002, 1 << 20)
+
+        c_rungs = {"C calls": pair(c_send(False), c_recv), "+C framing": pair(c_send(True), c_recv),
+                   "C transport": pair(lambda: p2p.send_value(data, other, TAG, 60),
+                                       lambda: p2p.recv_decoded(other, TAG, 60))}
     return {
         "raw": pair(lambda: wcomm.Send(buf, other), lambda: wcomm.Recv(buf, other)),
         "mpi calls": pair(mpi_send(False), mpi_recv(False, False)),
@@ -92,7 +133,9 @@ def rungs(world, p2p) -> dict[str, Callable[[], object]]:
         "p2p": pair(p2p_send, p2p_recv),
         "p2p+codec": pair(lambda: p2p.send(encode_message(data, allow_pickle=False, checksum=False), other, TAG, 60),
                           lambda: decode(p2p.recv(other, TAG, 60)[1])),
-        "popmesh": pair(lambda: popmesh.send(data, other, tag=1), lambda: popmesh.recv(other, tag=1)),
+        "popmesh py": python_path(popmesh_pair) if native is not None else popmesh_pair,
+        **c_rungs,
+        **({"popmesh": popmesh_pair} if native is not None else {}),
         "users": pair(lambda: wcomm.send(data, dest=other, tag=3), lambda: wcomm.recv(source=other, tag=3)),
     }
 
@@ -149,11 +192,15 @@ def main() -> None:
     result = launch_json(os.path.abspath(__file__), 2, "mpi", "--worker", *sys.argv[1:])
     previous = None
     for name, seconds in result.items():
+        if name == "C calls":  # the C path's ladder starts again from raw
+            previous = result["raw"]
         step = "" if previous is None or name == "users" else f"{(seconds - previous) * 1e6:+8.2f} us"
         print(f"{name:12} {seconds * 1e6:8.2f} us  {step}")
         previous = seconds if name != "users" else previous
-    print(f"popmesh/users {result['popmesh'] / result['users']:.2f}x, p2p/(p2p noflow) "
-          f"{result['p2p'] / result['p2p noflow']:.2f}x")
+    popmesh = result.get("popmesh", result["popmesh py"])
+    python = result["popmesh py"] / result["users"]
+    print(f"popmesh/users {popmesh / result['users']:.2f}x, Python path/users {python:.2f}x, "
+          f"p2p/(p2p noflow) {result['p2p'] / result['p2p noflow']:.2f}x")
 
 
 if __name__ == "__main__":

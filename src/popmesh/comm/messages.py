@@ -142,9 +142,12 @@ def send(payload: Any, dst: int, tag: int = 0, *, group: Comm | None = None, tim
     the bytes it delivers; see docs/messages.md).
     """
     comm, p2p, seconds = _setup(group, timeout, "send")
+    rank, value = _member(comm, dst, "dst"), _tag(tag)
+    if p2p.send_value(payload, rank, value, seconds, checksum):  # a payload the engine frames itself
+        return
     frame = encode_message(payload, allow_pickle=allow_pickle,
                            checksum=p2p.payload_checksum if checksum is None else checksum)
-    p2p.send(frame, _member(comm, dst, "dst"), _tag(tag), seconds)
+    p2p.send(frame, rank, value, seconds)
 
 
 def recv(src: int | Collection[int] | None = None, tag: int = 0, *, group: Comm | None = None,
@@ -157,8 +160,8 @@ def recv(src: int | Collection[int] | None = None, tag: int = 0, *, group: Comm 
     """
     comm, p2p, seconds = _setup(group, timeout, "recv")
     value = _tag(tag)
-    sender, frame = p2p.recv(_sources(comm, src), value, seconds)
-    return sender, _decode(sender, value, frame, allow_pickle, device)
+    sender, frame, decoded = p2p.recv_decoded(_sources(comm, src), value, seconds)
+    return sender, frame if decoded else _decode(sender, value, frame, allow_pickle, device)
 
 
 class SendHandle(Handle[None]):

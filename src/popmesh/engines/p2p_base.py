@@ -173,6 +173,11 @@ class P2PBase:
         """Send ``frame`` to global rank ``dst``; returns once its buffers may be reused."""
         self.isend(frame, dst, tag).wait(timeout)
 
+    def send_value(self, payload: Any, dst: int, tag: int, timeout: float, checksum: bool | None = None) -> bool:
+        """Send a payload the engine frames itself (a short path for small messages); False when it does
+        not, and the caller encodes the payload and calls :meth:`send`. The frame is the same bytes."""
+        return False
+
     def isend(self, frame: Frame, dst: int, tag: int) -> Pending:
         """Start sending; keep ``frame``'s buffers unchanged until the request is done."""
         self._check(dst, tag, "dst")
@@ -192,6 +197,12 @@ class P2PBase:
         if not arrived and req._item is None:
             raise self._timeout_error(req, timeout)
         return req.result()
+
+    def recv_decoded(self, src: int | Collection[int] | None, tag: int, timeout: float) -> tuple[int, Any, bool]:
+        """:meth:`recv`, for engines that may decode a small frame themselves: ``(source, frame, False)``,
+        or ``(source, payload, True)`` when the engine decoded it (exactly as ``wire.decode`` would)."""
+        sender, frame = self.recv(src, tag, timeout)
+        return sender, frame, False
 
     def irecv(self, src: int | Collection[int] | None, tag: int) -> RecvRequest:
         """Post a receive; it is matched after every receive posted before it on ``tag``."""

@@ -42,8 +42,10 @@ from popmesh.core.errors import ConfigError, MessageError, PeerFailure
 from popmesh.engines.base import poll_until
 from popmesh.engines.envelope import INLINE_NBYTES, inline_envelope, inline_frame, parse_envelope, plan_frame
 from popmesh.engines.mpi.flow import WINDOW_FRAMES, CreditCounter, SendWindow, window_nbytes
+from popmesh.engines.mpi.native import load_native
 from popmesh.engines.mpi.send import MpiSend, WaitingSend
 from popmesh.engines.p2p_base import HEARTBEAT_TAG, TAG_LIMIT, BufferPool, Item, P2PBase, RecvRequest, buffer_cap
+from popmesh.wire.format import NATIVE_DTYPE_CODES, UINT8_CODE
 
 __all__ = ["MpiP2P"]
 
@@ -53,6 +55,8 @@ _IN_FLIGHT_KEPT = 256  # held sends before the completed ones behind an old one 
 _FAST_SPIN_S = 0.05  # base.poll_until's spin, before the general path backs off to sleeping
 _SEGMENT_SPIN_S = 0.002  # a frame's segments tested back to back for this long (a 336 KB one needs ~20 us)
 _CREDIT = -1  # the "tag" of a held credit send (credits are not frames; see flow)
+_SEGMENT_MAX = BufferPool.MIN_NBYTES  # larger frames take the Python path: its pooled buffers save page faults
+_RAW, _DECODED, _ARRIVING, _FRAME = 0, 1, 2, 3  # what native.probe took (see _native.c)
 
 
 class _Partial:
@@ -97,49 +101,134 @@ class MpiP2P(P2PBase):
         self._windows: dict[int, SendWindow] = {}
         self._deferred: dict[int, deque[WaitingSend]] = {}
         self._counters: dict[int, CreditCounter] = {}
+        self._native = load_native(self.mpi)  # the small messages' C path, or None (see native)
+        self._handle = self._comm.py2f()
 
     def send(self, frame: Any, dst: int, tag: int, timeout: float) -> None:
         """:meth:`P2PBase.send`, with a short path for a small one-buffer frame to another rank on a user
-        tag: the window's accounting and one Isend of the envelope, completed at once when MPI sent it
-        eagerly. Anything else, invalid ranks and tags included, takes the general path and its checks."""
+        tag (:meth:`_send_inline`). Anything else, invalid ranks and tags included, takes the general
+        path and its checks."""
         if (type(frame) is not bytes or type(dst) is not int or type(tag) is not int or len(frame) > INLINE_NBYTES
                 or dst == self.rank or not 0 <= dst < self.size or not 0 <= tag < HEARTBEAT_TAG):
             return super().send(frame, dst, tag, timeout)
-        env = inline_envelope(frame, tag)
+        self._send_inline(inline_envelope(frame, tag), len(frame), dst, tag, timeout)
+        return None
+
+    def send_value(self, payload: Any, dst: int, tag: int, timeout: float, checksum: bool | None = None) -> bool:
+        """:meth:`P2PBase.send_value`: the C path (:mod:`~popmesh.engines.mpi.native`) frames bytes or a
+        C-contiguous numpy array below :data:`~popmesh.engines.p2p_base.BufferPool.MIN_NBYTES` and sends
+        it, the payload as its own segment where it does not fit in the envelope; False for anything
+        else, or while frames wait behind this destination's window (the general path queues them)."""
+        native = self._native
+        if (native is None or type(dst) is not int or type(tag) is not int or dst == self.rank
+                or not 0 <= dst < self.size or not 0 <= tag < HEARTBEAT_TAG):
+            return False
+        t = type(payload)
+        if t is bytes:
+            code: int | None = UINT8_CODE
+        elif t is np.ndarray and payload.nbytes < _SEGMENT_MAX:
+            code = NATIVE_DTYPE_CODES.get(payload.dtype)
+        else:
+            return False
+        framed = None if code is None else native.envelope(payload, code, tag, bool(checksum))
+        if framed is None:
+            return False
+        env, nbytes = framed
+        with self._lock:  # the common case of _admit
+            window = self._windows.get(dst)
+            if window is None or self._deferred or not window.admit(nbytes):
+                return False
+            if window.report_due():
+                self._take_credits(dst, window)
+        try:
+            request = native.isend(self._handle, env, payload, code, dst, 2 * tag)
+        except self.mpi.Exception as e:
+            raise PeerFailure(f"send to rank {dst} on tag {tag} failed in MPI: {e}", (dst,)) from e
+        if request is None or request.spin(_SEGMENT_SPIN_S):
+            return True
+        op = MpiSend(self, [request], [], dst, tag)
+        self._hold(op)
+        op.wait(timeout)
+        return True
+
+    def _send_inline(self, env: bytes, nbytes: int, dst: int, tag: int, timeout: float) -> None:
+        """Send the envelope ``env`` carrying a frame of ``nbytes`` whole: the window's accounting and one
+        Isend, completed at once when MPI sent it eagerly (``dst`` and ``tag`` are checked already)."""
         with self._lock:  # the common case of _admit, without its calls
             window = self._windows.get(dst)
-            if window is not None and not self._deferred and window.admit(len(frame)):
+            if window is not None and not self._deferred and window.admit(nbytes):
                 if window.report_due():
                     self._take_credits(dst, window)
                 waiting = None
             else:
-                waiting = self._admit([env], dst, tag, len(frame))
+                waiting = self._admit([env], dst, tag, nbytes)
         if waiting is not None:
             waiting.wait(timeout)
-            return None
+            return
         try:
             request = self._comm.Isend(env, dst, 2 * tag)
             if request.Test():
-                return None
+                return
         except self.mpi.Exception as e:
             raise PeerFailure(f"send to rank {dst} on tag {tag} failed in MPI: {e}", (dst,)) from e
         op = MpiSend(self, [request], [env], dst, tag)
         self._hold(op)
         op.wait(timeout)
-        return None
 
     def recv(self, src: Any, tag: int, timeout: float) -> tuple[int, np.ndarray]:
         """:meth:`P2PBase.recv`, with a short path when this is the only receive on ``tag``, from one
         other rank, and nothing for ``tag`` is queued or half received: matched probes until the
         envelope is there, then the general path for anything but a frame carried inline. Invalid
         ranks and tags take the general path and its checks."""
-        if (type(src) is not int or type(tag) is not int or src == self.rank or not 0 <= src < self.size
-                or not 0 <= tag < TAG_LIMIT or self._posted.get(tag) or self._partials.get(tag)
-                or self._local.get(tag) or self._deferred):
+        if not self._quick(src, tag):
             return super().recv(src, tag, timeout)
         got = self._probe_briefly(src, tag)
         if isinstance(got, tuple):  # a frame carried inline
             return got
+        return self._recv_rest(got, src, tag, timeout)
+
+    def recv_decoded(self, src: Any, tag: int, timeout: float) -> tuple[int, Any, bool]:
+        """:meth:`P2PBase.recv_decoded`: where :meth:`recv` takes its short path and the C path is there,
+        the C path probes, receives and decodes a small frame (``(src, value, True)``); any other frame
+        goes on as in :meth:`recv`."""
+        native = self._native
+        if native is None or not self._quick(src, tag):
+            return (*self.recv(src, tag, timeout), False)
+        try:
+            got = native.probe(self._handle, src, 2 * tag, _FAST_SPIN_S, _SEGMENT_SPIN_S, _SEGMENT_MAX)
+        except self.mpi.Exception as e:
+            raise self._receive_failure(e, src, tag) from e
+        if got is None:
+            return (*super().recv(src, tag, timeout), False)
+        state, value, nbytes, request = got
+        if state == _RAW:  # the envelope, for the Python path
+            frame = inline_frame(value, tag)
+            with self._lock:
+                if frame is None:
+                    partial = self._unpacked(value, src, tag)
+                else:
+                    self._took(src, tag, frame.size)
+            if frame is not None:
+                return src, frame, False
+            return (*self._recv_rest(partial, src, tag, timeout), False)
+        with self._lock:
+            self._took(src, tag, nbytes)
+        if state == _DECODED:
+            return src, value, True
+        if state == _ARRIVING:
+            return (*self._recv_rest(_Partial(src, value, [self.mpi.Request.f2py(request)]), src, tag, timeout), False)
+        return src, value, False  # _FRAME: complete, for the Python decoder
+
+    def _quick(self, src: Any, tag: Any) -> bool:
+        """Whether a receive from ``src`` on ``tag`` may take the short path: one other rank, a valid tag,
+        and nothing posted, half received, queued locally or waiting behind a window."""
+        return not (type(src) is not int or type(tag) is not int or src == self.rank or not 0 <= src < self.size
+                    or not 0 <= tag < TAG_LIMIT or self._posted.get(tag) or self._partials.get(tag)
+                    or self._local.get(tag) or self._deferred)
+
+    def _recv_rest(self, got: _Partial | None, src: int, tag: int, timeout: float) -> tuple[int, np.ndarray]:
+        """Finish a short-path receive: the frame whose envelope ``got`` holds, or the general path when
+        nothing came during the spin (``got`` None) or its segments take longer."""
         if got is not None:
             if not got.reqs or self._finish_briefly(got, tag):
                 if isinstance(got.data, BaseException):

@@ -1,0 +1,67 @@
+"""The MPI transport's small messages in C (``_native.c``), where it was built and fits the MPI in use.
+
+A 4-byte round trip through the Python path spent ~10 us of Python per rank around ~2 us of MPI
+calls (docs/messages.md): framing, the envelope, mpi4py's request, message and status objects,
+the probe loop and the decode. ``_native`` does those steps for a message carried whole in one MPI
+message (bytes, or a C-contiguous numpy array of at most 4 KiB, as :func:`~popmesh.wire.encode_message`
+frames them) and gives anything else back to the Python path. The bytes on the wire are the same
+either way, so a rank with the extension talks to a rank without it.
+
+``make`` builds it (:mod:`popmesh.engines.mpi.build_native`, with the zig C compiler from PyPI).
+``POPMESH_MPI_NATIVE``: unset or ``auto`` uses it where it loads; ``0`` never (the Python path,
+for comparisons); ``1`` requires it (ConfigError where it cannot be used, with the reason).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from popmesh.core.errors import ConfigError
+from popmesh.wire.format import NUMPY_BY_CODE, UINT8_CODE
+
+__all__ = ["load_native", "native_setting"]
+
+_CHOICES = {"": "auto", "auto": "auto", "0": "off", "off": "off", "1": "on", "on": "on"}
+
+
+def native_setting(environ: dict[str, str] | None = None) -> str:
+    """``POPMESH_MPI_NATIVE`` as ``"auto"``, ``"off"`` or ``"on"``; ConfigError for anything else."""
+    raw = (os.environ if environ is None else environ).get("POPMESH_MPI_NATIVE", "").strip().lower()
+    if raw not in _CHOICES:
+        raise ConfigError(f"POPMESH_MPI_NATIVE={raw!r}: give 1 (require the C path), 0 (the Python path) or auto")
+    return _CHOICES[raw]
+
+
+def load_native(mpi: Any) -> Any | None:
+    """The ``_native`` module bound to this process's MPI, or None where the Python path is to be used."""
+    setting = native_setting()
+    if setting == "off":
+        return None
+    why = _unusable(mpi)
+    if why is None:
+        import xxhash._xxhash  # type: ignore[import-not-found]  # the wheel's extension: XXH3_64bits lives there
+
+        from popmesh.engines.mpi import _native  # type: ignore[attr-defined]
+
+        dtypes = {code: dtype for code, dtype in NUMPY_BY_CODE.items() if dtype.isnative}
+        version = _native.bind(xxhash._xxhash.__file__, dtypes, UINT8_CODE, mpi.Exception)
+        if version != mpi.Get_library_version() or not _native.initialized():
+            why = "it sees another MPI library than mpi4py's (it is built against the MPICH wheel)"
+        else:
+            return _native
+    if setting == "on":
+        raise ConfigError(f"POPMESH_MPI_NATIVE=1 but the C path cannot be used: {why}. Build it with "
+                          "`python -m popmesh.engines.mpi.build_native` (make does), or unset POPMESH_MPI_NATIVE")
+    return None
+
+
+def _unusable(mpi: Any) -> str | None:
+    """Why the extension cannot be used here, or None."""
+    try:
+        from popmesh.engines.mpi import _native  # type: ignore[attr-defined]  # noqa: F401
+    except ImportError as e:
+        return f"it is not built ({e})"
+    if mpi.Query_thread() != mpi.THREAD_MULTIPLE:
+        return "MPI was not initialised with MPI_THREAD_MULTIPLE (its receive spins with the GIL released)"
+    return None
