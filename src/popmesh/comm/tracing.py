@@ -25,6 +25,7 @@ import numpy as np
 
 from popmesh.core import trace
 from popmesh.core.errors import ConfigError
+from popmesh.wire.format import HEADER_NBYTES
 
 __all__ = ["start", "stop", "TracedEngine", "clock_offsets", "ALIGN_ROUNDS", "MERGE_WAIT_S",
            "LAUNCHER_MERGES_ENV"]
@@ -42,6 +43,11 @@ def _nbytes(x: Any) -> int:
         return sum(_nbytes(part) for part in x)
     n = getattr(x, "nbytes", None)
     return int(n) if n is not None else len(x)
+
+
+def _plain_frame_nbytes(payload: Any) -> int:
+    """The wire frame's bytes of bytes or a numpy array (what a span of the undecoded path records)."""
+    return HEADER_NBYTES + 8 * getattr(payload, "ndim", 1) + _nbytes(payload)
 
 
 class _TracedPending:
@@ -105,6 +111,27 @@ class _TracedP2P:
             sender, data = self.inner.recv(src, tag, timeout)
             args["src"], args["bytes"] = sender, _nbytes(data)
             return sender, data
+        finally:
+            self._recorder.add("recv", "comm", start, _now(), args)
+
+    def send_value(self, payload: Any, dst: int, tag: int, timeout: float, checksum: bool | None = None) -> bool:
+        start = _now()
+        sent = False
+        try:
+            sent = self.inner.send_value(payload, dst, tag, timeout, checksum)
+            return sent
+        finally:
+            if sent:  # else the caller sends the encoded frame through send(), which records it
+                self._recorder.add("send", "comm", start, _now(),
+                                   {"dst": dst, "tag": tag, "bytes": _plain_frame_nbytes(payload)})
+
+    def recv_decoded(self, src: Any, tag: int, timeout: float) -> tuple[int, Any, bool]:
+        start = _now()
+        args: dict[str, Any] = {"tag": tag}
+        try:
+            sender, data, decoded = self.inner.recv_decoded(src, tag, timeout)
+            args["src"], args["bytes"] = sender, _plain_frame_nbytes(data) if decoded else _nbytes(data)
+            return sender, data, decoded
         finally:
             self._recorder.add("recv", "comm", start, _now(), args)
 

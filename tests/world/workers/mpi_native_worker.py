@@ -13,12 +13,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ml_dtypes
 
 import popmesh
-from popmesh import CommTimeout
+from popmesh import CommTimeout, MessageError
 from popmesh.comm import messages as m
-from popmesh.engines.envelope import HEADER_NBYTES, INLINE_NBYTES, plan_frame
+from popmesh.engines.envelope import HEADER_NBYTES, INLINE_NBYTES, inline_frame, plan_frame
 from popmesh.engines.mpi import p2p as mpi_p2p
 from popmesh.engines.p2p_base import frame_parts
-from popmesh.wire import encode, encode_message, join_frame
+from popmesh.wire import decode, encode, encode_message, join_frame
 from popmesh.wire.format import NATIVE_DTYPE_CODES, UINT8_CODE
 from worldlib import check, skip
 
@@ -219,3 +219,58 @@ def every_spin_gives_way_when_nothing_comes(w):
         assert m.recv(0, 47, timeout=30)[1].tolist() == [1.0]
     popmesh.barrier(timeout=30)
     assert mpi_p2p._SEGMENT_MAX == 1 << 20
+
+
+def _python_reading(env: bytes, tag: int):
+    """What the Python path makes of a received envelope: the decoded value, None (not a frame carried
+    whole: parse_envelope decides) or the MessageError it raises."""
+    frame = inline_frame(np.frombuffer(env, np.uint8).copy(), tag)
+    if frame is None:
+        return None
+    try:
+        return decode(frame)
+    except MessageError as e:
+        return e
+
+
+@check
+def damaged_envelopes_decode_to_the_python_paths_value_or_go_to_it(w):
+    """Seeded random damage to envelopes (bytes flipped, cut short, lengthened), each sent by a rank to
+    itself: whatever the C path decodes, the Python decoder decodes to the same value; everything
+    else comes back as the envelope received, byte for byte. Undamaged ones are decoded in C."""
+    native = w.engine.p2p()._native if _mpi(w) else None
+    if native is None:
+        skip("no C path in this world")
+    p2p, tag, me = w.engine.p2p(), 48, w.rank
+    codes = {np.dtype(np.float32): NATIVE_DTYPE_CODES[np.dtype(np.float32)]}
+    payloads = [b"", b"popmesh", np.arange(6, dtype=np.float32).reshape(2, 3), np.array(1.5, dtype=np.float32),
+                np.arange(1000, dtype=np.float32)]
+    bases = [native.envelope(p, UINT8_CODE if type(p) is bytes else codes[p.dtype], tag, False)[0] for p in payloads]
+    rng = np.random.default_rng(20261127 + me)
+    decoded = damaged = 0
+    for trial in range(2500):
+        env = bytearray(bases[trial % len(bases)])
+        damage = trial % 4
+        if damage == 1:
+            for at in rng.integers(0, len(env), rng.integers(1, 4)):
+                env[at] ^= int(rng.integers(1, 256))
+        elif damage == 2:
+            del env[int(rng.integers(0, len(env))):]
+        elif damage == 3:
+            env += bytes(rng.integers(0, 256, int(rng.integers(1, 16)), dtype=np.uint8))
+        sent = p2p._comm.Isend(bytes(env), me, 2 * tag)
+        state, value, _, request = native.probe(p2p._handle, me, 2 * tag, 1.0, 0.0, 1 << 20)
+        sent.Wait()
+        if state == 2:  # the damage announced a segment that will never come: withdraw its receive
+            pending = p2p.mpi.Request.f2py(request)
+            pending.Cancel()
+            pending.Wait()
+        python = _python_reading(bytes(env), tag)
+        if state == 1:
+            assert not isinstance(python, Exception) and python is not None and same(python, value), (trial, env)
+            decoded += 1
+        else:
+            assert state in (0, 2, 3) and (state != 0 or bytes(value) == bytes(env)), (trial, state)
+            assert damage != 0, (trial, "an undamaged envelope was not decoded in C")
+            damaged += 1
+    assert decoded == 625 and damaged == 1875, (decoded, damaged)  # every byte of a small frame is checked
