@@ -17,8 +17,8 @@ $(STAMP): pyproject.toml
 # Every rank process imports popmesh: compile it once here, since an import writes no .pyc where
 # PYTHONDONTWRITEBYTECODE is set (a fresh clone then compiled it in each of the suite's processes).
 COMPILE := $(BIN)/python -m compileall -q src tests examples benchmarks
-# The MPI transport's C path (src/popmesh/engines/mpi/_native.c), built with zig's compiler from PyPI;
-# a no-op when it is up to date, and MPI messages take the Python path where it cannot be built.
+# The MPI engine's C parts (src/popmesh/engines/mpi/_native.c, _reduce.c), built with zig's compiler from
+# PyPI; a no-op when they are up to date, and the Python path runs where they cannot be built.
 NATIVE  := $(BIN)/python -m popmesh.engines.mpi.build_native
 
 demo: $(STAMP)
@@ -44,4 +44,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/collectives.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info src/*.egg-info src/popmesh/engines/mpi/_native*.so src/popmesh/engines/mpi/_native*.inputs
+	rm -rf $(VENV) .pytest_cache build *.egg-info src/*.egg-info src/popmesh/engines/mpi/_*.so src/popmesh/engines/mpi/_*.so.inputs

@@ -9,7 +9,8 @@ either way, so a rank with the extension talks to a rank without it.
 
 ``make`` builds it (:mod:`popmesh.engines.mpi.build_native`, with the zig C compiler from PyPI).
 ``POPMESH_MPI_NATIVE``: unset or ``auto`` uses it where it loads; ``0`` never (the Python path,
-for comparisons); ``1`` requires it (ConfigError where it cannot be used, with the reason).
+for comparisons); ``1`` requires it (ConfigError where it cannot be used, with the reason). The
+same setting governs ``_reduce``, the in-window all-reduce's arithmetic (:func:`load_reduce`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 from popmesh.core.errors import ConfigError
 from popmesh.wire.format import NUMPY_BY_CODE, UINT8_CODE
 
-__all__ = ["load_native", "native_setting"]
+__all__ = ["load_native", "load_reduce", "native_setting"]
 
 _CHOICES = {"": "auto", "auto": "auto", "0": "off", "off": "off", "1": "on", "on": "on"}
 
@@ -54,6 +55,22 @@ def load_native(mpi: Any) -> Any | None:
         raise ConfigError(f"POPMESH_MPI_NATIVE=1 but the C path cannot be used: {why}. Build it with "
                           "`python -m popmesh.engines.mpi.build_native` (make does), or unset POPMESH_MPI_NATIVE")
     return None
+
+
+def load_reduce() -> Any | None:
+    """The ``_reduce`` module (the in-window all-reduce's arithmetic in one pass, the same bits as
+    numpy's), or None where numpy is to do it: not built, or ``POPMESH_MPI_NATIVE=0``."""
+    setting = native_setting()
+    if setting == "off":
+        return None
+    try:
+        from popmesh.engines.mpi import _reduce  # type: ignore[attr-defined]
+    except ImportError as e:
+        if setting == "on":
+            raise ConfigError(f"POPMESH_MPI_NATIVE=1 but the in-window reduce's C part is not built ({e}): build it "
+                              "with `python -m popmesh.engines.mpi.build_native` (make does)") from e
+        return None
+    return _reduce
 
 
 def _unusable(mpi: Any) -> str | None:
