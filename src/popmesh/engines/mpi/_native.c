@@ -115,7 +115,8 @@ static double now_s(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-/* spin(seconds) -> bool: test back to back, the GIL released, until the sends complete or the time is up */
+/* spin(seconds) -> bool: test back to back, the GIL released (yielding the CPU every 32 tests), until the
+ * sends complete or the time is up */
 static PyObject *send_spin(SendObject *self, PyObject *arg) {
     double seconds = PyFloat_AsDouble(arg);
     if (seconds == -1.0 && PyErr_Occurred()) return NULL;
@@ -126,7 +127,10 @@ static PyObject *send_spin(SendObject *self, PyObject *arg) {
     for (unsigned polls = 1;; polls++) {
         err = send_test_locked(self, &done);
         if (err != MPI_SUCCESS || done) break;
-        if (polls % 32 == 0 && now_s() >= until) break;
+        if (polls % 32 == 0) { /* the receiver may need this core to take the data */
+            if (now_s() >= until) break;
+            sched_yield();
+        }
     }
     Py_END_ALLOW_THREADS
     if (err != MPI_SUCCESS) return mpi_error(err);
@@ -381,7 +385,8 @@ static int envelope_shape(const unsigned char *e, size_t n, uint32_t tag, size_t
  * GIL released (yielding the CPU every 32 probes); None if none came. Otherwise it is received, and:
  * - a frame carried whole: (1, value, frame length, 0) when decoded here;
  * - a frame of at most ``segment_max`` bytes with one segment: its buffer (a new uint8 array) takes
- *   the header, the segment's receive is posted into it and tested for up to ``segment_spin_s``:
+ *   the header, the segment's receive is posted into it and tested for up to ``segment_spin_s``
+ *   (yielding the CPU every 32 tests):
  *   (1, value, frame length, 0) decoded here (an array viewing the buffer), (3, buffer, frame length,
  *   0) complete but for the Python decoder, (2, buffer, frame length, request) still arriving, with
  *   the Fortran handle of its MPI request;
@@ -462,7 +467,10 @@ static PyObject *probe(PyObject *module, PyObject *const *args, Py_ssize_t nargs
         for (unsigned polls = 1; err == MPI_SUCCESS; polls++) {
             err = MPI_Test(&request, &complete, MPI_STATUS_IGNORE);
             if (err != MPI_SUCCESS || complete) break;
-            if (polls % 32 == 0 && now_s() >= limit) break;
+            if (polls % 32 == 0) { /* the sender may need this core to send the rest */
+                if (now_s() >= limit) break;
+                sched_yield();
+            }
         }
         Py_END_ALLOW_THREADS
         if (err != MPI_SUCCESS) {
