@@ -58,10 +58,12 @@ def _torch_nodes(th: TwoHosts, port: int, *script_args: str, **env: str) -> list
 
 
 def _assert_world(outputs: str, th: TwoHosts) -> None:
-    """Four ranks, two on each host (by their host names), each with the sum 1+2+3+4."""
+    """Four ranks, two on each host (by their host names), each with the sum 1+2+3+4, and messages of
+    4 B, 8 KB and 336 KB passed around the ring (from one host to the other at two of its hops)."""
     seen = {int(m[1]): (int(m[2]), m[3], m[4]) for m in _LINE.finditer(outputs)}
     a, b = th.hosts
     assert seen == {0: (4, a.name, "10"), 1: (4, a.name, "10"), 2: (4, b.name, "10"), 3: (4, b.name, "10")}, outputs
+    assert sorted(int(r) for r in re.findall(r"RING rank=(\d) ok", outputs)) == [0, 1, 2, 3], outputs[-3000:]
 
 
 @pytest.mark.timeout(120)
