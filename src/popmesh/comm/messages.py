@@ -180,9 +180,13 @@ def isend(payload: Any, dst: int, tag: int = 0, *, group: Comm | None = None, ti
           allow_pickle: bool = False, checksum: bool | None = None) -> SendHandle:
     """Start sending ``payload`` (options as :func:`send`); leave its arrays unchanged until the handle is done."""
     comm, p2p, seconds = _setup(group, timeout, "isend")
-    frame = encode_message(payload, allow_pickle=allow_pickle,
-                           checksum=p2p.payload_checksum if checksum is None else checksum)
-    return SendHandle(p2p.isend(frame, _member(comm, dst, "dst"), _tag(tag)), seconds)
+    rank, value = _member(comm, dst, "dst"), _tag(tag)
+    pending = p2p.isend_value(payload, rank, value, checksum)  # a payload the engine frames itself
+    if pending is None:
+        frame = encode_message(payload, allow_pickle=allow_pickle,
+                               checksum=p2p.payload_checksum if checksum is None else checksum)
+        pending = p2p.isend(frame, rank, value)
+    return SendHandle(pending, seconds)
 
 
 def irecv(src: int | Collection[int] | None = None, tag: int = 0, *, group: Comm | None = None,

@@ -125,6 +125,13 @@ class _TracedP2P:
                 self._recorder.add("send", "comm", start, _now(),
                                    {"dst": dst, "tag": tag, "bytes": _plain_frame_nbytes(payload)})
 
+    def isend_value(self, payload: Any, dst: int, tag: int, checksum: bool | None = None) -> Any:
+        pending = self.inner.isend_value(payload, dst, tag, checksum)
+        if pending is None:  # the caller sends the encoded frame through isend(), which records it
+            return None
+        args = {"dst": dst, "tag": tag, "bytes": _plain_frame_nbytes(payload), "async": True}
+        return _TracedPending(pending, self._recorder, "send", args)
+
     def recv_decoded(self, src: Any, tag: int, timeout: float) -> tuple[int, Any, bool]:
         start = _now()
         args: dict[str, Any] = {"tag": tag}

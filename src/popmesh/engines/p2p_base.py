@@ -178,6 +178,11 @@ class P2PBase:
         not, and the caller encodes the payload and calls :meth:`send`. The frame is the same bytes."""
         return False
 
+    def isend_value(self, payload: Any, dst: int, tag: int, checksum: bool | None = None) -> Pending | None:
+        """Start sending a payload the engine frames itself (see :meth:`send_value`); None when it does
+        not, and the caller encodes the payload and calls :meth:`isend`."""
+        return None
+
     def isend(self, frame: Frame, dst: int, tag: int) -> Pending:
         """Start sending; keep ``frame``'s buffers unchanged until the request is done."""
         self._check(dst, tag, "dst")

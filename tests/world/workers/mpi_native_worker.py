@@ -86,17 +86,21 @@ def envelopes_are_the_python_paths_bytes(w):
 
 
 def _exchange(w, tag: int) -> None:
-    """Rank 0 sends every plain payload to rank 1 with blocking sends, rank 1 sends each back; both check."""
+    """Rank 0 sends every plain payload to rank 1 with blocking sends, rank 1 sends each back (send or
+    isend); both check."""
     for i, payload in enumerate(plain_payloads(7)):
         checksum = True if i % 3 == 0 else None
         if w.rank == 0:
             m.send(payload, 1, tag, checksum=checksum, timeout=30)
             src, back = m.recv(1, tag, timeout=30)
             assert src == 1 and same(payload, back), (tag, i)
-        elif w.rank == 1:
+        elif w.rank == 1:  # replies alternate between send and isend
             src, got = m.recv(0, tag, timeout=30)
             assert src == 0 and same(payload, got), (tag, i)
-            m.send(got, 0, tag, checksum=checksum, timeout=30)
+            if i % 2:
+                m.isend(got, 0, tag, checksum=checksum).wait(30)
+            else:
+                m.send(got, 0, tag, checksum=checksum, timeout=30)
 
 
 @check

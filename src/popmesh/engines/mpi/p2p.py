@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from popmesh.core.errors import ConfigError, MessageError, PeerFailure
+from popmesh.core.handles import Completed, Pending
 from popmesh.engines.base import poll_until
 from popmesh.engines.envelope import INLINE_NBYTES, inline_envelope, inline_frame, parse_envelope, plan_frame
 from popmesh.engines.mpi.flow import WINDOW_FRAMES, CreditCounter, SendWindow, window_nbytes
@@ -115,10 +116,38 @@ class MpiP2P(P2PBase):
         return None
 
     def send_value(self, payload: Any, dst: int, tag: int, timeout: float, checksum: bool | None = None) -> bool:
-        """:meth:`P2PBase.send_value`: the C path (:mod:`~popmesh.engines.mpi.native`) frames bytes or a
-        C-contiguous numpy array below :data:`~popmesh.engines.p2p_base.BufferPool.MIN_NBYTES` and sends
-        it, the payload as its own segment where it does not fit in the envelope; False for anything
-        else, or while frames wait behind this destination's window (the general path queues them)."""
+        """:meth:`P2PBase.send_value` through the C path (:meth:`_post_value`); False where it does not
+        take the payload. A send MPI did not complete at once is tested back to back for up to
+        :data:`_SEGMENT_SPIN_S`, then waited for as any other."""
+        request = self._post_value(payload, dst, tag, checksum)
+        if request is False:
+            return False
+        if request is None or request.spin(_SEGMENT_SPIN_S):
+            return True
+        op = MpiSend(self, [request], [], dst, tag)
+        self._hold(op)
+        op.wait(timeout)
+        return True
+
+    def isend_value(self, payload: Any, dst: int, tag: int, checksum: bool | None = None) -> Pending | None:
+        """:meth:`P2PBase.isend_value` through the C path (:meth:`_post_value`); None where it does not
+        take the payload."""
+        request = self._post_value(payload, dst, tag, checksum)
+        if request is False:
+            return None
+        if request is None:
+            return Completed()
+        op = MpiSend(self, [request], [], dst, tag)
+        self._hold(op)
+        return op
+
+    def _post_value(self, payload: Any, dst: int, tag: int, checksum: bool | None) -> Any:
+        """The C path (:mod:`~popmesh.engines.mpi.native`) frames bytes or a C-contiguous numpy array
+        below :data:`~popmesh.engines.p2p_base.BufferPool.MIN_NBYTES` and posts it, the payload as its
+        own segment where it does not fit in the envelope: None when MPI completed the sends at once,
+        else the native send to complete. False where it does not take the payload (anything else,
+        no C path, or frames waiting behind this destination's window, which the general path queues
+        behind)."""
         native = self._native
         if (native is None or type(dst) is not int or type(tag) is not int or dst == self.rank
                 or not 0 <= dst < self.size or not 0 <= tag < HEARTBEAT_TAG):
@@ -141,15 +170,9 @@ class MpiP2P(P2PBase):
             if window.report_due():
                 self._take_credits(dst, window)
         try:
-            request = native.isend(self._handle, env, payload, code, dst, 2 * tag)
+            return native.isend(self._handle, env, payload, code, dst, 2 * tag)
         except self.mpi.Exception as e:
             raise PeerFailure(f"send to rank {dst} on tag {tag} failed in MPI: {e}", (dst,)) from e
-        if request is None or request.spin(_SEGMENT_SPIN_S):
-            return True
-        op = MpiSend(self, [request], [], dst, tag)
-        self._hold(op)
-        op.wait(timeout)
-        return True
 
     def _send_inline(self, env: bytes, nbytes: int, dst: int, tag: int, timeout: float) -> None:
         """Send the envelope ``env`` carrying a frame of ``nbytes`` whole: the window's accounting and one
