@@ -1,6 +1,7 @@
 """The MPI C path's setting, its loader's refusals and its build (the C path itself runs in
 tests/world/test_mpi_native.py, on a real MPI world)."""
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -26,7 +27,14 @@ def test_off_never_loads_it(monkeypatch):
 
 
 def single_threaded_mpi():
-    return SimpleNamespace(Query_thread=lambda: 0, THREAD_MULTIPLE=3)
+    return SimpleNamespace(Query_thread=lambda: 0, THREAD_MULTIPLE=3, Get_library_version=lambda: "MPICH Version: 5")
+
+
+def test_another_mpi_is_refused_before_the_extension_is_loaded(monkeypatch):
+    monkeypatch.setenv("POPMESH_MPI_NATIVE", "1")
+    open_mpi = SimpleNamespace(Get_library_version=lambda: "Open MPI v5.0.8, package: Open MPI\n...")
+    with pytest.raises(ConfigError, match=re.escape("MPICH wheel, and this MPI is 'Open MPI v5.0.8")):
+        native.load_native(open_mpi)
 
 
 def test_required_where_it_cannot_be_used_says_why(monkeypatch):

@@ -74,7 +74,11 @@ def load_reduce() -> Any | None:
 
 
 def _unusable(mpi: Any) -> str | None:
-    """Why the extension cannot be used here, or None."""
+    """Why the extension cannot be used here, or None (checked before the extension, and the MPICH
+    library it links, are loaded into a process that runs another MPI)."""
+    version = str(mpi.Get_library_version())
+    if not version.startswith("MPICH"):
+        return f"it is built for the MPICH wheel, and this MPI is {version.splitlines()[0].strip()!r}"
     try:
         from popmesh.engines.mpi import _native  # type: ignore[attr-defined]  # noqa: F401
     except ImportError as e:
