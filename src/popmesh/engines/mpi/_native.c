@@ -21,6 +21,7 @@
 #include <sched.h>
 #include <stdint.h>
 #include <string.h>
+#include <limits.h>
 #include <time.h>
 
 /* the transport envelope (engines/envelope.py): <4sHHQIII */
@@ -80,6 +81,13 @@ static PyObject *mpi_error(int code) {
     PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
     Py_DECREF(exc);
     return NULL;
+}
+
+/* Whether bind() ran (it loads XXH3 and the dtypes); a RuntimeError otherwise. */
+static int bound(void) {
+    if (xxh3 != NULL && mpi_exception != NULL) return 1;
+    PyErr_SetString(PyExc_RuntimeError, "popmesh.engines.mpi._native: call bind() first (native.load_native does)");
+    return 0;
 }
 
 /* ---- a send that MPI has not completed yet ------------------------------------------------- */
@@ -215,14 +223,21 @@ static PyObject *envelope(PyObject *module, PyObject *const *args, Py_ssize_t na
         PyErr_SetString(PyExc_TypeError, "envelope(payload, code, tag, checksum)");
         return NULL;
     }
+    if (!bound()) return NULL;
     long code = PyLong_AsLong(args[1]);
+    if (code == -1 && PyErr_Occurred()) return NULL;
     unsigned long tag = PyLong_AsUnsignedLong(args[2]);
-    int checksum = PyObject_IsTrue(args[3]);
     if (PyErr_Occurred()) return NULL;
+    int checksum = PyObject_IsTrue(args[3]);
+    if (checksum < 0) return NULL;
     Payload p;
     int refused = payload_open(&p, args[0], code);
     if (refused < 0) return NULL;
     if (refused) Py_RETURN_NONE;
+    if (p.view.len > INT_MAX - FRAME_NBYTES - 8 * MAX_NDIM) { /* MPI counts are ints: the Python path's */
+        PyBuffer_Release(&p.view);
+        Py_RETURN_NONE;
+    }
     Py_ssize_t header = FRAME_NBYTES + 8 * p.ndim, frame = header + p.view.len;
     int covered = p.view.len <= SMALL_FRAME_MAX || checksum, whole = frame <= INLINE_MAX;
     Py_ssize_t size = whole ? ENV_NBYTES + frame : ENV_NBYTES + 8 + header;
@@ -263,15 +278,16 @@ static PyObject *isend(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     long code = PyLong_AsLong(args[3]);
     int dst = (int)PyLong_AsLong(args[4]), mtag = (int)PyLong_AsLong(args[5]);
     if (PyErr_Occurred()) return NULL;
+    if (!bound()) return NULL;
     PyObject *env = args[1];
     const unsigned char *e = (const unsigned char *)PyBytes_AS_STRING(env);
     Payload p;
     p.view.obj = NULL;
-    int segmented = PyBytes_GET_SIZE(env) >= ENV_NBYTES && get16(e + 6) == 1;
+    int segmented = PyBytes_GET_SIZE(env) >= ENV_NBYTES + 8 && get16(e + 6) == 1;
     if (segmented) {
         int refused = payload_open(&p, args[2], code);
         if (refused < 0) return NULL;
-        if (refused || (uint64_t)p.view.len != get64(e + ENV_NBYTES)) {
+        if (refused || (uint64_t)p.view.len != get64(e + ENV_NBYTES) || p.view.len > INT_MAX) {
             if (!refused) PyBuffer_Release(&p.view);
             PyErr_SetString(PyExc_ValueError, "isend: the payload is not the one the envelope announces");
             return NULL;
@@ -380,17 +396,22 @@ static int envelope_shape(const unsigned char *e, size_t n, uint32_t tag, size_t
     return 1;
 }
 
-/* probe(comm, src, mpi_tag, spin_s, segment_spin_s, segment_max) -> None | (state, obj, nbytes, request)
+/* probe(comm, src, mpi_tag, spin_s, segment_spin_s, segment_max)
+ *   -> None | (state, obj, nbytes, request, segment)
  * Matched probes for the next envelope from ``src`` on ``mpi_tag`` for up to ``spin_s`` seconds, the
  * GIL released (yielding the CPU every 32 probes); None if none came. Otherwise it is received, and:
- * - a frame carried whole: (1, value, frame length, 0) when decoded here;
+ * - a frame carried whole: (1, value, frame length, 0, 0) when decoded here;
  * - a frame of at most ``segment_max`` bytes with one segment: its buffer (a new uint8 array) takes
  *   the header, the segment's receive is posted into it and tested for up to ``segment_spin_s``
- *   (yielding the CPU every 32 tests):
- *   (1, value, frame length, 0) decoded here (an array viewing the buffer), (3, buffer, frame length,
- *   0) complete but for the Python decoder, (2, buffer, frame length, request) still arriving, with
- *   the Fortran handle of its MPI request;
- * - anything else: (0, envelope, 0, 0), the received envelope as a new uint8 array for the Python path. */
+ *   (yielding the CPU every 32 tests): (1, value, frame length, 0, 0) decoded here (an array viewing
+ *   the buffer), (3, buffer, frame length, 0, 0) complete but for the Python decoder, (2, buffer,
+ *   frame length, request, segment length) still arriving, with the Fortran handle of its MPI
+ *   request, or (4, why, frame length, 0, 0) when the segment that came is not as long as the
+ *   envelope announced;
+ * - anything else: (0, envelope, 0, 0, 0), the received envelope as a new uint8 array for the Python path.
+ * A frame that is taken and cannot be held (no memory) has its segment received into nothing, so no
+ * later frame's receive can match it. The caller keeps one such receive at a time per source and tag:
+ * an envelope and its segment are matched by two calls, which another receive must not come between. */
 static PyObject *probe(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 6) {
         PyErr_SetString(PyExc_TypeError, "probe(comm, src, mpi_tag, spin_s, segment_spin_s, segment_max)");
@@ -400,7 +421,11 @@ static PyObject *probe(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     int src = (int)PyLong_AsLong(args[1]), mtag = (int)PyLong_AsLong(args[2]);
     double spin = PyFloat_AsDouble(args[3]), segment_spin = PyFloat_AsDouble(args[4]);
     Py_ssize_t segment_max = PyLong_AsSsize_t(args[5]);
-    if (PyErr_Occurred()) return NULL;
+    if (PyErr_Occurred() || !bound()) return NULL;
+    if (!(spin >= 0 && spin <= 3600 && segment_spin >= 0 && segment_spin <= 3600) || segment_max < 0) {
+        PyErr_SetString(PyExc_ValueError, "probe: spins are seconds in [0, 3600], segment_max is at least 0");
+        return NULL;
+    }
     unsigned char stack[STACK_NBYTES];
     unsigned char *buf = stack;
     int err = MPI_SUCCESS, flag = 0, count = 0;
@@ -420,9 +445,10 @@ static PyObject *probe(PyObject *module, PyObject *const *args, Py_ssize_t nargs
         err = MPI_Get_count(&status, MPI_BYTE, &count);
         if (err == MPI_SUCCESS && count > STACK_NBYTES) {
             buf = malloc((size_t)count);
-            if (buf == NULL) { /* taken into a scratch byte, so the message is not left matched */
+            if (buf == NULL) { /* taken into no bytes (MPI_ERR_TRUNCATE), so it is not left matched */
                 static unsigned char sink;
-                err = MPI_Mrecv(&sink, 0, MPI_BYTE, &message, MPI_STATUS_IGNORE);
+                MPI_Mrecv(&sink, 0, MPI_BYTE, &message, MPI_STATUS_IGNORE);
+                buf = stack;
                 count = -1;
             }
         }
@@ -448,7 +474,7 @@ static PyObject *probe(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     if (shaped && segment == 0) {
         PyObject *value = decode_plain(buf + ENV_NBYTES, frame, NULL);
         if (value != NULL) {
-            out = Py_BuildValue("(iNni)", 1, value, (Py_ssize_t)frame, 0);
+            out = Py_BuildValue("(iNnin)", 1, value, (Py_ssize_t)frame, 0, (Py_ssize_t)0);
             goto done;
         }
         if (PyErr_Occurred()) goto done;
@@ -456,38 +482,55 @@ static PyObject *probe(PyObject *module, PyObject *const *args, Py_ssize_t nargs
         size_t head = frame - segment;
         npy_intp dims[1] = {(npy_intp)frame};
         PyObject *whole = PyArray_SimpleNew(1, dims, NPY_UINT8);
-        if (whole == NULL) goto done; /* the segment stays queued in MPI: nothing is lost, the error says why */
+        if (whole == NULL) { /* take the segment into no bytes, so the next frame's receive cannot match it */
+            static unsigned char sink;
+            Py_BEGIN_ALLOW_THREADS
+            MPI_Recv(&sink, 0, MPI_BYTE, src, mtag + 1, comm, MPI_STATUS_IGNORE);
+            Py_END_ALLOW_THREADS
+            goto done;
+        }
         unsigned char *w = PyArray_DATA((PyArrayObject *)whole);
         memcpy(w, buf + ENV_NBYTES + 8, head);
         MPI_Request request = MPI_REQUEST_NULL;
-        int complete = 0;
+        MPI_Status got;
+        int complete = 0, received = -1;
         Py_BEGIN_ALLOW_THREADS
         err = MPI_Irecv(w + head, (int)segment, MPI_BYTE, src, mtag + 1, comm, &request);
         double limit = now_s() + segment_spin;
         for (unsigned polls = 1; err == MPI_SUCCESS; polls++) {
-            err = MPI_Test(&request, &complete, MPI_STATUS_IGNORE);
+            err = MPI_Test(&request, &complete, &got);
             if (err != MPI_SUCCESS || complete) break;
             if (polls % 32 == 0) { /* the sender may need this core to send the rest */
                 if (now_s() >= limit) break;
                 sched_yield();
             }
         }
+        if (err == MPI_SUCCESS && complete) err = MPI_Get_count(&got, MPI_BYTE, &received);
         Py_END_ALLOW_THREADS
         if (err != MPI_SUCCESS) {
-            Py_DECREF(whole);
+            if (request == MPI_REQUEST_NULL) Py_DECREF(whole); /* else MPI may still write there: kept */
             mpi_error(err);
             goto done;
         }
-        if (!complete) {
-            out = Py_BuildValue("(iNni)", 2, whole, (Py_ssize_t)frame, (int)MPI_Request_c2f(request));
+        if (!complete) { /* whole stays referenced here if the tuple cannot be made: MPI writes into it */
+            out = Py_BuildValue("(iOnin)", 2, whole, (Py_ssize_t)frame, (int)MPI_Request_c2f(request),
+                                (Py_ssize_t)segment);
+            if (out != NULL) Py_DECREF(whole);
+            goto done;
+        }
+        if ((size_t)received != segment) {
+            Py_DECREF(whole);
+            out = Py_BuildValue("(iNnin)", 4, PyUnicode_FromFormat(
+                "a frame's segment of %d bytes arrived where its envelope announced %zu", received, segment),
+                (Py_ssize_t)frame, 0, (Py_ssize_t)0);
             goto done;
         }
         PyObject *value = decode_plain(w, frame, whole);
         if (value != NULL) {
             Py_DECREF(whole);
-            out = Py_BuildValue("(iNni)", 1, value, (Py_ssize_t)frame, 0);
+            out = Py_BuildValue("(iNnin)", 1, value, (Py_ssize_t)frame, 0, (Py_ssize_t)0);
         } else if (!PyErr_Occurred()) {
-            out = Py_BuildValue("(iNni)", 3, whole, (Py_ssize_t)frame, 0);
+            out = Py_BuildValue("(iNnin)", 3, whole, (Py_ssize_t)frame, 0, (Py_ssize_t)0);
         } else {
             Py_DECREF(whole);
         }
@@ -497,7 +540,7 @@ static PyObject *probe(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     PyObject *raw = PyArray_SimpleNew(1, dims, NPY_UINT8);
     if (raw != NULL) {
         if (n) memcpy(PyArray_DATA((PyArrayObject *)raw), buf, n);
-        out = Py_BuildValue("(iNni)", 0, raw, (Py_ssize_t)0, 0);
+        out = Py_BuildValue("(iNnin)", 0, raw, (Py_ssize_t)0, 0, (Py_ssize_t)0);
     }
 done:
     if (buf != stack) free(buf);

@@ -46,11 +46,15 @@ def load_native(mpi: Any) -> Any | None:
         from popmesh.engines.mpi import _native  # type: ignore[attr-defined]
 
         dtypes = {code: dtype for code, dtype in NUMPY_BY_CODE.items() if dtype.isnative}
-        version = _native.bind(xxhash._xxhash.__file__, dtypes, UINT8_CODE, mpi.Exception)
-        if version != mpi.Get_library_version() or not _native.initialized():
-            why = "it sees another MPI library than mpi4py's (it is built against the MPICH wheel)"
+        try:
+            version = _native.bind(xxhash._xxhash.__file__, dtypes, UINT8_CODE, mpi.Exception)
+        except (ImportError, OSError, ValueError, TypeError) as e:
+            why = f"it could not load what it needs ({e})"
         else:
-            return _native
+            if version != mpi.Get_library_version() or not _native.initialized():
+                why = "it sees another MPI library than mpi4py's (it is built against the MPICH wheel)"
+            else:
+                return _native
     if setting == "on":
         raise ConfigError(f"POPMESH_MPI_NATIVE=1 but the C path cannot be used: {why}. Build it with "
                           "`python -m popmesh.engines.mpi.build_native` (make does), or unset POPMESH_MPI_NATIVE")

@@ -57,16 +57,18 @@ _FAST_SPIN_S = 0.05  # base.poll_until's spin, before the general path backs off
 _SEGMENT_SPIN_S = 0.002  # a frame's segments tested back to back for this long (a 336 KB one needs ~20 us)
 _CREDIT = -1  # the "tag" of a held credit send (credits are not frames; see flow)
 _SEGMENT_MAX = BufferPool.MIN_NBYTES  # larger frames take the Python path: its pooled buffers save page faults
-_RAW, _DECODED, _ARRIVING, _FRAME = 0, 1, 2, 3  # what native.probe took (see _native.c)
+_RAW, _DECODED, _ARRIVING, _FRAME, _SHORT = 0, 1, 2, 3, 4  # what native.probe took (see _native.c)
 
 
 class _Partial:
-    """A frame whose envelope arrived and whose segments are being received."""
+    """A frame whose envelope arrived and whose segments (of ``lengths`` bytes) are being received."""
 
-    __slots__ = ("data", "reqs", "src")
+    __slots__ = ("data", "lengths", "reqs", "src", "statuses")
 
-    def __init__(self, src: int, data: Any, reqs: list[Any]) -> None:
-        self.src, self.data, self.reqs = src, data, reqs
+    def __init__(self, src: int, data: Any, reqs: list[Any], lengths: list[int] | None = None,
+                 statuses: list[Any] | None = None) -> None:
+        self.src, self.data, self.reqs, self.lengths = src, data, reqs, lengths or []
+        self.statuses = statuses or []
 
 
 class MpiP2P(P2PBase):
@@ -104,6 +106,8 @@ class MpiP2P(P2PBase):
         self._counters: dict[int, CreditCounter] = {}
         self._native = load_native(self.mpi)  # the small messages' C path, or None (see native)
         self._handle = self._comm.py2f()
+        self._short: set[int] = set()  # tags a short-path receive is on (see _enter_short)
+        self._segments: list[tuple[Any, np.ndarray]] = []  # the C path's segment receives, with their buffers
 
     def send(self, frame: Any, dst: int, tag: int, timeout: float) -> None:
         """:meth:`P2PBase.send`, with a short path for a small one-buffer frame to another rank on a user
@@ -153,7 +157,7 @@ class MpiP2P(P2PBase):
                 or not 0 <= dst < self.size or not 0 <= tag < HEARTBEAT_TAG):
             return False
         t = type(payload)
-        if t is bytes:
+        if t is bytes and len(payload) < _SEGMENT_MAX:
             code: int | None = UINT8_CODE
         elif t is np.ndarray and payload.nbytes < _SEGMENT_MAX:
             code = NATIVE_DTYPE_CODES.get(payload.dtype)
@@ -203,9 +207,12 @@ class MpiP2P(P2PBase):
         other rank, and nothing for ``tag`` is queued or half received: matched probes until the
         envelope is there, then the general path for anything but a frame carried inline. Invalid
         ranks and tags take the general path and its checks."""
-        if not self._quick(src, tag):
+        if not self._enter_short(src, tag):
             return super().recv(src, tag, timeout)
-        got = self._probe_briefly(src, tag)
+        try:
+            got = self._probe_briefly(src, tag)
+        finally:
+            self._leave_short(tag)
         if isinstance(got, tuple):  # a frame carried inline
             return got
         return self._recv_rest(got, src, tag, timeout)
@@ -215,32 +222,64 @@ class MpiP2P(P2PBase):
         the C path probes, receives and decodes a small frame (``(src, value, True)``); any other frame
         goes on as in :meth:`recv`."""
         native = self._native
-        if native is None or not self._quick(src, tag):
+        if native is None or not self._enter_short(src, tag):
             return (*self.recv(src, tag, timeout), False)
-        try:
+        frame: np.ndarray | None = None
+        partial: _Partial | None = None
+        try:  # until the frame's segments have their receives posted, no other receive may probe this tag
             got = native.probe(self._handle, src, 2 * tag, _FAST_SPIN_S, _SEGMENT_SPIN_S, _SEGMENT_MAX)
+            if got is not None and got[0] == _RAW:  # the envelope, for the Python path
+                frame = inline_frame(got[1], tag)
+                with self._lock:
+                    if frame is None:
+                        partial = self._unpacked(got[1], src, tag)
+                    else:
+                        self._took(src, tag, frame.size)
         except self.mpi.Exception as e:
             raise self._receive_failure(e, src, tag) from e
+        finally:
+            self._leave_short(tag)
         if got is None:
             return (*super().recv(src, tag, timeout), False)
-        state, value, nbytes, request = got
-        if state == _RAW:  # the envelope, for the Python path
-            frame = inline_frame(value, tag)
-            with self._lock:
-                if frame is None:
-                    partial = self._unpacked(value, src, tag)
-                else:
-                    self._took(src, tag, frame.size)
-            if frame is not None:
-                return src, frame, False
+        if frame is not None:
+            return src, frame, False
+        if partial is not None:
             return (*self._recv_rest(partial, src, tag, timeout), False)
+        state, value, nbytes, request, segment = got
         with self._lock:
             self._took(src, tag, nbytes)
         if state == _DECODED:
             return src, value, True
         if state == _ARRIVING:
-            return (*self._recv_rest(_Partial(src, value, [self.mpi.Request.f2py(request)]), src, tag, timeout), False)
+            return (*self._recv_rest(self._arriving(src, value, request, segment), src, tag, timeout), False)
+        if state == _SHORT:
+            raise MessageError(f"from rank {src} on tag {tag}: {value}")
         return src, value, False  # _FRAME: complete, for the Python decoder
+
+    def _arriving(self, src: int, buf: np.ndarray, request: int, segment: int) -> _Partial:
+        """The frame whose segment the C path is still receiving into ``buf`` (its MPI request's Fortran
+        handle ``request``). ``buf`` is also kept here until MPI completes the receive: MPI writes into
+        it whatever happens to the caller meanwhile."""
+        req = self.mpi.Request.f2py(request)
+        null = self.mpi.REQUEST_NULL
+        with self._lock:
+            self._segments = [(r, b) for r, b in self._segments if r != null]
+            self._segments.append((req, buf))
+        return _Partial(src, buf, [req], [segment], [self.mpi.Status()])
+
+    def _enter_short(self, src: Any, tag: Any) -> bool:
+        """Start a short-path receive from ``src`` on ``tag`` where :meth:`_quick` allows it: at most one
+        per tag at a time, and the general path leaves the tag alone meanwhile (:meth:`_fetch`), so no
+        other receive comes between an envelope and its segment."""
+        with self._lock:
+            if not self._quick(src, tag) or tag in self._short:
+                return False
+            self._short.add(tag)
+            return True
+
+    def _leave_short(self, tag: int) -> None:
+        with self._lock:
+            self._short.discard(tag)
 
     def _quick(self, src: Any, tag: Any) -> bool:
         """Whether a receive from ``src`` on ``tag`` may take the short path: one other rank, a valid tag,
@@ -467,7 +506,7 @@ class MpiP2P(P2PBase):
             tag, sources = req.tag, req.sources
             posted = self._posted.get(tag)
             if (posted is None or self._gone or len(posted) != 1 or posted[0]() is not req or self._partials.get(tag)
-                    or self._local.get(tag) or (sources is not None and len(sources) != 1)):
+                    or self._local.get(tag) or (sources is not None and len(sources) != 1) or tag in self._short):
                 return super()._poll(req)
             source = self.mpi.ANY_SOURCE if sources is None else next(iter(sources))
             if source == self.rank:
@@ -484,6 +523,8 @@ class MpiP2P(P2PBase):
             return True
 
     def _fetch(self, sources: frozenset[int] | None, tag: int) -> Item | None:
+        if tag in self._short:  # a short-path receive is taking this tag's next frame (see _enter_short)
+            return None
         partials = self._partials.setdefault(tag, [])
         try:
             return self._fetch_from(partials, sources, tag)
@@ -558,7 +599,7 @@ class MpiP2P(P2PBase):
         for n in lengths:
             reqs.append(self._comm.Irecv(buf[pos:pos + n], source=src, tag=2 * tag + 1))
             pos += n
-        return _Partial(src, buf, reqs)
+        return _Partial(src, buf, reqs, lengths, [self.mpi.Status() for _ in lengths])
 
     def _receive_failure(self, e: Exception, source: int, tag: int) -> PeerFailure:
         any_source = source == self.mpi.ANY_SOURCE
@@ -566,14 +607,23 @@ class MpiP2P(P2PBase):
         return PeerFailure(f"receiving on tag {tag} failed in MPI: {e}", suspects or [self.rank], exact=not any_source)
 
     def _complete(self, partial: _Partial, tag: int) -> bool:
+        """Whether ``partial``'s segments have arrived; a segment shorter than its envelope announced
+        replaces the frame with a MessageError (the rest of the buffer holds nothing that was sent)."""
         if not partial.reqs:
             return True
         try:
-            return bool(self.mpi.Request.Testall(partial.reqs))
+            if not self.mpi.Request.Testall(partial.reqs, partial.statuses):
+                return False
+            counts = [status.Get_count(self.mpi.BYTE) for status in partial.statuses]
         except self.mpi.Exception as e:
             partial.data, partial.reqs = PeerFailure(f"receiving a frame from rank {partial.src} on tag {tag} "
                                                      f"failed in MPI: {e}", (partial.src,)), []
             return True
+        if counts != partial.lengths:
+            partial.data = MessageError(f"from rank {partial.src} on tag {tag}: a frame's segments of {counts} bytes "
+                                        f"arrived where its envelope announced {partial.lengths}")
+        partial.reqs = []
+        return True
 
 
 def _probe_order(sources: Collection[int] | None, blocked: set[int], any_source: int) -> list[int]:

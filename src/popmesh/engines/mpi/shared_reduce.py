@@ -44,6 +44,7 @@ _KINDS = {np.dtype(t): kind for kind, t in enumerate((np.float32, np.float64, np
                                                        np.uint64))}
 _DTYPES = frozenset(_KINDS)  # kind: the dtype's number in _reduce.c
 _FLOATS = frozenset(np.dtype(t) for t in (np.float32, np.float64))
+_KERNEL_COPIES = 256  # the most members _reduce.combine takes; larger groups use numpy
 _HEADER_WORDS = 8  # int64: seq, window (-1: not lent), offset, nbytes, dtype number, op code, 0, 0
 
 
@@ -133,7 +134,8 @@ class SharedArrays:
         offset, nbytes = int(first[2]), int(first[3])
         copies = [c[offset:offset + nbytes].view(arr.dtype) for c in window.copies]
         lo, hi = chunk_bounds(copies[0].size, arr.dtype.itemsize, self._size, self._rank)
-        if hi > lo and self._kernel is not None and (op is ReduceOp.SUM or op is ReduceOp.AVG):
+        if (hi > lo and self._kernel is not None and (op is ReduceOp.SUM or op is ReduceOp.AVG)
+                and self._size <= _KERNEL_COPIES and offset % arr.dtype.itemsize == 0):
             # one pass, a cache-sized block at a time: the same additions in rank order, then the division
             self._kernel.combine([c[lo:hi] for c in copies], _KINDS[arr.dtype], op is ReduceOp.AVG)
         elif hi > lo:
