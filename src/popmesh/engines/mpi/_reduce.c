@@ -4,8 +4,10 @@
  * into every copy. numpy takes three passes over the chunk for an average (add, divide, copy out);
  * this takes one, a cache-sized block at a time, with the GIL released. The bits are numpy's: the
  * same additions in rank order, then the division by the member count in the array's own type
- * (unsigned arithmetic for the integer types, which wraps as numpy's does). Only SUM (every type)
- * and AVG (floats) are done here; the other operations stay with numpy.
+ * (unsigned arithmetic for the integer types, which wraps as numpy's does). One exception: where two
+ * NaNs are added, which NaN (sign, payload) results is the hardware's choice, as it is within numpy,
+ * whose vector and scalar loops differ there. Only SUM (every type) and AVG (floats) are done here;
+ * the other operations stay with numpy.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
