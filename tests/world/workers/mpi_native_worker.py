@@ -381,3 +381,44 @@ def two_threads_receiving_on_one_channel_never_cross_frames(w):
         assert all(a.size == 20_000 + int(a[0]) and (a == a[0]).all() for a in got)
         assert sorted(int(a[0]) for a in got) == list(range(count))
     popmesh.barrier(timeout=60)
+
+
+@check
+def two_threads_sending_on_one_channel_never_cross_frames(w):
+    """Two threads of rank 0 send to rank 1 on the same tag at once, one through the C path, the other
+    through the Python path (non-contiguous arrays): every frame arrives whole, its length its own."""
+    if not _mpi(w):
+        skip("MPI worlds only")
+    import threading
+
+    count, errors = 60, []
+
+    def send(python: int) -> None:
+        try:
+            handles = []
+            for i in range(count):
+                n = 20_000 + 2 * i + python  # each frame its own length, its values (thread, index)
+                values = np.full(2 * n if python else n, 1000 * python + i, np.int32)
+                handles.append(m.isend(values[::2] if python else values, 1, 55))
+            for h in handles:
+                h.wait(60)
+        except Exception as e:
+            errors.append(e)
+
+    if w.rank == 0:
+        threads = [threading.Thread(target=send, args=(python,)) for python in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(90)
+        assert not errors and not any(t.is_alive() for t in threads), errors
+    elif w.rank == 1:
+        seen = []
+        for _ in range(2 * count):
+            a = m.recv(0, 55, timeout=60)[1]
+            python, i = divmod(int(a[0]), 1000)
+            assert (a == a[0]).all() and a.size == 20_000 + 2 * i + python, (a.size, python, i)
+            seen.append((python, i))
+        assert sorted(seen) == sorted((p, i) for p in (0, 1) for i in range(count))
+        assert [i for p, i in seen if p == 0] == list(range(count)) == [i for p, i in seen if p == 1]  # each in order
+    popmesh.barrier(timeout=60)

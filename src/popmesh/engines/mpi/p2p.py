@@ -167,16 +167,16 @@ class MpiP2P(P2PBase):
         if framed is None:
             return False
         env, nbytes = framed
-        with self._lock:  # the common case of _admit
+        with self._lock:  # the common case of _admit; then the frame posted whole, as _isend does
             window = self._windows.get(dst)
             if window is None or self._deferred or not window.admit(nbytes):
                 return False
             if window.report_due():
                 self._take_credits(dst, window)
-        try:
-            return native.isend(self._handle, env, payload, code, dst, 2 * tag)
-        except self.mpi.Exception as e:
-            raise PeerFailure(f"send to rank {dst} on tag {tag} failed in MPI: {e}", (dst,)) from e
+            try:
+                return native.isend(self._handle, env, payload, code, dst, 2 * tag)
+            except self.mpi.Exception as e:
+                raise PeerFailure(f"send to rank {dst} on tag {tag} failed in MPI: {e}", (dst,)) from e
 
     def _send_inline(self, env: bytes, nbytes: int, dst: int, tag: int, timeout: float) -> None:
         """Send the envelope ``env`` carrying a frame of ``nbytes`` whole: the window's accounting and one
@@ -350,8 +350,9 @@ class MpiP2P(P2PBase):
         """Post a frame's envelope and segments (``buffers``) and hold them until MPI completes them."""
         env, segments = buffers[0], buffers[1:]
         try:
-            reqs = [self._comm.Isend(env, dest=dst, tag=2 * tag)]
-            reqs += [self._comm.Isend(s, dest=dst, tag=2 * tag + 1) for s in segments]
+            with self._lock:  # a frame's envelope and segments go out together: another thread's frame
+                reqs = [self._comm.Isend(env, dest=dst, tag=2 * tag)]  # between them would cross segments
+                reqs += [self._comm.Isend(s, dest=dst, tag=2 * tag + 1) for s in segments]
         except self.mpi.Exception as e:
             raise PeerFailure(f"send to rank {dst} on tag {tag} failed in MPI: {e}", (dst,)) from e
         op = MpiSend(self, reqs, buffers, dst, tag)
