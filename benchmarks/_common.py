@@ -93,3 +93,18 @@ def world_threads() -> dict[str, int]:
 def threads_line(result: dict) -> str:
     t = result.get("threads")
     return f"threads per rank (max over ranks): {t['python']} Python, {t['os']} OS" if t else ""
+
+
+def on_python_path(p2p, fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` with the MPI transport's C path switched off while it runs (``p2p._native``), as where it is
+    not built or ``POPMESH_MPI_NATIVE=0``: the Python path, timed in the same processes."""
+    native = p2p._native
+
+    def run() -> object:
+        p2p._native = None
+        try:
+            return fn()
+        finally:
+            p2p._native = native
+
+    return run

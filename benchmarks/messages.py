@@ -28,7 +28,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import interleaved, launch_json, reps, threads_line, world_threads, write_result
+from _common import interleaved, launch_json, on_python_path, reps, threads_line, world_threads, write_result
 
 SIZES = {"64 MB": 16 << 20, "336 KB": 84_000, "4 B": 1}  # float32 elements
 REPS = {"64 MB": 3, "336 KB": 40, "4 B": 400}
@@ -100,22 +100,6 @@ def popmesh_pingpong(rank: int, numel: int):
     return lambda: popmesh.send(popmesh.recv(other, tag=1)[1], other, tag=1)
 
 
-def python_path_pingpong(world, rank: int, numel: int):
-    """``popmesh`` with the MPI transport's C path switched off (the Python path, as where it is not
-    built or ``POPMESH_MPI_NATIVE=0``), in the same processes."""
-    p2p, inner = world.engine.p2p(), popmesh_pingpong(rank, numel)
-    native = p2p._native
-
-    def run() -> None:
-        p2p._native = None
-        try:
-            inner()
-        finally:
-            p2p._native = native
-
-    return run
-
-
 def p2p_pingpong(world, rank: int, numel: int):
     p2p = world.engine.p2p()
     data, other = np.ones(numel, dtype=np.float32).view(np.uint8), rank ^ 1
@@ -135,7 +119,7 @@ def worker() -> None:
                "popmesh": popmesh_pingpong(world.rank, numel),
                "p2p": p2p_pingpong(world, world.rank, numel)}
         if world.engine_name == "mpi" and world.engine.p2p()._native is not None:
-            fns["py path"] = python_path_pingpong(world, world.rank, numel)
+            fns["py path"] = on_python_path(world.engine.p2p(), popmesh_pingpong(world.rank, numel))
         rows[label] = interleaved(fns, reps(REPS[label]), rounds=ROUNDS[label])
         popmesh.barrier()
     threads = world_threads()

@@ -41,7 +41,7 @@ from collections.abc import Callable
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import launch_json, write_result
+from _common import launch_json, on_python_path, write_result
 
 TAG = 4  # the transport's tag for the p2p rungs (popmesh's own rung uses tag 1)
 
@@ -93,15 +93,6 @@ def rungs(world, p2p) -> dict[str, Callable[[], object]]:
     p2p_send, p2p_recv = (lambda: p2p.send(frame, other, TAG, 60)), (lambda: p2p.recv(other, TAG, 60))
     native, handle = p2p._native, p2p._handle
 
-    def python_path(fn: Callable[[], object]) -> Callable[[], object]:
-        def run() -> object:
-            p2p._native = None
-            try:
-                return fn()
-            finally:
-                p2p._native = native
-        return run
-
     popmesh_pair = pair(lambda: popmesh.send(data, other, tag=1), lambda: popmesh.recv(other, tag=1))
     c_rungs: dict[str, Callable[[], object]] = {}
     if native is not None:
@@ -133,7 +124,7 @@ def rungs(world, p2p) -> dict[str, Callable[[], object]]:
         "p2p": pair(p2p_send, p2p_recv),
         "p2p+codec": pair(lambda: p2p.send(encode_message(data, allow_pickle=False, checksum=False), other, TAG, 60),
                           lambda: decode(p2p.recv(other, TAG, 60)[1])),
-        "popmesh py": python_path(popmesh_pair) if native is not None else popmesh_pair,
+        "popmesh py": on_python_path(p2p, popmesh_pair) if native is not None else popmesh_pair,
         **c_rungs,
         **({"popmesh": popmesh_pair} if native is not None else {}),
         "users": pair(lambda: wcomm.send(data, dest=other, tag=3), lambda: wcomm.recv(source=other, tag=3)),

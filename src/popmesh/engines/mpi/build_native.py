@@ -51,7 +51,7 @@ def _inputs(name: str) -> tuple[list[str], str] | str:
         return f"Python's headers are not in {python_include}"
     command = [sys.executable, "-m", "ziglang", "cc", "-shared", "-fPIC", "-O2", "-Wall", f"-I{python_include}",
                str(source)]
-    read = [source]
+    read, versions = [source], [sys.version]
     if name == "_native":
         if importlib.util.find_spec("mpi4py") is None or importlib.util.find_spec("numpy") is None:
             return "mpi4py or numpy is not installed"
@@ -61,19 +61,16 @@ def _inputs(name: str) -> tuple[list[str], str] | str:
             return f"the MPICH wheel's {header} and {library} are not there (pip install mpich)"
         import numpy
 
+        versions.append(numpy.__version__)
         command += [f"-I{numpy.get_include()}", f"-I{header.parent}", str(library), f"-Wl,-rpath,{library.parent}",
                     "-ldl"]
         read += [header, library]
     digest = hashlib.sha256()
-    for part in (*command, sys.version, *(_version(m) for m in ("numpy",) if name == "_native")):
+    for part in (*command, *versions):
         digest.update(part.encode())
     for path in read:
         digest.update(path.read_bytes())
     return command, digest.hexdigest()
-
-
-def _version(module: str) -> str:
-    return str(importlib.import_module(module).__version__)
 
 
 def build(force: bool = False) -> str:

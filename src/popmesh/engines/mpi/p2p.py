@@ -111,12 +111,25 @@ class MpiP2P(P2PBase):
 
     def send(self, frame: Any, dst: int, tag: int, timeout: float) -> None:
         """:meth:`P2PBase.send`, with a short path for a small one-buffer frame to another rank on a user
-        tag (:meth:`_send_inline`). Anything else, invalid ranks and tags included, takes the general
-        path and its checks."""
-        if (type(frame) is not bytes or type(dst) is not int or type(tag) is not int or len(frame) > INLINE_NBYTES
-                or dst == self.rank or not 0 <= dst < self.size or not 0 <= tag < HEARTBEAT_TAG):
+        tag: the window's accounting and one Isend of the envelope, completed at once when MPI sent it
+        eagerly. Anything else, invalid ranks and tags included, takes the general path and its checks."""
+        if type(frame) is not bytes or len(frame) > INLINE_NBYTES or not self._to_peer(dst, tag):
             return super().send(frame, dst, tag, timeout)
-        self._send_inline(inline_envelope(frame, tag), len(frame), dst, tag, timeout)
+        env = inline_envelope(frame, tag)
+        with self._lock:
+            waiting = None if self._admit_now(dst, len(frame)) else self._admit([env], dst, tag, len(frame))
+        if waiting is not None:
+            waiting.wait(timeout)
+            return None
+        try:
+            request = self._comm.Isend(env, dst, 2 * tag)
+            if request.Test():
+                return None
+        except self.mpi.Exception as e:
+            raise PeerFailure(f"send to rank {dst} on tag {tag} failed in MPI: {e}", (dst,)) from e
+        op = MpiSend(self, [request], [env], dst, tag)
+        self._hold(op)
+        op.wait(timeout)
         return None
 
     def send_value(self, payload: Any, dst: int, tag: int, timeout: float, checksum: bool | None = None) -> bool:
@@ -153,8 +166,7 @@ class MpiP2P(P2PBase):
         no C path, or frames waiting behind this destination's window, which the general path queues
         behind)."""
         native = self._native
-        if (native is None or type(dst) is not int or type(tag) is not int or dst == self.rank
-                or not 0 <= dst < self.size or not 0 <= tag < HEARTBEAT_TAG):
+        if native is None or not self._to_peer(dst, tag):
             return False
         t = type(payload)
         if t is bytes and len(payload) < _SEGMENT_MAX:
@@ -167,40 +179,28 @@ class MpiP2P(P2PBase):
         if framed is None:
             return False
         env, nbytes = framed
-        with self._lock:  # the common case of _admit; then the frame posted whole, as _isend does
-            window = self._windows.get(dst)
-            if window is None or self._deferred or not window.admit(nbytes):
+        with self._lock:  # admitted, then posted whole, as _isend does
+            if not self._admit_now(dst, nbytes):
                 return False
-            if window.report_due():
-                self._take_credits(dst, window)
             try:
                 return native.isend(self._handle, env, payload, code, dst, 2 * tag)
             except self.mpi.Exception as e:
                 raise PeerFailure(f"send to rank {dst} on tag {tag} failed in MPI: {e}", (dst,)) from e
 
-    def _send_inline(self, env: bytes, nbytes: int, dst: int, tag: int, timeout: float) -> None:
-        """Send the envelope ``env`` carrying a frame of ``nbytes`` whole: the window's accounting and one
-        Isend, completed at once when MPI sent it eagerly (``dst`` and ``tag`` are checked already)."""
-        with self._lock:  # the common case of _admit, without its calls
-            window = self._windows.get(dst)
-            if window is not None and not self._deferred and window.admit(nbytes):
-                if window.report_due():
-                    self._take_credits(dst, window)
-                waiting = None
-            else:
-                waiting = self._admit([env], dst, tag, nbytes)
-        if waiting is not None:
-            waiting.wait(timeout)
-            return
-        try:
-            request = self._comm.Isend(env, dst, 2 * tag)
-            if request.Test():
-                return
-        except self.mpi.Exception as e:
-            raise PeerFailure(f"send to rank {dst} on tag {tag} failed in MPI: {e}", (dst,)) from e
-        op = MpiSend(self, [request], [env], dst, tag)
-        self._hold(op)
-        op.wait(timeout)
+    def _to_peer(self, dst: Any, tag: Any) -> bool:
+        """Whether a send to ``dst`` on ``tag`` may take a short path: another rank, a user tag."""
+        return (type(dst) is int and type(tag) is int and dst != self.rank and 0 <= dst < self.size
+                and 0 <= tag < HEARTBEAT_TAG)
+
+    def _admit_now(self, dst: int, nbytes: int) -> bool:
+        """The common case of :meth:`_admit`, without its calls (under the lock): ``dst``'s window exists,
+        nothing waits behind any window, and a frame of ``nbytes`` fits; it is then counted."""
+        window = self._windows.get(dst)
+        if window is None or self._deferred or not window.admit(nbytes):
+            return False
+        if window.report_due():
+            self._take_credits(dst, window)
+        return True
 
     def recv(self, src: Any, tag: int, timeout: float) -> tuple[int, np.ndarray]:
         """:meth:`P2PBase.recv`, with a short path when this is the only receive on ``tag``, from one
@@ -224,30 +224,27 @@ class MpiP2P(P2PBase):
         native = self._native
         if native is None or not self._enter_short(src, tag):
             return (*self.recv(src, tag, timeout), False)
-        frame: np.ndarray | None = None
         partial: _Partial | None = None
-        try:  # until the frame's segments have their receives posted, no other receive may probe this tag
+        left = False
+        try:
             got = native.probe(self._handle, src, 2 * tag, _FAST_SPIN_S, _SEGMENT_SPIN_S, _SEGMENT_MAX)
-            if got is not None and got[0] == _RAW:  # the envelope, for the Python path
-                frame = inline_frame(got[1], tag)
-                with self._lock:
-                    if frame is None:
-                        partial = self._unpacked(got[1], src, tag)
-                    else:
-                        self._took(src, tag, frame.size)
+            with self._lock:  # the frame taken, its segments' receives posted, before the tag is free again
+                if got is not None and got[0] == _RAW:  # the envelope, for the Python path
+                    partial = self._taken(got[1], src, tag)
+                elif got is not None:
+                    self._took(src, tag, got[2])
+                self._short.discard(tag)
+                left = True
         except self.mpi.Exception as e:
             raise self._receive_failure(e, src, tag) from e
         finally:
-            self._leave_short(tag)
+            if not left:
+                self._leave_short(tag)
         if got is None:
             return (*super().recv(src, tag, timeout), False)
-        if frame is not None:
-            return src, frame, False
-        if partial is not None:
+        state, value, _, request, segment = got
+        if partial is not None:  # _RAW
             return (*self._recv_rest(partial, src, tag, timeout), False)
-        state, value, nbytes, request, segment = got
-        with self._lock:
-            self._took(src, tag, nbytes)
         if state == _DECODED:
             return src, value, True
         if state == _ARRIVING:
@@ -574,6 +571,11 @@ class MpiP2P(P2PBase):
             message.Recv(env)
         except self.mpi.Exception as e:
             raise self._receive_failure(e, source, tag) from e
+        return self._taken(env, src, tag)
+
+    def _taken(self, env: np.ndarray, src: int, tag: int) -> _Partial:
+        """The frame of the received envelope ``env`` (under the lock): complete when carried whole,
+        otherwise with its segment receives posted."""
         frame = inline_frame(env, tag)
         if frame is not None:  # the common small message: no Envelope to build
             self._took(src, tag, frame.size)
