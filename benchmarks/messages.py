@@ -14,7 +14,7 @@ Contenders, alternating in the same processes:
 * ``p2p``: the engine's frame transport under it, bytes only (no codec);
 * ``py path`` (MPI): ``popmesh`` with the transport's C path switched off, as where it is not built.
 
-Goals (issue #22), printed per row: popmesh <= 1.0x users everywhere; MPI 4 B <= 0.5x users;
+Goals, printed per row: popmesh <= 1.0x users everywhere; MPI 4 B <= 0.5x users;
 gloo 4 B <= 2.0x raw; 336 KB <= 1.5x raw; 64 MB >= 0.95x raw throughput.
 Run: .venv/bin/python benchmarks/messages.py [torch|mpi] [--ranks N] [--reps-scale F]
      (the driver launches the worlds itself; default both engines, 2 ranks)
@@ -130,7 +130,7 @@ def worker() -> None:
 
 
 def goals(engine: str, label: str, t: dict[str, float]) -> list[tuple[str, float, float]]:
-    """(what, measured, limit) for every goal of issue #22 that applies to this row: time ratios must
+    """(what, measured, limit) for every goal that applies to this row: time ratios must
     be at most the limit, except the 64 MB throughput ratio (``thr``), which must be at least it."""
     rows = [("popmesh/users", t["popmesh"] / t["users"], 0.5 if (engine, label) == ("mpi", "4 B") else 1.0)]
     if label == "64 MB":

@@ -6,8 +6,8 @@ the number of agents; everything else a decision costs is messages (see docs/pop
 
 For each rule it prints, in the same run: the median time per decision of ``decide`` and of a
 per-rank reference (every replaced rank planned on its own and the Decision built by the checking
-constructor, as ``decide`` did before it shared one plan among the replaced ranks; both must
-give the same decision, checked every round), their ratio, the bytes of the coordinator's
+constructor, the straightforward way; ``decide`` shares one plan among the replaced ranks; both
+must give the same decision, checked every round), their ratio, the bytes of the coordinator's
 decision messages (largest message and total over the ranks involved) when each rank gets its
 part against the whole decision sent to every involved rank, and the weight streams one
 decision moves.
@@ -111,7 +111,7 @@ def per_decision(n: int, rule: ReplacementRule, donors: DonorRule, strategy: str
 
 def message_bytes(decision: Decision, metrics: list[float]) -> tuple[int, int, int, int]:
     """(largest, total) JSON bytes of the decision messages: each rank's part, then the whole
-    decision (plus ranks and metrics) sent to every involved rank, as before."""
+    decision (plus ranks and metrics) sent to every involved rank instead."""
     n = len(metrics)
     parts = [len(json.dumps(m)) for m in decision_messages(decision, metrics).values()]
     whole = len(json.dumps({"kind": "decision", "decision": decision.to_dict(), "ranks": list(range(n)),
@@ -145,7 +145,7 @@ def main() -> None:
                   f"{r['slow'] / r['fast']:7.1f}x   {_size(largest):>11} {_size(whole):>9} "
                   f"{_size(total):>9} {_size(whole_total):>9} {_size(streams):>9}")
     print(f"(median of {opts.reps} decisions on fresh metrics; messages: JSON down to the involved ranks, "
-          f"'(whole)' = the whole decision to each, as before; streams: weights moved, {opts.params:,} "
+          f"'(whole)' = the whole decision to each instead; streams: weights moved, {opts.params:,} "
           "float32 parameters per agent)")
 
 

@@ -27,7 +27,7 @@ Ray is needed only here: `pip install -e '.[demo,bench]'` (the `bench` extra is 
     python benchmarks/population_vs_pbt.py [--seeds 5] [--first-seed 0] [--steps 150000] [-- DEMO OPTIONS]
 
 `--quick` checks the plumbing (one seed, 20,000 steps); `--results LOG...` prints the tables of earlier
-calls' JSON lines (one seed per call, e.g. each under a shared CPU lock); options after `--` go to
+calls' JSON lines (one seed per call, e.g. to run each when the machine is quiet); options after `--` go to
 `popmesh demo` (e.g. `-- --strategy best_only`, PBT's exploit of one donor). Figures: docs/population.md.
 """
 

@@ -116,7 +116,7 @@ def one_seed(seed: int, steps: int, every: int) -> dict[str, Any]:
 
 
 def _survivors(rejoin: dict[str, Any], field: str, victim: int) -> list[Any]:
-    """The survivors' entries of a per-rank list in the rejoin event (none in runs before it had them)."""
+    """The survivors' entries of a per-rank list in the rejoin event (none where the event lacks the field)."""
     return [v for rank, v in enumerate(rejoin.get(field) or []) if rank != victim]
 
 

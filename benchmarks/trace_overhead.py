@@ -1,12 +1,12 @@
-"""The trace timeline's cost: the gradient-sync benchmark's training step with tracing off vs on, and the
-code from before tracing existed, in one benchmark run.
+"""The trace timeline's cost: the gradient-sync benchmark's training step with tracing off vs on, and a
+popmesh tree without tracing, in one benchmark run.
 
 Model and step as benchmarks/grad_sync.py (100 Linear(316, 316) layers, 40 MB of gradients; zero_grad,
 forward, backward, GradientSync(overlap=True), SGD step), 2 ranks on gloo, plus a small all_reduce
 (8 bytes: latency-bound, the worst case for a per-call cost). In one world, rounds alternate tracing off
 and on (``world.start_trace`` / ``stop_trace``), the order reversed every other round, median of
-per-round medians. The code before (``--before SRC``: a popmesh source tree without tracing, e.g. a
-checkout of the commit before it) runs as its own worlds, alternated with this tree's, in the same run.
+per-round medians. The tree without tracing (``--before SRC``: a popmesh source tree from before tracing
+was added) runs as its own worlds, alternated with this tree's, in the same run.
 
 Run: .venv/bin/python benchmarks/trace_overhead.py [--before /path/to/old/src] [--pairs 3]
 """

@@ -22,7 +22,7 @@ from popmesh.core.errors import (
     PopmeshError,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _LAZY = {
     "comm.collectives": (

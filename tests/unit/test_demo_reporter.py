@@ -88,3 +88,13 @@ def test_a_baseline_run_is_drawn_as_its_best_agent(tmp_path):
     assert (tmp_path / "returns.png").read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(ConfigError, match=r"no history\.jsonl"):
         DemoConfig(baseline=str(tmp_path / "missing"))
+
+
+def test_the_demo_says_once_and_calmly_why_more_agents_than_cores_is_fine():
+    from popmesh.demo.cli import shared_cores_note
+
+    note = shared_cores_note(4, 2)
+    assert note.startswith("popmesh demo: 4 agents on 2 CPU cores") and "never waits" in note
+    assert "--ranks 2 gives each rank a core" in note and "warning" not in note
+    assert "--policy average-all waits for the slowest rank" in shared_cores_note(4, 1, "average-all")
+    assert "on 1 CPU core," in shared_cores_note(4, 1)

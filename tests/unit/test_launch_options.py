@@ -273,3 +273,11 @@ def test_rank0_terminal_cannot_also_be_logged(tmp_path: Path) -> None:
 def test_script_options_after_the_script_pass_through_even_as_prefixes_of_launcher_options() -> None:
     ns = cli.build_parser().parse_args(["launch", "-n", "2", "train.py", "--run", "3", "--nproc", "x", "-n", "5"])
     assert ns.nproc == 2 and ns.args == ["--run", "3", "--nproc", "x", "-n", "5"]
+
+
+def test_the_version_is_the_package_metadata_version():
+    import tomllib
+    from pathlib import Path
+
+    pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    assert popmesh.__version__ == pyproject["project"]["version"]

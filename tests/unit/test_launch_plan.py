@@ -242,7 +242,10 @@ def test_info_formatting() -> None:
     }
     text = format_info(info)
     assert "- torch version: not installed" in text and "mpi (yes)" in text and "    RANK=1" in text
+    assert "- MPI C path: no mpi4py" in text
     assert json.loads(format_info(info, as_json=True)) == info
+    info["mpi_c_path"] = {"state": "refused", "reason": "it is built for the MPICH wheel, and this MPI is 'Open MPI'"}
+    assert "- MPI C path: refused (it is built for the MPICH wheel, and this MPI is 'Open MPI')" in format_info(info)
 
 
 def test_cli_registry_accepts_new_commands(capsys) -> None:

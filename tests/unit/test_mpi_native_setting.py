@@ -52,3 +52,55 @@ def test_make_built_it_and_a_second_build_does_nothing():
     """`make test` builds the C path before the tests: it is there and up to date."""
     assert "up to date" in build_native.build(), "run `python -m popmesh.engines.mpi.build_native` (make does)"
     assert all(build_native._target(name).is_file() for name in build_native.EXTENSIONS)
+
+
+def open_mpi():
+    return SimpleNamespace(Get_library_version=lambda: "Open MPI v5.0.8, package: Open MPI\n...",
+                           Is_initialized=lambda: True)
+
+
+def test_the_status_is_off_when_switched_off(monkeypatch):
+    monkeypatch.setenv("POPMESH_MPI_NATIVE", "0")
+    assert native.native_status(object()) == ("off", "POPMESH_MPI_NATIVE=0 chooses the Python path")
+
+
+def test_the_status_refuses_another_mpi_with_its_name(monkeypatch):
+    monkeypatch.delenv("POPMESH_MPI_NATIVE", raising=False)
+    state, reason = native.native_status(open_mpi())
+    assert state == "refused" and "this MPI is 'Open MPI v5.0.8" in reason
+
+
+def test_the_status_refuses_an_mpi_started_without_thread_multiple(monkeypatch):
+    monkeypatch.delenv("POPMESH_MPI_NATIVE", raising=False)
+    mpi = single_threaded_mpi()
+    mpi.Is_initialized = lambda: True
+    assert native.native_status(mpi) == ("refused", "MPI was not initialised with MPI_THREAD_MULTIPLE "
+                                                    "(its receive spins with the GIL released)")
+
+
+def test_the_status_is_ready_before_mpi_starts(monkeypatch):
+    monkeypatch.delenv("POPMESH_MPI_NATIVE", raising=False)
+    mpi = single_threaded_mpi()
+    mpi.Is_initialized = lambda: False  # Query_thread is not asked before MPI_Init
+    mpi.Query_thread = None
+    assert native.native_status(mpi).state == "ready"
+
+
+def test_the_build_report_names_why_a_part_was_left_out(monkeypatch, tmp_path):
+    (tmp_path / "build_report.txt").write_text("_native: not built at install time: no zig here\n"
+                                               "_reduce: built for -mcpu=baseline\n")
+    monkeypatch.setattr(native, "__file__", str(tmp_path / "native.py"))
+    assert native._build_report("_native") == "no zig here"
+    assert native._build_report("_reduce") == ""
+
+
+def test_the_package_build_and_make_share_one_plan():
+    """setup.py compiles for a portable CPU with a run path relative to the installed module; make for
+    this CPU with the path where MPICH's library is now."""
+    wheel = build_native.plan("_native", cpu="baseline", runpath=build_native.INSTALLED_RUNPATH)
+    here = build_native.plan("_native")
+    assert not isinstance(wheel, str) and not isinstance(here, str)
+    assert "-mcpu=baseline" in wheel.command and "-mcpu=native" in here.command
+    assert "-Wl,-rpath,$ORIGIN/../../../../.." in wheel.command
+    _header, library = build_native.mpich_files()
+    assert f"-Wl,-rpath,{library.parent}" in here.command and wheel.fingerprint != here.fingerprint

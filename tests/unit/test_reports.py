@@ -201,3 +201,24 @@ def test_import_starts_nothing_heavy():
 def test_non_numeric_step_value_is_rejected():
     with pytest.raises(ConfigError, match="list of seconds"):
         time_report([{"a": None}])
+
+
+def _demo_like_timings(ranks: int = 4) -> list[dict[str, list[float]]]:
+    """Steps and magnitudes as ``popmesh demo`` reports them (long step names, 4-5 significant digits)."""
+    return [{"rollout": [0.047 + 0.001 * r] * 235, "train": [0.065 + 0.002 * r] * 235,
+             "population": [0.000363 + 0.0001 * r] * 215} for r in range(ranks)]
+
+
+@pytest.mark.parametrize("make", [time_report, imbalance_report])
+def test_rich_tables_fit_an_80_column_terminal_behind_the_rank_prefix(make, monkeypatch):
+    """The launcher puts "[rank 0] " (9 characters) before every line rank 0 prints: the table must fit
+    in 71 columns, with no header or cell cut short."""
+    monkeypatch.setenv("COLUMNS", "71")
+    fancy = io.StringIO()
+    print_report(make(_demo_like_timings()), file=fancy, use_rich=True)
+    text = fancy.getvalue()
+    table = text.split("\n\n")[0] if "\n\n" in text else text
+    body = [line for line in table.splitlines() if line.strip() and not line.startswith(("time per", "total:",
+                                                                                          "stragglers", "straggler:"))]
+    assert "…" not in text and all(len(line.rstrip()) <= 71 for line in body), text
+    assert "population" in text

@@ -239,7 +239,7 @@ def test_the_imbalance_report_from_spans_names_the_straggler_and_its_cost() -> N
     assert rollout.wait_caused == pytest.approx(6.0)
     assert train.slowest_rank == 0 and train.wait_caused == pytest.approx(4.0)
     _, headers, rows, notes = report.table()
-    assert rows[0][headers.index("slowest rank")] == "2" and rows[0][headers.index("wait caused (s)")] == "6"
+    assert rows[0][headers.index("slowest\nrank")] == "2" and rows[0][headers.index("wait\ncaused s")] == "6"
     assert any(n.startswith("straggler: rank 2 in step 'rollout'") for n in notes)
     assert report.to_dict()["steps"][1]["wait_caused"] == pytest.approx(4.0)
     with pytest.raises(ConfigError, match="no spans"):
@@ -273,3 +273,21 @@ def test_a_reformed_worlds_new_transport_is_the_one_traced(tmp_path: Path) -> No
     first = engine.p2p()
     inner._p2p = FakeP2P()  # what reform() does: a new point-to-point transport
     assert engine.p2p() is not first and engine.p2p().inner is inner._p2p
+
+
+def test_init_with_trace_on_an_existing_world_is_refused_unless_it_already_records_there(tmp_path: Path) -> None:
+    import popmesh
+    from popmesh.core.errors import ConfigError
+
+    world = popmesh.init("local")
+    try:
+        with pytest.raises(ConfigError, match=r"trace= applies only when init creates the world.*start_trace"):
+            popmesh.init("local", trace=tmp_path / "timeline")
+        assert not (tmp_path / "timeline").exists()  # the refusal creates nothing
+        world.start_trace(tmp_path / "timeline")
+        assert popmesh.init("local", trace=tmp_path / "timeline") is world
+        with pytest.raises(ConfigError, match="records into"):
+            popmesh.init("local", trace=tmp_path / "elsewhere")
+        world.stop_trace()
+    finally:
+        world.finalize()

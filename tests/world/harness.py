@@ -262,8 +262,8 @@ def _death(out_dir: Path, rank: int, code: int) -> Abort:
 
 def kill_all(procs: list[Proc]) -> None:
     """Take the world down at once: every rank is stopped before any is killed. Killed one after the
-    other, a rank still running saw its killed peers' connections close and reported a PeerFailure of
-    its own before its turn came (seen under two CPU burners), which read as a second failure."""
+    other, a rank still running can see its killed peers' connections close and report a PeerFailure
+    of its own before its turn comes (on a loaded box), which reads as a second failure."""
     for sig in (signal.SIGSTOP, signal.SIGKILL):
         for p in procs:
             try:

@@ -1,6 +1,6 @@
 """Mismatched collectives without check mode, on torch/gloo and MPI at 2 and 3 ranks: every rank raises
-CollectiveMismatch within seconds (gloo used to abort the process, MPI to return partly reduced data or
-time out), and the group goes on working (worlds shared with the other communication files: suite "comm")."""
+CollectiveMismatch within seconds (unchecked, gloo aborts the process and MPI returns partly reduced data
+or times out), and the group goes on working (worlds shared with the other communication files: suite "comm")."""
 
 import pytest
 

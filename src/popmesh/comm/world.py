@@ -17,6 +17,7 @@ from typing import Any
 from popmesh.comm import tracing
 from popmesh.comm.agreement import exchange_texts
 from popmesh.comm.signature import History
+from popmesh.core import trace as timeline
 from popmesh.core.errors import ConfigError, NotInGroup, PeerFailure, know_hosts
 from popmesh.core.launch_env import detect_engine, launcher_restarts, read_check, read_timeout
 from popmesh.core.timeouts import check_timeout, resolve_timeout
@@ -323,6 +324,7 @@ def init(engine: str = "auto", timeout: float | None = None, check: bool | None 
     if _CURRENT is not None and not _CURRENT.finalized:
         if _CURRENT.engine.name != name:
             raise ConfigError(f"a {_CURRENT.engine.name} world already exists: finalize it before init({name!r})")
+        _check_trace_of_existing(trace)
         return _CURRENT
     world = World(create_engine(name, seconds, **options), seconds, read_check() if check is None else check)
     _CURRENT = world
@@ -330,6 +332,18 @@ def init(engine: str = "auto", timeout: float | None = None, check: bool | None 
     if folder:
         world.start_trace(folder)
     return world
+
+
+def _check_trace_of_existing(trace: str | os.PathLike[str] | None) -> None:
+    """``init(trace=DIR)`` on a world that exists: fine if it already records into DIR, else a
+    ConfigError (the option applies when a world is created, and starting a trace is collective)."""
+    if trace is None:
+        return
+    recording = timeline.ACTIVE.directory if timeline.ACTIVE is not None else None
+    if recording is None or Path(recording).resolve() != Path(trace).resolve():
+        raise ConfigError(f"init(trace={str(trace)!r}) on a world that already exists"
+                          f"{f' and records into {recording}' if recording else ''}: trace= applies only when "
+                          "init creates the world; call world.start_trace(DIR) on every rank instead")
 
 
 def current_world() -> World:

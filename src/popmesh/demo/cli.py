@@ -12,7 +12,7 @@ import sys
 from popmesh.demo.config import POLICIES, STRATEGIES, DemoConfig
 from popmesh.launch.cli import Command
 
-__all__ = ["COMMAND", "configure", "run_command"]
+__all__ = ["COMMAND", "configure", "run_command", "shared_cores_note"]
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -56,8 +56,18 @@ def configure(p: argparse.ArgumentParser) -> None:
 _PRELOAD = ("torch", "numpy")
 
 
+def shared_cores_note(ranks: int, cores: int, policy: str = "async") -> str:
+    """What the demo says, once, when its agents outnumber the cores (4 agents on a 2-core laptop)."""
+    waits = ("the population policy never waits for a rank that is descheduled" if policy in ("async", "none")
+             else f"--policy {policy} waits for the slowest rank at each decision")
+    return (f"popmesh demo: {ranks} agents on {cores} CPU core{'s' if cores != 1 else ''}, one rank each, take "
+            f"turns on the cores. That is fine for this demo: each agent is a small network, and {waits}. The "
+            f"run takes longer than on {ranks} cores; --ranks {max(cores, 1)} gives each rank a core.")
+
+
 def run_command(ns: argparse.Namespace) -> int:
     from popmesh.launch.api import launch
+    from popmesh.launch.plan import cpu_count
 
     config = DemoConfig(ranks=ns.ranks, engine=ns.engine, policy=ns.policy, seed=ns.seed, steps=ns.steps,
                         every=ns.every, strategy=ns.strategy, donors=ns.donors, warmup=ns.warmup, out_dir=ns.out,
@@ -69,7 +79,8 @@ def run_command(ns: argparse.Namespace) -> int:
     result = launch("popmesh.demo.worker", ["--config", json.dumps(config.to_dict())], module=True,
                     nproc=config.ranks, engine=config.engine, quiet_others=True, rank0_terminal=terminal,
                     max_restarts=config.max_restarts,
-                    preload=() if ns.no_preload or config.engine == "mpi" else _PRELOAD)
+                    preload=() if ns.no_preload or config.engine == "mpi" else _PRELOAD,
+                    oversubscription_note=shared_cores_note(config.ranks, cpu_count(), config.policy))
     if result.returncode != 0:
         print(f"popmesh demo: a rank failed (exit {result.returncode}); see the summary above", file=sys.stderr)
     return result.returncode

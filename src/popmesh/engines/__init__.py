@@ -10,7 +10,8 @@ from popmesh.core.errors import ConfigError, EngineUnavailable
 from popmesh.core.launch_env import launcher_world_size, read_torch_env
 from popmesh.engines.base import Engine, GroupSpec
 
-__all__ = ["Engine", "GroupSpec", "create_engine", "available_engines", "mpi_module", "mpi_library_version"]
+__all__ = ["Engine", "GroupSpec", "create_engine", "available_engines", "mpi_module", "mpi_library_version",
+           "mpi_native_status"]
 
 _PACKAGES = {"local": None, "torch": "torch", "mpi": "mpi4py"}
 
@@ -62,19 +63,38 @@ def mpi_module() -> Any:
     return MPI
 
 
+def _mpi_uninitialised() -> Any:
+    """mpi4py's ``MPI`` module, loaded without initialising MPI when nothing has yet (MPI-3 allows
+    querying the library before MPI_Init)."""
+    import mpi4py
+
+    if "mpi4py.MPI" not in sys.modules:
+        mpi4py.rc.initialize = False
+        mpi4py.rc.finalize = False
+    from mpi4py import MPI
+
+    return MPI
+
+
+def mpi_native_status() -> tuple[str, str] | None:
+    """The MPI C path's (state, reason) in this process, as
+    :func:`popmesh.engines.mpi.native.native_status` gives it (None without mpi4py)."""
+    if importlib.util.find_spec("mpi4py") is None:
+        return None
+    from popmesh.engines.mpi.native import native_status
+
+    try:
+        return tuple(native_status(_mpi_uninitialised()))  # type: ignore[return-value]
+    except Exception as e:
+        return "unknown", f"{type(e).__name__}: {e}"
+
+
 def mpi_library_version() -> str | None:
     """First line of ``MPI.Get_library_version()`` (None without mpi4py). Loads MPI without
     initialising it when nothing has yet (MPI-3 allows the query before MPI_Init)."""
     if importlib.util.find_spec("mpi4py") is None:
         return None
     try:
-        import mpi4py
-
-        if "mpi4py.MPI" not in sys.modules:
-            mpi4py.rc.initialize = False
-            mpi4py.rc.finalize = False
-        from mpi4py import MPI
-
-        return str(MPI.Get_library_version()).strip().splitlines()[0]
+        return str(_mpi_uninitialised().Get_library_version()).strip().splitlines()[0]
     except Exception as e:
         return f"unavailable ({type(e).__name__}: {e})"

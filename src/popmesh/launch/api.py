@@ -39,7 +39,7 @@ from popmesh.launch.plan import (
     validate,
 )
 from popmesh.launch.preload import ForkServer
-from popmesh.launch.rankwatch import RankEnd, RankWatch
+from popmesh.launch.rankwatch import RankEnd, RankExit, RankWatch
 from popmesh.launch.result import LaunchResult, exit_status, format_summary
 from popmesh.launch.runner import Child, Supervisor
 from popmesh.launch.shm import SegmentSweep
@@ -81,6 +81,7 @@ def launch(
     env: Mapping[str, str] | None = None,
     trace: str | None = None,
     preload: Sequence[str] = (),
+    oversubscription_note: str | None = None,
     python: Sequence[str] | None = None,
     stdout: TextIO | None = None,
     stderr: TextIO | None = None,
@@ -92,7 +93,8 @@ def launch(
     ``returncode`` is the first failed rank's exit code (128+N for signal N). Call
     ``result.check()`` to turn a failure into :class:`LaunchFailed`. SIGINT/SIGTERM to this
     process are forwarded to the ranks when ``launch`` runs in the main thread. More ranks than the
-    launcher's CPU cores start with a warning on ``stderr``.
+    launcher's CPU cores start with a warning on ``stderr``, or with ``oversubscription_note`` instead
+    for a job that is meant to run that way (``popmesh demo``'s population on a laptop).
 
     ``env`` adds variables to the ranks' environment; ``trace`` is a folder each rank records its
     timeline into, merged at the end into ``trace/trace.json`` (:mod:`popmesh.launch.timeline`);
@@ -130,7 +132,8 @@ def launch(
     worker = [*python, "-P", BOOTSTRAP, *(["-m", target] if module else ["--", target]), *args]
     parent_env = {**os.environ, **(env or {}), **(trace_env(trace) if trace else {})}
     err = stderr or sys.stderr
-    _say(err, oversubscription_warning(spec.nproc, cpu_count()))
+    crowded = oversubscription_warning(spec.nproc, cpu_count())
+    _say(err, oversubscription_note if crowded and oversubscription_note else crowded)
     logs = _open_logs(request, spec, err)
     try:
         pump = OutputPump(stdout or sys.stdout, err, quiet_others=quiet_others, sink=logs)
@@ -190,15 +193,17 @@ def _supervise(
 ) -> LaunchResult:
     """Start the children, watch them to the end (killing them if we are interrupted), judge.
 
-    Under MPI, the shared-memory segments the job left (a rank died before finalizing) are removed
-    once mpiexec has exited. The ranks' error records are copied into their log folders. With
+    Under MPI, the rank watch ends the job when a rank fails where mpiexec does not act (a non-zero exit
+    before MPI starts), and the shared-memory segments the job left (a rank died before finalizing) are
+    removed once mpiexec has exited. The ranks' error records are copied into their log folders. With
     ``spec.max_restarts`` a failed rank is restarted in place (:class:`_Restarts`), and node 0 serves
     the store from a process of its own, so that it outlives any rank.
     """
     with tempfile.TemporaryDirectory(prefix="popmesh-launch-") as error_dir:
         supervisor = Supervisor(pump, grace)
         segments = SegmentSweep() if spec.engine == "mpi" else None
-        ranks = RankWatch(error_dir) if spec.engine == "mpi" else contextlib.nullcontext()
+        ranks = (RankWatch(error_dir, on_failure=lambda _: supervisor.request_teardown()) if spec.engine == "mpi"
+                 else contextlib.nullcontext())
         restarts = _Restarts(spec, supervisor, worker, error_dir, err)
         store: subprocess.Popen[bytes] | None = None
         try:
@@ -220,8 +225,8 @@ def _supervise(
                 logs.keep_errors(error_dir)
             if segments is not None and supervisor.children:
                 segments.sweep(supervisor.children[0].proc.pid)
-        killed = ranks.killed() if isinstance(ranks, RankWatch) else []
-        return _judge(supervisor, spec, error_dir, pump, store_fd, killed, restarts.notes)
+        killed, exits = (ranks.killed(), ranks.exits()) if isinstance(ranks, RankWatch) else ([], [])
+        return _judge(supervisor, spec, error_dir, pump, store_fd, killed, exits, restarts.notes)
 
 
 class _Restarts:
@@ -398,11 +403,12 @@ def _free_port(addr: str) -> int:
 
 def _judge(
     sup: Supervisor, spec: LaunchSpec, error_dir: str, pump: OutputPump, store_fd: bool, killed: list[RankEnd],
-    restarts: list[str],
+    exits: list[RankExit], restarts: list[str],
 ) -> LaunchResult:
     if spec.engine == "mpi":
         return judge_mpi(sup.children[0], world_size=spec.world_size, error_dir=error_dir, pump=pump,
-                         teardown_at=sup.teardown_at, received=sup.received, killed=killed)
+                         teardown_at=sup.teardown_at, received=sup.received, killed=killed, exits=exits,
+                         requested=sup.requested)
     result = judge_local(sup.children, world_size=spec.world_size, engine=spec.engine, error_dir=error_dir,
                          pump=pump, teardown_at=sup.teardown_at, received=sup.received, restarts=restarts)
     if store_fd and spec.engine == "torch" and _mentions_port_clash(result):

@@ -16,9 +16,11 @@ standard library until something fails: a rank does not pay for importing the po
   so that peers blocked in a collective do not hang; the rank then exits with status 1,
 * under ``popmesh launch --engine mpi`` (whose ranks mpiexec starts, so the launcher does not know
   their pids) leaves two notes beside the error record: ``rank-R.pid`` (pid and host) when it starts
-  and ``rank-R.exit`` (the exit status) when it exits normally, so that the launcher, which watches
-  the pids, can tell a rank that was killed (no exit note, no error record) and name it; and it holds
-  its end pipe (``rank-R.end``), whose end tells the launcher exactly which rank died first.
+  and ``rank-R.exit`` (the exit status and the time) when it exits normally, so that the launcher, which
+  watches the pids, can tell a rank that was killed (no exit note, no error record) and name it, and can
+  end the job when a rank exits with a non-zero status that Hydra does not act on (before the rank
+  initialised MPI); and it holds its end pipe (``rank-R.end``), whose end tells the launcher exactly
+  which rank died first.
 
 ``bootstrap.py --leash SIGNUM PARENT_PID CMD ARGS...`` sets the parent-death signal and execs CMD
 (the setting survives exec): the launcher puts mpiexec on this leash.
@@ -41,11 +43,11 @@ _EXIT_WATCHDOG_S = 5.0  # after a failure, exit even if a non-daemon thread or a
 _PR_SET_PDEATHSIG = 1
 PID_NOTE = ".pid"  # beside the error record rank-R.json: "PID HOST" once the rank runs
 WATCHED_NOTE = ".watched"  # the launcher's answer: it holds a pidfd of this rank (or cannot watch it)
-EXIT_NOTE = ".exit"  # "STATUS" once it exits normally
+EXIT_NOTE = ".exit"  # "STATUS TIME" once it exits normally (TIME: the wall clock, as in the error record)
 END_PIPE = ".end"  # a FIFO the launcher reads; the rank holds its only writer, so its end shows there
 HELD_NOTE = ".held"  # the rank holds its end pipe (the launcher then reads it, and answers "watched")
-_WATCH_WAIT_S = 5.0  # how long a rank waits for that answer before it runs unwatched (1 s was too short on a
-# loaded box: a killed rank went unwatched and the rank Hydra killed after it was named the root cause)
+_WATCH_WAIT_S = 5.0  # how long a rank waits for that answer before it runs unwatched (on a loaded box 1 s is too
+# short: a killed rank goes unwatched, and the rank Hydra kills after it is named the root cause)
 _MPI_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
 
 
@@ -266,7 +268,7 @@ def main(argv: list[str] | None = None) -> None:
         raise
     finally:
         if exit_note is not None:
-            _write_note(exit_note, str(status))
+            _write_note(exit_note, f"{status} {time.time():.6f}")
     sys.exit(status)
 
 

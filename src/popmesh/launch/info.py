@@ -19,7 +19,7 @@ from typing import Any
 from popmesh.core.errors import ConfigError
 from popmesh.core.launch_env import detect_engine, launcher_world_size
 from popmesh.core.slurm import read_slurm
-from popmesh.engines import mpi_library_version
+from popmesh.engines import mpi_library_version, mpi_native_status
 
 __all__ = ["collect_info", "format_info", "distributed_env", "detected_launch", "ENV_PREFIXES", "ENV_NAMES"]
 
@@ -102,6 +102,12 @@ def detected_launch(env: Mapping[str, str] | None = None) -> dict[str, Any]:
     return out
 
 
+def _mpi_c_path() -> dict[str, str] | None:
+    """The MPI transport's C path: its state (in use, ready, not built, refused, off) and why."""
+    status = mpi_native_status()
+    return None if status is None else {"state": status[0], "reason": status[1]}
+
+
 def collect_info(env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Everything ``popmesh info`` prints, as plain data."""
     versions = {
@@ -117,6 +123,7 @@ def collect_info(env: Mapping[str, str] | None = None) -> dict[str, Any]:
         "python_executable": sys.executable,
         "versions": versions,
         "engines": {name: _engine_available(pkg) for name, pkg in _ENGINE_PACKAGES.items()},
+        "mpi_c_path": _mpi_c_path(),
         "cpu_count": os.cpu_count(),
         "environment": distributed_env(env),
         "detected": detected_launch(env),
@@ -130,7 +137,10 @@ def format_info(info: Mapping[str, Any], *, as_json: bool = False) -> str:
     lines = [f"- platform: {info['platform']}", f"- python executable: {info['python_executable']}"]
     lines += [f"- {name} version: {value or 'not installed'}" for name, value in info["versions"].items()]
     engines = ", ".join(f"{name} ({'yes' if ok else 'no'})" for name, ok in info["engines"].items())
-    lines += [f"- engines available: {engines}", f"- cpu count: {info['cpu_count']}"]
+    lines += [f"- engines available: {engines}"]
+    c_path = info.get("mpi_c_path")
+    lines += [f"- MPI C path: {c_path['state']} ({c_path['reason']})" if c_path else "- MPI C path: no mpi4py"]
+    lines += [f"- cpu count: {info['cpu_count']}"]
     lines += [f"- detected {key.replace('_', ' ')}: {value}" for key, value in info.get("detected", {}).items()]
     lines += ["- distributed environment:"]
     env = info["environment"]

@@ -16,7 +16,15 @@ ranks; and the launcher reads the pipes' ends in the order the kernel made them 
 list). Ranks without an end pipe (a kernel that releases lowest first, a rank whose forked child still
 holds the pipe, a rank found already gone) are ordered by when their pidfd was seen to be ready, and
 ranks seen in the same wake-up cannot be told apart: the judge says so. Ranks on other hosts are seen
-only through their error records.
+only through their error records and exit notes (where the launcher's folder is shared with them).
+
+The watch also ends the job where Hydra would not. Hydra tears the job down when a rank is killed by a
+signal or when a rank that initialised MPI dies or aborts (the bootstrap aborts the job when such a rank
+fails), but not when a rank exits with a non-zero code before it initialised MPI (an import error, an
+argument error, a missing file) or in a script that never uses MPI: the other ranks would run on until
+they end by themselves, or wait in ``MPI_Init`` forever. Such a rank leaves an exit note with its status;
+the watch reads every exit note as it appears and, as :func:`ends_the_job` decides, tells the launcher
+(``on_failure``), which tears the job down.
 """
 
 from __future__ import annotations
@@ -30,12 +38,14 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from popmesh.launch.bootstrap import END_PIPE, EXIT_NOTE, HELD_NOTE, PID_NOTE, WATCHED_NOTE
 from popmesh.launch.plan import error_file_name
 
-__all__ = ["RankEnd", "RankWatch", "earliest_first", "releases_highest_first"]
+__all__ = ["RankEnd", "RankExit", "RankWatch", "earliest_first", "ends_the_job", "read_exit_note",
+           "releases_highest_first"]
 
 _TICK_S = 0.02
 _ARM_TICK_S = 0.002  # the tick while a rank waits to be told it is watched
@@ -54,6 +64,44 @@ class RankEnd:
     host: str
     time: float
     order: int | None = None
+
+
+@dataclass(frozen=True)
+class RankExit:
+    """A rank's exit note: the status its bootstrap exited with, when (wall clock) and where (its pid
+    note's host; empty where it left none)."""
+
+    rank: int
+    status: int
+    time: float
+    host: str = ""
+
+
+def read_exit_note(path: str, rank: int, host: str = "") -> RankExit | None:
+    """The exit note at ``path`` (``STATUS TIME``; a note of only ``STATUS`` is timed by the file), or None
+    where there is none or it cannot be read."""
+    try:
+        with open(path) as f:
+            fields = f.read().split()
+        status = int(fields[0])
+        when = float(fields[1]) if len(fields) > 1 else os.stat(path).st_mtime
+    except (OSError, ValueError, IndexError):
+        return None
+    return RankExit(rank, status, when, host)
+
+
+def ends_the_job(exits: Iterable[RankExit]) -> RankExit | None:
+    """The exit that calls for the launcher to end the MPI job, or None while none does. Pure.
+
+    A rank that exited with a non-zero status through its bootstrap does. Hydra ends the job for a rank
+    that fails while it runs MPI (its bootstrap aborts the job, and may be killed before it leaves
+    the note), but not for one that failed before MPI started, after it finalised MPI, or in a script that
+    does not use MPI; a note does not tell these apart, and ending a job Hydra is ending already is
+    harmless. Of several such exits, the earliest (then the lowest rank) is the one named. A zero status
+    does not, nor an end without an exit note: a signal or an MPI abort, which Hydra acts on itself, or
+    ``os._exit``, whose status nobody but its parent (Hydra's proxy) learns (``os._exit(0)`` is a success).
+    """
+    return min((e for e in exits if e.status != 0), key=lambda e: (e.time, e.rank), default=None)
 
 
 @functools.cache
@@ -100,9 +148,15 @@ def earliest_first(ends: list[RankEnd]) -> list[RankEnd]:
 class RankWatch:
     """A context manager: from enter to exit, watches the ranks of this host that leave pid notes in ``error_dir``."""
 
-    def __init__(self, error_dir: str, host: str | None = None) -> None:
+    def __init__(
+        self, error_dir: str, host: str | None = None, on_failure: Callable[[RankExit], None] | None = None
+    ) -> None:
         self._dir = error_dir
         self._host = host or os.uname().nodename
+        self._on_failure = on_failure  # called once, from the watch's thread, when ends_the_job names an exit
+        self._told = False
+        self._hosts: dict[int, str] = {}  # rank -> the host its pid note names
+        self._exits: dict[int, RankExit] = {}
         self._pidfds: dict[int, tuple[int, int, str]] = {}  # pidfd -> (rank, pid, host)
         self._pipes: dict[int, int] = {}  # end pipe's read end -> rank, once the rank holds the writer
         self._unheld: dict[int, tuple[int, float]] = {}  # rank -> (its end pipe's read end, adopted when)
@@ -124,6 +178,7 @@ class RankWatch:
         self._thread.join()
         self._adopt()  # a note written just before the end
         self._collect(0.0)
+        self._read_exits()
         for fd in [*self._pidfds, *self._pipes, *(fd for fd, _ in self._unheld.values())]:
             os.close(fd)
         self._pidfds.clear()
@@ -136,11 +191,34 @@ class RankWatch:
         noted = {end.rank for end in self._ended if os.path.exists(self._note(end.rank, EXIT_NOTE))}
         return earliest_first([end for end in self._ended if end.rank not in noted])
 
+    def exits(self) -> list[RankExit]:
+        """The exit notes of every rank that left one in the folder (any host), by rank (after exit)."""
+        return [self._exits[rank] for rank in sorted(self._exits)]
+
     def _run(self) -> None:
         while not self._stop.is_set():
             self._adopt()
             self._arm()
             self._collect(_TICK_S)
+            self._read_exits()
+            self._tell()
+
+    def _read_exits(self) -> None:
+        """Read the exit notes that appeared since the last look (a note is written whole, once)."""
+        for path in glob.glob(self._note("*", EXIT_NOTE)):
+            rank = int(os.path.basename(path)[len("rank-"):-len(EXIT_NOTE)])
+            if rank not in self._exits:
+                found = read_exit_note(path, rank, self._hosts.get(rank, ""))
+                if found is not None:
+                    self._exits[rank] = found
+
+    def _tell(self) -> None:
+        if self._told or self._on_failure is None:
+            return
+        cause = ends_the_job(self._exits.values())
+        if cause is not None:
+            self._told = True
+            self._on_failure(cause)
 
     def _note(self, rank: int | str, suffix: str) -> str:
         return os.path.join(self._dir, os.path.splitext(error_file_name(rank))[0] + suffix)
@@ -157,6 +235,7 @@ class RankWatch:
                 pid = int(pid_text)
             except (OSError, ValueError):
                 continue
+            self._hosts[rank] = host
             piped = False
             if host == self._host:
                 try:

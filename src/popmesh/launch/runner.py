@@ -6,8 +6,10 @@ launcher. Exits are noticed at once through pidfds (polling where the kernel lac
 
 When a child fails (non-zero exit or a signal), it is first offered to ``restart`` (``--max-restarts``):
 a replacement process takes its place and the others run on. Otherwise, or when the launcher receives
-SIGINT/SIGTERM, every live group gets SIGTERM (or the received signal), then SIGKILL after ``grace``
-seconds; a second signal to the launcher skips the grace period.
+SIGINT/SIGTERM, or when a watch of processes the launcher did not start asks for it
+(:meth:`Supervisor.request_teardown`: an MPI rank failed where mpiexec does not act), every live group
+gets SIGTERM (or the received signal), then SIGKILL after ``grace`` seconds; a second signal to the
+launcher skips the grace period.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class Supervisor:
         self._sel: selectors.BaseSelector | None = None
         self.teardown_at: float | None = None
         self.received: int | None = None
+        self.requested = False  # request_teardown() was called
         self._pump = pump
         self._grace = grace
         self._kill_deadline: float | None = None
@@ -123,6 +126,13 @@ class Supervisor:
         if fresh.pidfd is not None and self._sel is not None:
             self._sel.register(fresh.pidfd, selectors.EVENT_READ, fresh)
 
+    def request_teardown(self) -> None:
+        """Tear the children down as after a failure (callable from any thread): a rank failed that only
+        a watch of the ranks sees, such as an MPI rank under mpiexec."""
+        self.requested = True
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.write(self._wake_w, b"\0")
+
     def kill_all(self) -> None:
         """Emergency stop (a spawn failed half-way, or the caller was interrupted): SIGKILL and reap."""
         for child in self._live():
@@ -173,7 +183,7 @@ class Supervisor:
         """Start teardown on the first failure or signal; escalate to SIGKILL after the grace period."""
         if self.teardown_at is None:
             failed = any(c.returncode not in (None, 0) and not c.replaced for c in self.children)
-            if self.received is not None or failed:
+            if self.received is not None or failed or self.requested:
                 sig = self.received if self.received is not None else signal.SIGTERM
                 self.teardown_at = time.time()
                 self._kill_deadline = time.monotonic() + self._grace

@@ -3,7 +3,8 @@
 A rank counts as failed if it exited non-zero before the launcher began tearing down, or if its
 error record is older than the teardown (it failed on its own, at about the same time). Of the
 failed ranks the root cause is the one that failed first: by its error record's time, else by
-the time its exit was seen.
+the time its exit was seen. Under MPI a rank's exit code is its own, from its exit note, where it left
+one: mpiexec's status mixes every process's (Hydra ORs them), the teardown's signal included.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import Sequence
 from popmesh.launch.errorfile import ErrorRecord, read_error_file
 from popmesh.launch.output import OutputPump
 from popmesh.launch.plan import error_file_name
-from popmesh.launch.rankwatch import RankEnd
+from popmesh.launch.rankwatch import RankEnd, RankExit
 from popmesh.launch.result import LaunchResult, RankFailure, exit_status
 from popmesh.launch.runner import Child
 
@@ -79,20 +80,23 @@ def _records(error_dir: str) -> list[ErrorRecord]:
 
 def judge_mpi(
     child: Child, *, error_dir: str, pump: OutputPump, teardown_at: float | None, received: int | None,
-    world_size: int, killed: Sequence[RankEnd] = (),
+    world_size: int, killed: Sequence[RankEnd] = (), exits: Sequence[RankExit] = (), requested: bool = False,
 ) -> LaunchResult:
-    """The result of an mpiexec run: ranks are named by their error records, else by the watch of this
-    host's ranks (``killed``: processes that ended without an exit note, earliest first), else mpiexec
-    is blamed."""
+    """The result of an mpiexec run: ranks are named by their error records and their exit notes with a
+    non-zero status (``exits``: each rank's own exit code), else by the watch of this host's ranks
+    (``killed``: processes that ended without an exit note, earliest first), else mpiexec is blamed.
+    ``requested``: the launcher ended the job itself, for a rank's exit note (mpiexec's status is then the
+    teardown's); this host's ranks that ended without an exit note are listed as torn down."""
     assert child.returncode is not None
-    records = [r for r in _records(error_dir) if teardown_at is None or r.time < teardown_at]
-    if child.returncode == 0 and not records:
+    signalled = requested or received is not None  # mpiexec's status is not the job's own
+    failures = _own_failures(child.returncode, error_dir, pump, teardown_at, exits, signalled)
+    if child.returncode == 0 and not failures:
         return LaunchResult(0, world_size, "mpi")
-    code = exit_status(child.returncode)[0] if child.returncode > 0 else 1  # the code the first rank aborted with
-    failures = [RankFailure(r.rank, code if i == 0 else 1, None, r, tuple(pump.tail(r.rank)), r.host)
-                for i, r in enumerate(records)]
     terminated: tuple[int, ...] = ()
     hints: tuple[str, ...] = ()
+    if failures and requested and received is None:
+        named = {f.rank for f in failures}
+        terminated = tuple(sorted(end.rank for end in killed if end.rank not in named))
     if not failures and received is None and killed:
         # No record: the first rank of this host seen to end without an exit note was killed; mpiexec's
         # status is the first failed process's (Hydra reports a signal N as N).
@@ -123,6 +127,31 @@ def judge_mpi(
         interrupted_by=_signal_name(received),
         hints=hints,
     )
+
+
+def _own_failures(
+    returncode: int, error_dir: str, pump: OutputPump, teardown_at: float | None, exits: Sequence[RankExit],
+    signalled: bool,
+) -> list[RankFailure]:
+    """The ranks that failed on their own, before any teardown, earliest first: each error record, and each
+    exit note with a non-zero status (a rank that left no record: ``sys.exit(2)`` before MPI started). A
+    rank's code is its exit note's; without one (it aborted the MPI job), the first rank's is mpiexec's
+    ``returncode`` (the code the job was aborted with) unless the launcher ``signalled`` mpiexec, else 1."""
+    before = [r for r in _records(error_dir) if teardown_at is None or r.time < teardown_at]
+    noted = {e.rank: e for e in exits}
+    recorded = {r.rank for r in before}
+    failed = [e for e in exits
+              if e.status != 0 and e.rank not in recorded and (teardown_at is None or e.time < teardown_at)]
+    timed: list[tuple[float, int, ErrorRecord | RankExit]] = sorted(
+        [(r.time, r.rank, r) for r in before] + [(e.time, e.rank, e) for e in failed], key=lambda item: item[:2])
+    aborted = exit_status(returncode)[0] if returncode > 0 and not signalled else 1
+    failures = []
+    for i, (_, rank, what) in enumerate(timed):
+        note = noted.get(rank)
+        code = note.status if note is not None else aborted if i == 0 else 1
+        error = what if isinstance(what, ErrorRecord) else None
+        failures.append(RankFailure(rank, code, None, error, tuple(pump.tail(rank)), what.host))
+    return failures
 
 
 def ended_together(killed: Sequence[RankEnd], window: float = TOGETHER_S) -> list[int]:

@@ -204,8 +204,8 @@ class TimeReport:
                  f"max {max(self.iteration_times):.4g} s; "
                  f"lowest score {self.scores[worst]:.2f} (rank {worst})",
                  f"stragglers (score < {self.threshold:g}): {list(self.stragglers) or 'none'}"]
-        headers = ["step", "min total (s)", "mean total (s)", "max total (s)", "slowest rank", "lowest score",
-                   "missing on"]
+        headers = ["step", "min\ntotal s", "mean\ntotal s", "max\ntotal s", "slowest\nrank", "lowest\nscore",
+                   "missing\non"]
         return f"Time per step over {self.world_size} ranks", headers, rows, notes
 
 
@@ -326,7 +326,7 @@ class ImbalanceReport:
         notes += [f"step {name!r} skipped: missing on ranks {list(r)}" for name, r in self.skipped.items()]
         notes += [f"step {s.name!r}: only the {s.iterations} iterations every rank has are used; dropped per "
                   f"rank {list(s.dropped)}" for s in self.steps if any(s.dropped)]
-        headers = ["step", "iterations", "useful (s)", "waiting (s)", "waiting %", "slowest rank", "wait caused (s)",
+        headers = ["step", "iters", "useful\ns", "waiting\ns", "wait\n%", "slowest\nrank", "wait\ncaused s",
                    "dropped"]
         return f"Load imbalance over {self.world_size} ranks", headers, rows, notes
 
@@ -368,6 +368,7 @@ def imbalance_report(all_timing: Sequence[TimingDict], world_size: int | None = 
 def format_report(report: TimeReport | ImbalanceReport) -> str:
     """The report as a plain-text table followed by its notes."""
     title, headers, rows, notes = report.table()
+    headers = [h.replace("\n", " ") for h in headers]  # two-line headers of the rich table, on one line
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(headers)]
 
     def line(cells: list[str]) -> str:
@@ -390,10 +391,15 @@ def print_report(report: TimeReport | ImbalanceReport, file: TextIO | None = Non
         from rich.table import Table as RichTable
     except ImportError as e:
         raise ImportError("print_report(use_rich=True) needs rich: pip install 'popmesh[demo]'") from e
+    from rich import box
+
     title, headers, rows, notes = report.table()
-    table = RichTable(title=title)
+    # Narrow enough for an 80-column terminal with the launcher's "[rank 0] " before each line: two-line
+    # headers, rules only under the header, and cells that never wrap or cut.
+    table = RichTable(title=title, box=box.SIMPLE_HEAD, padding=(0, 1), collapse_padding=True, show_edge=False,
+                       pad_edge=False)
     for i, h in enumerate(headers):
-        table.add_column(h, justify="left" if i == 0 else "right")
+        table.add_column(h, justify="left" if i == 0 else "right", no_wrap=True)
     for row in rows:
         table.add_row(*row)
     console = Console(file=file or sys.stdout)

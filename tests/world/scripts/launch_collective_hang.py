@@ -1,6 +1,6 @@
 """Rank 0 enters an all_reduce that the last rank never joins; the timeout must end the world. A rank
 whose collective timed out finalizes at once (gloo still runs the failed collective: destroying the
-process group used to wait for it) and says how long that took."""
+process group first would wait for it) and says how long that took."""
 
 import os
 import sys

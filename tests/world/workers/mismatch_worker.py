@@ -464,8 +464,8 @@ def asynchronous_against_a_carried_prediction(w):
 
 @check
 def gathers_are_checked_like_reductions(w):
-    """all_gather and gather go through the same check: against a reduction on another rank (gloo
-    used to abort: the gathers' first message had another size), a predicted one included, and
+    """all_gather and gather go through the same check: against a reduction on another rank (unchecked,
+    gloo aborts: the gathers' first message has another size), a predicted one included, and
     against another shape or root."""
     need_ranks(w, 2)
     n, r = w.size, w.rank
@@ -490,7 +490,7 @@ def gathers_are_checked_like_reductions(w):
 @check
 def barrier_ragged_and_objects_are_checked(w):
     """barrier, all_gather_ragged and the object collectives go through the guard too: against a
-    reduction (MPI used to pair a barrier with an all-reduce and return garbage to it), a predicted
+    reduction (unchecked, MPI pairs a barrier with an all-reduce and returns garbage to it), a predicted
     one included, against each other, and against another root or trailing shape."""
     need_ranks(w, 2)
     n, r = w.size, w.rank

@@ -104,7 +104,7 @@ def lost_member_surfaces_while_training(w):
         assert elapsed < 12, f"noticed after {elapsed:.1f} s"
         # The rank that finds the loss names it. On gloo it then closes its connections, which ends
         # its whole gloo context, so a survivor may meet that closure before the notice naming the lost
-        # rank: it then names the finder (a known limit until worlds re-form, #21).
+        # rank: it then names the finder.
         if w.rank == 0:
             assert DEAD in e.ranks and f"rank {DEAD}" in str(e), str(e)
         else:

@@ -73,7 +73,8 @@ class SendWindow:
     def report_due(self) -> bool:
         """Whether a report may be waiting: a report's worth is in flight, so a receiver that took it
         has sent one. Taking reports as they come keeps them from lingering in MPI's queue, which
-        slowed MPICH's small messages (see docs/scaling.md)."""
+        slows MPICH's small messages (reports left there until a window filled cost a 4 B round trip
+        about 30 %)."""
         return self.sent - self.credited >= CREDIT_FRAMES or self.in_flight >= CREDIT_NBYTES
 
     def credit(self, taken: int) -> None:

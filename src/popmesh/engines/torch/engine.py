@@ -83,7 +83,7 @@ class TorchEngine(Reforming):
         # its own reference a moment after the waiter returns, and if that is the last one, the work
         # is freed on the worker, which needs the GIL for the Python state it captured. If the
         # interpreter is shutting down by then, the process aborts ("terminate called without an
-        # active exception"; about 1 exit in 10 before this). A few suffice (the worker is long done
+        # active exception"; about 1 exit in 10 without them). A few suffice (the worker is long done
         # with older ones); more would keep large collectives' tensors alive. See finalize().
         self._finished_works: deque[Any] = deque(maxlen=_KEEP_FINISHED_WORKS)
         self._probes: list[Any] = []  # zero-byte sends to live peers stay posted: never freed mid-flight
