@@ -37,7 +37,7 @@ def one_save(reps: int) -> tuple[float, float]:
 
     import popmesh
     from popmesh.demo.learner import CartPoleLearner
-    from popmesh.population.checkpoint import Checkpointer
+    from popmesh.population.state.checkpoint import Checkpointer
 
     popmesh.init("local")
     learner = CartPoleLearner(seed=0)

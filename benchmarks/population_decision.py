@@ -28,9 +28,8 @@ from typing import Any
 import numpy as np
 
 from popmesh.population import Decision, DonorRule, ReplacementRule, decide
-from popmesh.population.async_protocol import decision_messages, involved
-from popmesh.population.combine import OptimizerPolicy, Strategy, averaging_weights, optimizer_action
-from popmesh.population.selection import (
+from popmesh.population.decisions.combine import OptimizerPolicy, Strategy, averaging_weights, optimizer_action
+from popmesh.population.decisions.selection import (
     as_generator,
     combine_rules,
     donors_from_pool,
@@ -39,6 +38,7 @@ from popmesh.population.selection import (
     update_state,
     valid_donors,
 )
+from popmesh.population.mechanisms.asynchronous.protocol import decision_messages, involved
 
 RULES = {
     "worst 25 %, mean of all others": (ReplacementRule(ratio=0.25), DonorRule("all"), "mean"),

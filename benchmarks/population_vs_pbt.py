@@ -164,7 +164,7 @@ def trainable(config: dict[str, Any]) -> None:
     import torch
     from ray import tune
 
-    import popmesh.population.checkpoint  # noqa: F401  # imported at start-up, as the demo's worker does
+    import popmesh.population.state.checkpoint  # noqa: F401  # imported at start-up, as the demo's worker does
     from popmesh.demo.config import rank_seed
     from popmesh.demo.learner import CartPoleLearner, Hyper
 
@@ -219,7 +219,7 @@ def exploit(learner: Any, checkpoint: Any, lr: float, out: Path, trial: str, min
     """PBT's exploit landed: take the donor's agent from ``checkpoint`` and train at the explored ``lr``."""
     import torch
 
-    from popmesh.population.checkpoint import AgentState
+    from popmesh.population.state.checkpoint import AgentState
 
     begin = time.perf_counter()
     with checkpoint.as_directory() as folder:

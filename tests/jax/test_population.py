@@ -13,8 +13,8 @@ from jax.sharding import PartitionSpec as P
 import jax
 import popmesh.jax as pj
 from popmesh.core.errors import ConfigError
-from popmesh.population.combine import averaging_weights
-from popmesh.population.selection import donors_all_others, worst_by_ratio
+from popmesh.population.decisions.combine import averaging_weights
+from popmesh.population.decisions.selection import donors_all_others, worst_by_ratio
 
 STRATEGIES = ["mean", "weighted_mean", "best_only"]
 _jit_plan = jax.jit(pj.replacement_plan, static_argnums=(1, 2))

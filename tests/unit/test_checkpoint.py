@@ -9,7 +9,14 @@ import torch
 
 import popmesh
 from popmesh.core.errors import ConfigError
-from popmesh.population.checkpoint import (
+from popmesh.population.decisions.selection import (
+    ReplacementRule,
+    init_state,
+    state_from_json,
+    state_to_json,
+    update_state,
+)
+from popmesh.population.state.checkpoint import (
     MANIFEST,
     AgentState,
     Checkpointer,
@@ -19,13 +26,6 @@ from popmesh.population.checkpoint import (
     missing_ranks,
     read_manifest,
     restore_rng,
-)
-from popmesh.population.selection import (
-    ReplacementRule,
-    init_state,
-    state_from_json,
-    state_to_json,
-    update_state,
 )
 
 

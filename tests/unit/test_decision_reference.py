@@ -3,7 +3,7 @@
 decide() shares one donor plan among the replaced ranks of a deterministic rule and skips the
 per-entry conversions of Decision.__init__ (it must stay under 1 ms at 1,024 agents, see
 docs/scaling.md); the reference below does everything per rank with plain Python, as the
-docstrings of popmesh.population.selection and combine state it. Every decision must agree.
+docstrings of popmesh.population.decisions.selection and combine state it. Every decision must agree.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 
 from popmesh.core.errors import ConfigError
 from popmesh.population import Decision, DonorRule, ReplacementRule, decide, init_state, update_state
-from popmesh.population.selection import SelectionState
+from popmesh.population.decisions.selection import SelectionState
 
 NAN, INF = float("nan"), float("inf")
 

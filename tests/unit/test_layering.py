@@ -31,6 +31,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (  # lowest first; the rows of the diagram
     ("demo",),
 )
 LEVEL = {package: level for level, row in enumerate(LAYERS) for package in row}
+SUBLAYERS: dict[str, tuple[str, ...]] = {  # a layer split into sub-packages, lowest first; the face on top
+    "population": ("decisions", "state", "mechanisms"),  # pure decisions, agent state, weight movers
+}
 ROOT_IMPORTERS = ("demo",)  # the public face `popmesh` (its __init__) is for users: only the demo is one
 ENGINE_MODULES = ("torch.distributed", "mpi4py")  # only engines/ may import these
 MAX_TOP_LEVEL = 14  # entries of src/popmesh besides __init__.py, __main__.py and py.typed
@@ -164,6 +167,46 @@ def layer_breaches(found: tuple[Edge, ...]) -> list[str]:
 
 def test_imports_run_downward_only():
     breaches = layer_breaches(edges())
+    assert not breaches, "\n".join(breaches)
+
+
+def sublayer_of(module: str) -> str | None:
+    """The sub-package of a split layer a module lives in (``decisions`` for
+    popmesh.population.decisions.selection); None for the layer's own ``__init__`` (its face)."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] in SUBLAYERS else None
+
+
+def sublayer_breaches(found: tuple[Edge, ...]) -> list[str]:
+    """Imports inside a split layer that run upward across its SUBLAYERS, or reach the layer's face
+    (its ``__init__``, which imports every sub-package) from inside a sub-package."""
+    breaches = []
+    for edge in found:
+        layer = package_of(edge.importer)
+        if layer not in SUBLAYERS or package_of(edge.target) != layer:
+            continue
+        src, dst = sublayer_of(edge.importer), sublayer_of(edge.target)
+        if src is None or src == dst:
+            continue
+        order = SUBLAYERS[layer]
+        if dst is None:
+            breaches.append(f"{where(edge)}: the face of {layer}/ from inside its {src}/ (import the module itself)")
+        elif order.index(dst) > order.index(src):
+            breaches.append(f"{where(edge)}: upward inside {layer}/ ({src} is below {dst})")
+    return breaches
+
+
+def test_split_layers_show_their_sub_layers():
+    for layer, order in SUBLAYERS.items():
+        entries = {p.name for p in (SRC / ROOT / layer).iterdir() if p.name != "__pycache__"}
+        assert entries == {"__init__.py", *order}, (
+            f"{layer}/ holds {sorted(entries - {'__init__.py', *order})} beside its sub-packages {list(order)}: "
+            f"move each module into the sub-package of its kind (or add a sub-layer to SUBLAYERS and "
+            f"docs/architecture.md)")
+
+
+def test_sub_layers_import_downward_only():
+    breaches = sublayer_breaches(edges())
     assert not breaches, "\n".join(breaches)
 
 
@@ -320,16 +363,25 @@ def test_checker_flags_upward_sideways_root_and_private_imports():
     fake = (
         Edge("popmesh.engines.base", "popmesh.comm.world", ("Comm",), 1),  # upward
         Edge("popmesh.torch.sync", "popmesh.jax.axes", ("psum",), 2),  # sideways
-        Edge("popmesh.population.selective", "popmesh", ("init",), 3),  # the public face from inside
+        Edge("popmesh.population.mechanisms.selective", "popmesh", ("init",), 3),  # the public face from inside
         Edge("popmesh.comm.world", "popmesh.core.errors", ("ConfigError",), 4),  # fine: downward
         Edge("popmesh.comm.world", "popmesh.comm.collectives", ("_setup",), 5),  # fine: same package
     )
     assert [b.split(":")[0] for b in layer_breaches(fake)] == [
-        "popmesh.engines.base", "popmesh.torch.sync", "popmesh.population.selective"]
+        "popmesh.engines.base", "popmesh.torch.sync", "popmesh.population.mechanisms.selective"]
     private = (
         Edge("popmesh.compat.evorl", "popmesh.jax.updates", ("_hidden",), 1),
         Edge("popmesh.comm.asynchronous", "popmesh.comm.collectives", ("_setup",), 2),
-        Edge("popmesh.population.selective", "popmesh.engines._internal", (), 3),
+        Edge("popmesh.population.mechanisms.selective", "popmesh.engines._internal", (), 3),
     )
     flagged = [b.split(":")[0] for b in private_breaches(private)]
-    assert flagged == ["popmesh.compat.evorl", "popmesh.population.selective"]
+    assert flagged == ["popmesh.compat.evorl", "popmesh.population.mechanisms.selective"]
+    inside = (
+        Edge("popmesh.population.decisions.selection", "popmesh.population.state.model_state", (), 1),  # upward
+        Edge("popmesh.population.state.replace", "popmesh.population.mechanisms.info", ("Clock",), 2),  # upward
+        Edge("popmesh.population.decisions.options", "popmesh.population", ("Decision",), 3),  # the face
+        Edge("popmesh.population.mechanisms.selective", "popmesh.population.state.replace", (), 4),  # fine
+        Edge("popmesh.population", "popmesh.population.mechanisms.selective", (), 5),  # fine: the face
+        Edge("popmesh.compat.gfn", "popmesh.population.decisions.selection", (), 6),  # another layer's rules
+    )
+    assert [b.split(":")[1].split()[0] for b in sublayer_breaches(inside)] == ["1", "2", "3"]

@@ -329,7 +329,7 @@ def test_every_service_tag_is_its_own_and_in_its_range():
     from popmesh.comm.mismatch import MISMATCH_TAG
     from popmesh.engines.p2p_base import HEARTBEAT_TAG
     from popmesh.observe.progress import PROGRESS_TAG
-    from popmesh.population.async_protocol import MAX_INSTANCES, channels
+    from popmesh.population.mechanisms.asynchronous.protocol import MAX_INSTANCES, channels
 
     population = [t for i in range(MAX_INSTANCES) for t in channels(i).__dict__.values()]
     buffers = [protocol.REQUEST_TAG, protocol.SCORE_TAG, protocol.METADATA_TAG, protocol.COORDINATOR_TAG,

@@ -30,7 +30,7 @@ from popmesh.population import (
     SelectiveOptions,
     decide,
 )
-from popmesh.population.async_protocol import (
+from popmesh.population.mechanisms.asynchronous.protocol import (
     ACK,
     BYE,
     MAX_INSTANCES,
@@ -43,7 +43,8 @@ from popmesh.population.async_protocol import (
     recipients_of,
     up_row,
 )
-from popmesh.population.model_state import (
+from popmesh.population.mechanisms.selective import combination_groups
+from popmesh.population.state.model_state import (
     Layout,
     layout_of,
     load_,
@@ -56,8 +57,7 @@ from popmesh.population.model_state import (
     to_numpy,
     unpack_bytes,
 )
-from popmesh.population.replace import apply_replacement
-from popmesh.population.selective import combination_groups
+from popmesh.population.state.replace import apply_replacement
 
 SPECS = st.lists(st.tuples(st.sampled_from(["float32", "float64", "float16", "bfloat16", "int64"]),
                            st.lists(st.integers(0, 4), max_size=3)), min_size=1, max_size=8)
@@ -438,8 +438,8 @@ def test_decision_points_need_a_metric_and_a_valid_iteration():
 def test_async_combiner_is_bit_identical_to_combine():
     import numpy as np
 
-    from popmesh.population.async_inbox import _Combiner
-    from popmesh.population.combine import combine
+    from popmesh.population.decisions.combine import combine
+    from popmesh.population.mechanisms.asynchronous.inbox import _Combiner
 
     rng = np.random.default_rng(0)
     combiner = _Combiner()
@@ -476,7 +476,7 @@ def test_async_combiner_is_bit_identical_to_combine():
 
 
 def _inbox_job(decision, ranks, me):
-    from popmesh.population.async_inbox import Job
+    from popmesh.population.mechanisms.asynchronous.inbox import Job
 
     mine = ranks.index(me)
     donors = [ranks[d] for d in decision.donors.get(mine, ())]
@@ -491,8 +491,8 @@ def _stream(snapshot_iteration, decision_iteration, value):
 
 @pytest.mark.parametrize("decision_first", [True, False])
 def test_inbox_combines_streams_whatever_their_order_against_the_decision(decision_first):
-    from popmesh.population.async_inbox import Inbox
-    from popmesh.population.combine import combine
+    from popmesh.population.decisions.combine import combine
+    from popmesh.population.mechanisms.asynchronous.inbox import Inbox
 
     ranks = [10, 11, 12, 13]
     decision = decide([1.0, 4.0, 2.0, 3.0], ReplacementRule(ratio=0.25), iteration=7)  # replaces 10 by 11, 12, 13
@@ -517,7 +517,7 @@ def test_inbox_combines_streams_whatever_their_order_against_the_decision(decisi
 
 
 def test_inbox_rejects_interleaved_and_stray_streams():
-    from popmesh.population.async_inbox import Inbox
+    from popmesh.population.mechanisms.asynchronous.inbox import Inbox
 
     ranks = [0, 1, 2, 3]
     decision = decide([1.0, 4.0, 2.0, 3.0], ReplacementRule(ratio=0.25), iteration=7)

@@ -12,7 +12,7 @@ from popmesh.population import (
     PopulationPolicy,
     SelectiveAveraging,
 )
-from popmesh.population.info import PolicyInfo
+from popmesh.population.mechanisms.info import PolicyInfo
 
 torch = pytest.importorskip("torch")
 

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from popmesh.core.errors import ConfigError
-from popmesh.population.rejoin import choose_donors
+from popmesh.population.state.rejoin import choose_donors
 
 
 def test_the_best_survivors_donate_best_first():

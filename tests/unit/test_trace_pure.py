@@ -21,7 +21,7 @@ from popmesh.launch.options import configure, launch_options
 from popmesh.launch.timeline import trace_env
 from popmesh.observe.reports import Timer
 from popmesh.observe.trace import imbalance_from_trace, load_trace, span_timings
-from popmesh.population.info import Clock
+from popmesh.population.mechanisms.info import Clock
 
 
 @pytest.fixture(autouse=True)

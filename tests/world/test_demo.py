@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from popmesh.population.checkpoint import read_manifest
+from popmesh.population.state.checkpoint import read_manifest
 
 
 @pytest.mark.timeout(180)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from harness import mpiexec
-from popmesh.population.checkpoint import latest_checkpoint
+from popmesh.population.state.checkpoint import latest_checkpoint
 from ports import port_of, store_env, store_listener
 
 pytestmark = pytest.mark.world

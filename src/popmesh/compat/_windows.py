@@ -17,9 +17,9 @@ from popmesh.comm.collectives import all_gather, barrier
 from popmesh.comm.world import Comm
 from popmesh.core.errors import ConfigError
 from popmesh.population import SelectiveOptions, Strategy, averaging_weights, combine
-from popmesh.population.info import Clock
-from popmesh.population.model_state import layout_of, model_tensors, pack_bytes, refresh_, snapshot, unpack_bytes
-from popmesh.population.replace import apply_replacement
+from popmesh.population.mechanisms.info import Clock
+from popmesh.population.state.model_state import layout_of, model_tensors, pack_bytes, refresh_, snapshot, unpack_bytes
+from popmesh.population.state.replace import apply_replacement
 
 __all__ = ["Exposure", "donor_weights", "replace_from"]
 

@@ -59,7 +59,7 @@ from popmesh.population import (
     Strategy,
     worst_by_ratio,
 )
-from popmesh.population.info import Clock
+from popmesh.population.mechanisms.info import Clock
 
 __all__ = [
     "AsyncSelectiveAveragingPolicy",

@@ -101,7 +101,7 @@ def explore_lr(lr: float, seed: int, rank: int, iteration: int) -> float:
     """PBT's explore step for a replaced agent's inherited learning rate, as Ray Tune's defaults do it:
     resample from the space with probability 0.25, else multiply by 0.8 or 1.2; clipped to the space.
     Seeded by (seed, rank, iteration), so a run is reproducible."""
-    from popmesh.population.explore import explore
+    from popmesh.population.decisions.explore import explore
 
     gen = np.random.default_rng([seed, rank, iteration, 11])
     new = float(explore({"lr": lr}, gen, perturb=(0.8, 1.2), resample_prob=0.25, space={"lr": sample_lr})["lr"])

@@ -124,8 +124,8 @@ class CartPoleLearner:
         self.adopt_learning_rate()
 
     def checkpoint(self, iteration: int, extra: dict[str, Any] | None = None) -> Any:
-        """This agent as a population checkpoint holds it (:class:`popmesh.population.checkpoint.AgentState`)."""
-        from popmesh.population.checkpoint import AgentState, capture_rng
+        """This agent as a population checkpoint holds it (:class:`popmesh.population.state.checkpoint.AgentState`)."""
+        from popmesh.population.state.checkpoint import AgentState, capture_rng
 
         return AgentState(model=self.model.state_dict(), optimizer=self.optimizer.state_dict(),
                           hyper=self.hyper.to_dict(), counters={"iteration": iteration, "steps": self.total_steps},
@@ -134,7 +134,7 @@ class CartPoleLearner:
     def restore(self, agent: Any) -> int:
         """Take back an :class:`AgentState` from :meth:`checkpoint`; the iteration it was taken at. The
         environments start fresh episodes (their state is not checkpointed), seeded by that iteration."""
-        from popmesh.population.checkpoint import restore_rng
+        from popmesh.population.state.checkpoint import restore_rng
 
         self.model.load_state_dict(agent.model)
         self.hyper = Hyper(**agent.hyper)

@@ -30,9 +30,9 @@ from popmesh.observe.board import Board
 from popmesh.observe.reports import Timer, print_report
 from popmesh.observe.timing import report_imbalance, report_timings
 from popmesh.population import AsyncSelectiveAveraging, AverageAll, DonorRule, ReplacementRule, SelectiveAveraging
-from popmesh.population.async_protocol import MAX_INSTANCES
-from popmesh.population.checkpoint import Checkpointer, latest_checkpoint, load_agent, missing_ranks
-from popmesh.population.rejoin import seed_newcomers
+from popmesh.population.mechanisms.asynchronous.protocol import MAX_INSTANCES
+from popmesh.population.state.checkpoint import Checkpointer, latest_checkpoint, load_agent, missing_ranks
+from popmesh.population.state.rejoin import seed_newcomers
 
 __all__ = ["make_policy", "run", "main"]
 

@@ -34,7 +34,7 @@ Strategy = Literal["mean", "weighted_mean", "best_only"]
 _STRATEGIES = ("mean", "weighted_mean", "best_only")
 
 
-_RATIO_SLACK = 1e-9  # floor(100 * 0.29) is 29, as in popmesh.population.selection
+_RATIO_SLACK = 1e-9  # floor(100 * 0.29) is 29, as in popmesh.population.decisions.selection
 
 
 class ReplacementPlan(NamedTuple):

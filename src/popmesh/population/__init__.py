@@ -1,19 +1,23 @@
 """Population policies: replace weak agents by combinations of better ones.
 
-The pure decision core: who is replaced (:mod:`.selection`), with what weights (:mod:`.combine`),
-the complete :class:`Decision` (:mod:`.decision`) and hyper-parameter exploration (:mod:`.explore`).
-Higher metric is better; non-finite metrics count as worst.
+Three sub-packages, one layer each (see docs/architecture.md):
 
-The mechanisms, all called as ``policy(iteration, model, optimizer, local_metric, group=None)``
-and returning ``(model, optimizer, PolicyInfo)``: :class:`AverageAll` and
-:class:`SelectiveAveraging` (synchronous, collectives), :class:`AsyncSelectiveAveraging`
-(messages and a background thread; training never waits) and :class:`OneSidedAveraging` (MPI
-one-sided windows). See ``docs/population.md``.
+* :mod:`popmesh.population.decisions`, pure functions over plain values: who is replaced
+  (:mod:`~popmesh.population.decisions.selection`), with what weights
+  (:mod:`~popmesh.population.decisions.combine`), the complete :class:`Decision`, decisions against
+  each member's latest report (:func:`judge`) and hyper-parameter exploration (:func:`explore`,
+  with typed declarations). Higher metric is better; non-finite metrics count as worst.
+* :mod:`popmesh.population.state`: an agent's weights as flat buffers, a decision applied to them,
+  whole-population checkpoints, seeding a rejoined rank.
+* :mod:`popmesh.population.mechanisms`, the policies that move the weights, all called as
+  ``policy(iteration, model, optimizer, local_metric, group=None)`` and returning
+  ``(model, optimizer, PolicyInfo)``: :class:`AverageAll` and :class:`SelectiveAveraging`
+  (synchronous, collectives), :class:`AsyncSelectiveAveraging` (messages and a background thread;
+  training never waits) and :class:`OneSidedAveraging` (MPI one-sided windows). See
+  ``docs/population.md``.
 """
 
-from popmesh.population.async_selective import AsyncSelectiveAveraging
-from popmesh.population.average_all import AverageAll
-from popmesh.population.combine import (
+from popmesh.population.decisions.combine import (
     DEFAULT_OPTIMIZER_POLICY,
     OptimizerPolicy,
     Strategy,
@@ -23,14 +27,18 @@ from popmesh.population.combine import (
     optimizer_action,
     rank_weights,
 )
-from popmesh.population.decision import Decision, decide
-from popmesh.population.events import EventLog
-from popmesh.population.explore import explore
-from popmesh.population.info import PolicyInfo
-from popmesh.population.one_sided import OneSidedAveraging
-from popmesh.population.options import Explore, SelectiveOptions
-from popmesh.population.policy import PopulationPolicy
-from popmesh.population.selection import (
+from popmesh.population.decisions.decision import Decision, decide
+from popmesh.population.decisions.explore import (
+    Categorical,
+    Continuous,
+    Declaration,
+    Integer,
+    explore,
+    sample_hparams,
+)
+from popmesh.population.decisions.latest import LatestRules, LatestState, Report, Verdict, init_latest, judge
+from popmesh.population.decisions.options import Explore, SelectiveOptions
+from popmesh.population.decisions.selection import (
     AgeState,
     DonorRule,
     ReplacementRule,
@@ -49,7 +57,13 @@ from popmesh.population.selection import (
     update_state,
     worst_by_ratio,
 )
-from popmesh.population.selective import SelectiveAveraging
+from popmesh.population.mechanisms.asynchronous.selective import AsyncSelectiveAveraging
+from popmesh.population.mechanisms.average_all import AverageAll
+from popmesh.population.mechanisms.events import EventLog
+from popmesh.population.mechanisms.info import PolicyInfo
+from popmesh.population.mechanisms.one_sided import OneSidedAveraging
+from popmesh.population.mechanisms.policy import PopulationPolicy
+from popmesh.population.mechanisms.selective import SelectiveAveraging
 
 __all__ = [
     "AsyncSelectiveAveraging",
@@ -89,4 +103,15 @@ __all__ = [
     "step_ages",
     "update_state",
     "worst_by_ratio",
+    "Categorical",
+    "Continuous",
+    "Declaration",
+    "Integer",
+    "sample_hparams",
+    "LatestRules",
+    "LatestState",
+    "Report",
+    "Verdict",
+    "init_latest",
+    "judge",
 ]

@@ -8,7 +8,7 @@ import sys
 import torch
 
 import popmesh
-from popmesh.population.checkpoint import AgentState, Checkpointer
+from popmesh.population.state.checkpoint import AgentState, Checkpointer
 
 world = popmesh.init(timeout=20)
 folder = sys.argv[1]

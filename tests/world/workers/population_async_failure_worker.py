@@ -50,7 +50,7 @@ def dead_donor_surfaces_on_the_replaced_rank(w):
     stream of two and must fail at its deadline naming the silent donor, not wait forever."""
     if WHO_DIES != "donor":
         return
-    from popmesh.population import async_trainer
+    from popmesh.population.mechanisms.asynchronous import trainer as async_trainer
 
     if w.rank == 1:
         async_trainer.TrainerLink._decision = lambda self, message: os._exit(3)
@@ -124,7 +124,7 @@ def peers_finalizing_first_is_no_error(w):
     if WHO_DIES != "nobody":
         return
     if w.rank == 1:
-        from popmesh.population import async_runtime
+        from popmesh.population.mechanisms.asynchronous import runtime as async_runtime
 
         step = async_runtime.Runtime._step
 

@@ -14,8 +14,9 @@ from typing import Any
 import numpy as np
 
 from popmesh.core.errors import ConfigError
-from popmesh.population.combine import OptimizerPolicy, apply_momentum
-from popmesh.population.model_state import (
+from popmesh.population.decisions.combine import OptimizerPolicy, apply_momentum
+from popmesh.population.decisions.options import SelectiveOptions
+from popmesh.population.state.model_state import (
     Layout,
     from_numpy,
     layout_of,
@@ -25,7 +26,6 @@ from popmesh.population.model_state import (
     snapshot,
     to_numpy,
 )
-from popmesh.population.options import SelectiveOptions
 
 __all__ = ["Applied", "fresh_weights", "install_weights", "reset_optimizer", "apply_replacement"]
 

@@ -13,7 +13,7 @@ file system).
 While the world is short of a lost rank, its survivors can checkpoint over their own group
 (``save(..., group=survivors)``): the manifest then names the population's ranks that had no agent to
 write (``missing``), and a resumed run seeds those from the others (:func:`missing_ranks`, then
-:func:`popmesh.population.rejoin.seed_newcomers` with ``newcomers=``), as a rejoined rank is seeded.
+:func:`popmesh.population.state.rejoin.seed_newcomers` with ``newcomers=``), as a rejoined rank is seeded.
 """
 
 from __future__ import annotations

@@ -25,17 +25,17 @@ from typing import Any
 
 from popmesh.comm.world import Comm, resolve_group
 from popmesh.core.errors import ConfigError, PeerFailure, PopmeshError
-from popmesh.population.async_coordinator import CoordinatorLink
-from popmesh.population.async_protocol import Channels, channels
-from popmesh.population.async_runtime import Runtime, surface
-from popmesh.population.async_trainer import Pending, Snapshot
-from popmesh.population.combine import OptimizerPolicy
-from popmesh.population.info import Clock, PolicyInfo
-from popmesh.population.model_state import layout_of, model_tensors, optimizer_tensors, snapshot
-from popmesh.population.options import SelectiveOptions, check_metric
-from popmesh.population.policy import PopulationPolicy
-from popmesh.population.replace import apply_replacement
-from popmesh.population.selection import state_from_json, state_to_json
+from popmesh.population.decisions.combine import OptimizerPolicy
+from popmesh.population.decisions.options import SelectiveOptions, check_metric
+from popmesh.population.decisions.selection import state_from_json, state_to_json
+from popmesh.population.mechanisms.asynchronous.coordinator import CoordinatorLink
+from popmesh.population.mechanisms.asynchronous.protocol import Channels, channels
+from popmesh.population.mechanisms.asynchronous.runtime import Runtime, surface
+from popmesh.population.mechanisms.asynchronous.trainer import Pending, Snapshot
+from popmesh.population.mechanisms.info import Clock, PolicyInfo
+from popmesh.population.mechanisms.policy import PopulationPolicy
+from popmesh.population.state.model_state import layout_of, model_tensors, optimizer_tensors, snapshot
+from popmesh.population.state.replace import apply_replacement
 
 __all__ = ["AsyncSelectiveAveraging"]
 

@@ -15,10 +15,10 @@ from typing import Any
 from popmesh.comm.messages import RecvHandle, irecv, isend
 from popmesh.comm.world import World
 from popmesh.core.errors import CommTimeout, PeerFailure
-from popmesh.population.async_protocol import Channels, CoordinatorBook, decision_messages, parse_up
-from popmesh.population.async_trainer import reap
-from popmesh.population.options import SelectiveOptions
-from popmesh.population.selection import update_state
+from popmesh.population.decisions.options import SelectiveOptions
+from popmesh.population.decisions.selection import update_state
+from popmesh.population.mechanisms.asynchronous.protocol import Channels, CoordinatorBook, decision_messages, parse_up
+from popmesh.population.mechanisms.asynchronous.trainer import reap
 
 __all__ = ["CoordinatorLink"]
 

@@ -18,9 +18,12 @@ import numpy as np
 from popmesh.comm.collectives import all_gather, all_reduce_, broadcast_, broadcast_object
 from popmesh.comm.world import Comm
 from popmesh.core.errors import ConfigError
-from popmesh.population.decision import Decision
-from popmesh.population.info import Clock, PolicyInfo
-from popmesh.population.model_state import (
+from popmesh.population.decisions.decision import Decision
+from popmesh.population.decisions.options import SelectiveOptions, check_metric
+from popmesh.population.decisions.selection import SelectionState, state_from_json, state_to_json, update_state
+from popmesh.population.mechanisms.info import Clock, PolicyInfo
+from popmesh.population.mechanisms.policy import PopulationPolicy
+from popmesh.population.state.model_state import (
     FlatState,
     Layout,
     layout_of,
@@ -29,10 +32,7 @@ from popmesh.population.model_state import (
     snapshot,
     to_numpy,
 )
-from popmesh.population.options import SelectiveOptions, check_metric
-from popmesh.population.policy import PopulationPolicy
-from popmesh.population.replace import apply_replacement
-from popmesh.population.selection import SelectionState, state_from_json, state_to_json, update_state
+from popmesh.population.state.replace import apply_replacement
 
 __all__ = ["SelectiveAveraging", "combination_groups", "gather_metrics"]
 

@@ -15,10 +15,10 @@ from typing import Any
 import numpy as np
 
 from popmesh.core.errors import ConfigError
-from popmesh.population.combine import DEFAULT_OPTIMIZER_POLICY, OptimizerPolicy, Strategy, _check_momentum
-from popmesh.population.decision import Decision, decide
-from popmesh.population.explore import SpaceEntry, explore
-from popmesh.population.selection import DonorRule, ReplacementRule, SelectionState, _is_real, init_state
+from popmesh.population.decisions.combine import DEFAULT_OPTIMIZER_POLICY, OptimizerPolicy, Strategy, _check_momentum
+from popmesh.population.decisions.decision import Decision, decide
+from popmesh.population.decisions.explore import SpaceEntry, check_space, explore
+from popmesh.population.decisions.selection import DonorRule, ReplacementRule, SelectionState, _is_real, init_state
 
 __all__ = ["Explore", "SelectiveOptions", "check_every", "check_metric", "due"]
 
@@ -55,7 +55,8 @@ class Explore:
     ``keys`` name entries of every ``optimizer.param_groups`` dict (default the learning rate);
     each is passed through :func:`popmesh.population.explore` with ``space``, ``perturb`` and
     ``resample_prob``, seeded by (policy seed, iteration, global rank): deterministic and different
-    per agent.
+    per agent. ``space`` may declare a key (``{"lr": Continuous(1e-5, 1e-1, log=True)}``); it names
+    no key outside ``keys``.
     """
 
     keys: tuple[str, ...] = ("lr",)
@@ -68,8 +69,11 @@ class Explore:
             raise ConfigError(f"Explore keys must be a non-empty tuple of param-group names, got {self.keys!r}")
         object.__setattr__(self, "keys", tuple(self.keys))
         object.__setattr__(self, "perturb", tuple(self.perturb))
-        explore({k: 1.0 for k in self.keys}, 0, self.perturb, self.resample_prob,
-                {k: v for k, v in self.space.items() if k in self.keys})  # validates the settings
+        unknown = sorted(set(self.space) - set(self.keys))
+        if unknown:
+            raise ConfigError(f"Explore space names {unknown}, which are not among keys {list(self.keys)}: "
+                              "add them to keys= or take them out of space=")
+        check_space(self.space, self.perturb, self.resample_prob)
 
     def apply(self, optimizer: Any, seed: int, iteration: int, rank: int) -> dict[str, list[Any]]:
         """Perturb ``optimizer``'s param groups in place; return ``{key: [old, new]}`` (first group)."""
@@ -81,8 +85,7 @@ class Explore:
                 raise ConfigError(f"Explore keys {missing} are not optimizer hyper-parameters; "
                                   f"param groups have {sorted(k for k in group if k != 'params')}")
             old = {k: group[k] for k in self.keys}
-            new = explore(old, rng, self.perturb, self.resample_prob,
-                          {k: v for k, v in self.space.items() if k in self.keys})
+            new = explore(old, rng, self.perturb, self.resample_prob, self.space)
             group.update(new)
             for k in self.keys:
                 changed.setdefault(k, [old[k], new[k]])

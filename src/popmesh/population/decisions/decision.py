@@ -15,14 +15,14 @@ from typing import Any
 import numpy as np
 
 from popmesh.core.errors import ConfigError
-from popmesh.population.combine import (
+from popmesh.population.decisions.combine import (
     DEFAULT_OPTIMIZER_POLICY,
     OptimizerPolicy,
     Strategy,
     _weights_of,
     optimizer_action,
 )
-from popmesh.population.selection import (
+from popmesh.population.decisions.selection import (
     DonorRule,
     ReplacementRule,
     RngLike,

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from popmesh.core.errors import ConfigError
-from popmesh.population.info import json_number
+from popmesh.population.mechanisms.info import json_number
 
 __all__ = ["EventLog", "replacement_event"]
 

@@ -19,15 +19,15 @@ import numpy as np
 from popmesh.comm.messages import irecv, isend
 from popmesh.comm.world import World
 from popmesh.core.errors import CommTimeout, PeerClosed, PeerFailure, PopmeshError
-from popmesh.population.async_inbox import Inbox, Job, Pending, Snapshot
-from popmesh.population.async_protocol import (
+from popmesh.population.decisions.decision import Decision
+from popmesh.population.mechanisms.asynchronous.inbox import Inbox, Job, Pending, Snapshot
+from popmesh.population.mechanisms.asynchronous.protocol import (
     ACK,
     BYE,
     Channels,
     metrics_by_rank,
     up_row,
 )
-from popmesh.population.decision import Decision
 
 __all__ = ["Pending", "Snapshot", "TrainerLink", "reap"]
 

@@ -16,9 +16,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from popmesh.comm.world import Comm, resolve_group
-from popmesh.population.events import EventLog, replacement_event
-from popmesh.population.info import PolicyInfo
-from popmesh.population.options import check_metric, due
+from popmesh.population.decisions.options import check_metric, due
+from popmesh.population.mechanisms.events import EventLog, replacement_event
+from popmesh.population.mechanisms.info import PolicyInfo
 
 __all__ = ["PopulationPolicy"]
 

@@ -27,10 +27,10 @@ from typing import Any
 from popmesh.comm.messages import on_arrival
 from popmesh.comm.world import World
 from popmesh.core.errors import CommTimeout, PeerFailure, PopmeshError
-from popmesh.population.async_coordinator import CoordinatorLink
-from popmesh.population.async_protocol import BYE, METRIC, Channels
-from popmesh.population.async_trainer import Pending, Snapshot, TrainerLink, reap
-from popmesh.population.options import SelectiveOptions
+from popmesh.population.decisions.options import SelectiveOptions
+from popmesh.population.mechanisms.asynchronous.coordinator import CoordinatorLink
+from popmesh.population.mechanisms.asynchronous.protocol import BYE, METRIC, Channels
+from popmesh.population.mechanisms.asynchronous.trainer import Pending, Snapshot, TrainerLink, reap
 
 __all__ = ["Runtime", "surface"]
 

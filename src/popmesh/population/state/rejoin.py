@@ -23,7 +23,7 @@ import torch
 from popmesh.comm.collectives import all_gather_object, all_reduce, broadcast_object
 from popmesh.comm.world import Comm, resolve_group
 from popmesh.core.errors import ConfigError
-from popmesh.population.model_state import model_tensors
+from popmesh.population.state.model_state import model_tensors
 from popmesh.torch.handover import broadcast_optimizer_state
 
 __all__ = ["Seeding", "choose_donors", "seed_newcomers"]

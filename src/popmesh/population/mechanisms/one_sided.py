@@ -23,10 +23,13 @@ import numpy as np
 from popmesh.comm.collectives import all_gather
 from popmesh.comm.world import Comm, resolve_group
 from popmesh.core.errors import ConfigError
-from popmesh.population.combine import OptimizerPolicy, combine
-from popmesh.population.decision import Decision
-from popmesh.population.info import Clock, PolicyInfo
-from popmesh.population.model_state import (
+from popmesh.population.decisions.combine import OptimizerPolicy, combine
+from popmesh.population.decisions.decision import Decision
+from popmesh.population.decisions.options import SelectiveOptions, check_metric
+from popmesh.population.decisions.selection import SelectionState, update_state
+from popmesh.population.mechanisms.info import Clock, PolicyInfo
+from popmesh.population.mechanisms.policy import PopulationPolicy
+from popmesh.population.state.model_state import (
     FlatState,
     Layout,
     from_numpy,
@@ -39,10 +42,7 @@ from popmesh.population.model_state import (
     tensors_of,
     unpack_bytes,
 )
-from popmesh.population.options import SelectiveOptions, check_metric
-from popmesh.population.policy import PopulationPolicy
-from popmesh.population.replace import apply_replacement
-from popmesh.population.selection import SelectionState, update_state
+from popmesh.population.state.replace import apply_replacement
 
 __all__ = ["OneSidedAveraging"]
 

@@ -4,7 +4,7 @@ Pure: no communication. The trainer's background thread hands it the coordinator
 (:meth:`Inbox.open`) and each donor's stream (:meth:`Inbox.stream`) in whatever order they arrive:
 they travel on separate channels from separate senders, so a stream may come before its decision;
 it is kept, keyed by decision iteration, until the decision opens its job. Streams are combined in
-donor order, bit for bit like :func:`~popmesh.population.combine.combine`.
+donor order, bit for bit like :func:`~popmesh.population.decisions.combine.combine`.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 
 from popmesh.core.errors import PopmeshError
-from popmesh.population.combine import _check_weights, combine
-from popmesh.population.decision import Decision
+from popmesh.population.decisions.combine import check_weights, combine
+from popmesh.population.decisions.decision import Decision
 
 __all__ = ["Pending", "Snapshot", "Job", "Inbox"]
 
@@ -72,7 +72,7 @@ class _Combiner:
 
     def begin(self, donors: int, weights: Any) -> None:
         """Start a combination of ``donors`` donors with ``weights`` (checked like ``combine``)."""
-        self._begin(tuple(_check_weights(weights, donors)))
+        self._begin(tuple(check_weights(weights, donors)))
 
     def _begin(self, weights: tuple[float, ...]) -> None:
         self._weights: tuple[float, ...] = weights

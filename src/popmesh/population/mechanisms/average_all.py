@@ -7,10 +7,10 @@ from typing import Any
 
 from popmesh.comm.collectives import all_reduce_
 from popmesh.comm.world import Comm
-from popmesh.population.info import PolicyInfo
-from popmesh.population.model_state import load_, model_tensors, snapshot
-from popmesh.population.options import check_every
-from popmesh.population.policy import PopulationPolicy
+from popmesh.population.decisions.options import check_every
+from popmesh.population.mechanisms.info import PolicyInfo
+from popmesh.population.mechanisms.policy import PopulationPolicy
+from popmesh.population.state.model_state import load_, model_tensors, snapshot
 
 __all__ = ["AverageAll"]
 

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from popmesh.core.errors import ConfigError
-from popmesh.population.selection import _is_real, as_metrics
+from popmesh.population.decisions.selection import _is_real, as_metrics
 
 __all__ = [
     "Strategy",
@@ -128,7 +128,7 @@ def _weights_of(m: np.ndarray, index: np.ndarray, strategy: Strategy) -> tuple[f
     return tuple(out)
 
 
-def _check_weights(weights: Sequence[float], count: int) -> np.ndarray:
+def check_weights(weights: Sequence[float], count: int) -> np.ndarray:
     w = np.asarray(weights, dtype=np.float64)
     if w.ndim != 1 or w.size != count or count == 0:
         raise ConfigError(f"need one weight per donor: got {w.size} weights for {count} donors")
@@ -193,7 +193,7 @@ def combine(donor_arrays: Sequence[Any], weights: Sequence[float]) -> Any:
     dtypes (ValueError naming the first difference otherwise). Accumulates in float64, then casts
     back; integer and bool leaves are rounded to the nearest value (half to even).
     """
-    w = _check_weights(weights, len(donor_arrays))
+    w = check_weights(weights, len(donor_arrays))
     return _tree_map(lambda leaves, path: _weighted_sum(leaves, w, path), list(donor_arrays))
 
 

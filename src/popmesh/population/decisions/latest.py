@@ -1,0 +1,326 @@
+"""Decisions that never wait: a rank at its decision point is judged against every member's latest report.
+
+Nobody waits for the slowest member (Ray Tune's asynchronous PBT; IsaacGymEnvs' decentralised
+DexPBT): each member reports ``(rank, iteration, steps, objective, hparams)`` whenever it likes, and a
+rank that reaches a decision point calls :func:`judge` with the latest report of every member it has.
+The :class:`Verdict` says whether that one rank is replaced, by which donors, and why.
+
+The rules, each an option of :class:`LatestRules`:
+
+* **quantile fraction**: the bottom ``quantile_fraction`` of the comparable members may be replaced,
+  by donors from the top ``quantile_fraction`` (Ray PBT's rule: ``ceil(n * f)``, at most ``n // 2``);
+* **experience matching**: a member is compared only through its reports at equal or less experience
+  than the judged rank's (DexPBT), so a rank that ran ahead is not judged against a slow one's future;
+* **interval best**: a member counts with its best objective over the last ``interval`` of experience
+  rather than its last value (DexPBT), so a random dip does not get it replaced;
+* **two gaps**: a donor must lead by more than ``absolute_gap`` **and** by more than
+  ``relative_gap * |donor's objective|`` (Sample Factory's pair, with the absolute value so that
+  negative objectives work);
+* **cooldown** and **burn-in**: no replacement before ``burn_in``, nor within ``cooldown`` of the
+  rank's previous replacement;
+* **exclusion**: ranks the heartbeat named (passed in) are neither compared nor donors.
+
+Ties follow :mod:`~popmesh.population.decisions.selection`'s total order: among equal objectives the
+higher rank is the worse. A donor's weights are its current ones; matching decides only who is
+compared. The state (:class:`LatestState`) is explicit, passed in and returned; pure, no process.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal, NamedTuple
+
+from popmesh.core.errors import ConfigError
+from popmesh.population.decisions.selection import _is_real
+
+__all__ = ["Report", "LatestRules", "LatestState", "Verdict", "init_latest", "judge"]
+
+_SLACK = 1e-9  # so that ceil(10 * 0.3) is 3, not 4
+
+Entry = tuple[float, float]
+"""One point of a member's history: (clock, objective)."""
+
+
+def _count(value: Any) -> bool:
+    return _is_real(value) and float(value) == int(value) and value >= 0
+
+
+@dataclass(frozen=True)
+class Report:
+    """What a member last said of itself; a bad field is a ConfigError naming the rank.
+
+    * ``rank``: its position in the population (0..n-1: the group rank).
+    * ``iteration``, ``steps``: its training iteration and the experience it collected (env steps),
+      both non-negative and non-decreasing from one report to the next.
+    * ``objective``: what selection ranks by, higher is better (the true objective: evaluation return,
+      modes found), finite.
+    * ``metric``: the training metric when it differs (for logs; it never ranks).
+    * ``hparams``: its hyper-parameters, handed to the verdict of a rank it donates to.
+    * ``generation``: how many times it was replaced; a higher one starts its history afresh.
+    """
+
+    rank: int
+    iteration: int
+    steps: int
+    objective: float
+    metric: float | None = None
+    hparams: Mapping[str, Any] = field(default_factory=dict)
+    generation: int = 0
+
+    def __post_init__(self) -> None:
+        if not _count(self.rank):
+            raise ConfigError(f"Report.rank must be a non-negative int, got {self.rank!r}")
+        for name in ("iteration", "steps", "generation"):
+            if not _count(getattr(self, name)):
+                raise ConfigError(f"rank {self.rank}'s report: {name} must be a non-negative int, "
+                                  f"got {getattr(self, name)!r}")
+        if not _is_real(self.objective) or not math.isfinite(self.objective):
+            raise ConfigError(f"rank {self.rank} reported the objective {self.objective!r}: it must be a finite "
+                              "number (report a diverged agent's last finite value, or leave it out)")
+        if self.metric is not None and not _is_real(self.metric):
+            raise ConfigError(f"rank {self.rank}'s report: metric must be a number or None, got {self.metric!r}")
+
+
+def _non_negative(rules: Any, name: str, what: str) -> None:
+    value = getattr(rules, name)
+    if not _is_real(value) or not math.isfinite(value) or value < 0:
+        raise ConfigError(f"LatestRules.{name} must be a finite number >= 0 ({what}), got {value!r}")
+
+
+@dataclass(frozen=True)
+class LatestRules:
+    """The options of :func:`judge`; each default's source follows it.
+
+    Experience (``interval``, ``cooldown``, ``burn_in``, matching) is counted on ``clock``: the
+    reports' ``steps`` or their ``iteration``.
+    """
+
+    quantile_fraction: float = 0.25
+    """Bottom fraction replaced, donors from the top one, in (0, 0.5]: Ray Tune PBT's default."""
+    relative_gap: float = 0.1
+    """A donor's lead must exceed this fraction of its objective's magnitude: Sample Factory's default."""
+    absolute_gap: float = 1e-6
+    """A donor's lead must exceed this: Sample Factory's default (any real lead)."""
+    clock: Literal["steps", "iterations"] = "steps"
+    """What experience is counted in: env steps, as DexPBT and Sample Factory count it."""
+    match_experience: bool = True
+    """Compare only with reports at equal or less experience: DexPBT's rule."""
+    interval: float = 0.0
+    """Best objective over this much experience; 0 is the last value (Ray PBT; DexPBT: its period)."""
+    cooldown: float = 0.0
+    """Experience after a replacement before the next: 0, the cadence alone, as in Ray PBT."""
+    burn_in: float = 0.0
+    """Experience before the first replacement: Ray PBT's ``burn_in_period`` default."""
+    max_donors: int | None = None
+    """At most this many donors, the best first; None is all of them: popmesh's mean of donors."""
+    history: int = 32
+    """Entries kept per member for matching and interval best: enough for 32 reports of lead."""
+
+    def __post_init__(self) -> None:
+        f = self.quantile_fraction
+        if not _is_real(f) or not 0.0 < f <= 0.5:
+            raise ConfigError(f"LatestRules.quantile_fraction must be in (0, 0.5], got {f!r}: above 0.5 the bottom "
+                              "and top fractions overlap and every agent could be replaced")
+        if self.clock not in ("steps", "iterations"):
+            raise ConfigError(f"LatestRules.clock must be 'steps' or 'iterations', got {self.clock!r}")
+        _non_negative(self, "relative_gap", "a fraction of the donor's objective, e.g. 0.1")
+        _non_negative(self, "absolute_gap", "in the objective's units")
+        for name in ("interval", "cooldown", "burn_in"):
+            _non_negative(self, name, f"in {self.clock}")
+        if not isinstance(self.match_experience, bool):
+            raise ConfigError(f"LatestRules.match_experience must be True or False, got {self.match_experience!r}")
+        if self.max_donors is not None and (not _count(self.max_donors) or self.max_donors < 1):
+            raise ConfigError(f"LatestRules.max_donors must be a positive int or None, got {self.max_donors!r}")
+        if not _count(self.history) or self.history < 1:
+            raise ConfigError(f"LatestRules.history must be a positive int (entries per member), got {self.history!r}")
+
+    @classmethod
+    def build(cls, options: Mapping[str, Any]) -> LatestRules:
+        """``LatestRules(**options)``, with a ConfigError naming the valid options for an unknown one."""
+        valid = [f.name for f in fields(cls)]
+        unknown = sorted(set(options) - set(valid))
+        if unknown:
+            raise ConfigError(f"LatestRules got unknown options {unknown}; valid: {valid}")
+        return cls(**options)
+
+    def clock_of(self, report: Report) -> float:
+        """The report's experience on this clock."""
+        return float(report.steps if self.clock == "steps" else report.iteration)
+
+
+class LatestState(NamedTuple):
+    """What :func:`judge` remembers, per member (index = rank): its recent (clock, objective) entries,
+    oldest first; the newest generation seen; the clock at which a verdict here last replaced it."""
+
+    history: tuple[tuple[Entry, ...], ...]
+    generations: tuple[int, ...]
+    last_replaced: tuple[float | None, ...]
+
+
+def init_latest(n: int) -> LatestState:
+    """Fresh state for a population of ``n``."""
+    if not _count(n) or n < 1:
+        raise ConfigError(f"init_latest needs a positive number of members, got {n!r}")
+    return LatestState(((),) * int(n), (0,) * int(n), (None,) * int(n))
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether ``rank`` is replaced, by which ``donors`` (ascending; empty when not), and why.
+
+    ``objectives`` holds the value each compared member was judged by (the judged rank's included);
+    ``donor_hparams`` each donor's reported hyper-parameters.
+    """
+
+    rank: int
+    replace: bool
+    donors: tuple[int, ...]
+    reason: str
+    objectives: dict[int, float] = field(default_factory=dict)
+    donor_hparams: dict[int, Mapping[str, Any]] = field(default_factory=dict)
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.4g}"
+
+
+def _observe(state: LatestState, reports: Mapping[int, Report], rules: LatestRules) -> LatestState:
+    """The state with each report's entry appended; a stale report (older clock or generation, or
+    from before this rank's recorded replacement) adds nothing, the same clock overwrites."""
+    history, gens = list(state.history), list(state.generations)
+    for r, report in reports.items():
+        clock = rules.clock_of(report)
+        if report.generation < gens[r]:
+            continue
+        if report.generation > gens[r]:
+            history[r], gens[r] = (), report.generation
+        replaced_at = state.last_replaced[r]
+        if replaced_at is not None and clock <= replaced_at:
+            continue
+        entries = history[r]
+        if entries and clock < entries[-1][0]:
+            continue
+        kept = entries[:-1] if entries and clock == entries[-1][0] else entries
+        history[r] = (kept + ((clock, float(report.objective)),))[-rules.history:]
+    return state._replace(history=tuple(history), generations=tuple(gens))
+
+
+def _value(entries: tuple[Entry, ...], anchor: float, interval: float) -> tuple[float, float] | None:
+    """(clock, value) of a member at experience ``anchor``: its newest entry at or below it, valued at
+    the best objective over the ``interval`` before that entry; None without such an entry."""
+    below = [e for e in entries if e[0] <= anchor]
+    if not below:
+        return None
+    at = below[-1][0]
+    return at, max(obj for clock, obj in below if clock >= at - interval)
+
+
+def _checked(rank: int, reports: Sequence[Report], state: LatestState, rules: LatestRules,
+             excluded: Collection[int]) -> tuple[dict[int, Report], frozenset[int]]:
+    if not isinstance(rules, LatestRules):
+        raise ConfigError(f"rules must be a LatestRules, got {type(rules).__name__}")
+    if not isinstance(state, LatestState) or not len(state.generations) == len(state.last_replaced) == len(
+            state.history):
+        raise ConfigError("state must be the LatestState that init_latest(n) made and judge returned")
+    n = len(state.history)
+    by_rank: dict[int, Report] = {}
+    for report in reports:
+        if not isinstance(report, Report):
+            raise ConfigError(f"reports must be Report values, got {type(report).__name__}")
+        if report.rank >= n:
+            raise ConfigError(f"rank {report.rank} reported, outside the population 0..{n - 1}")
+        if report.rank in by_rank:
+            raise ConfigError(f"rank {report.rank} has two reports: pass each member's latest one only")
+        by_rank[int(report.rank)] = report
+    if not _count(rank) or int(rank) not in by_rank:
+        raise ConfigError(f"rank {rank!r} is judged without its own report among reports: pass its latest one")
+    gone = frozenset(int(r) for r in excluded)
+    if any(not 0 <= r < n for r in gone):
+        raise ConfigError(f"excluded names ranks {sorted(r for r in gone if not 0 <= r < n)} outside 0..{n - 1}")
+    return by_rank, gone
+
+
+def _hold(rank: int, clock: float, state: LatestState, rules: LatestRules, gone: frozenset[int]) -> str | None:
+    """Why ``rank`` cannot be replaced now whoever leads, or None."""
+    unit = rules.clock
+    if rank in gone:
+        return f"rank {rank} is excluded (named by the heartbeat)"
+    if clock < rules.burn_in:
+        return f"burn-in: {_fmt(clock)} of {_fmt(rules.burn_in)} {unit}"
+    last = state.last_replaced[rank]
+    if last is not None and clock - last < rules.cooldown:
+        return (f"cooldown: replaced at {_fmt(last)} {unit}, not again before {_fmt(last + rules.cooldown)} "
+                f"(now {_fmt(clock)})")
+    return None
+
+
+def _leads(own: float, donor: float, rules: LatestRules) -> bool:
+    lead = donor - own
+    return lead > rules.absolute_gap and lead > rules.relative_gap * abs(donor)
+
+
+def judge(rank: int, reports: Sequence[Report], state: LatestState, rules: LatestRules | None = None, *,
+          excluded: Collection[int] = ()) -> tuple[Verdict, LatestState]:
+    """Judge ``rank`` against the latest report of every member; return the verdict and the new state.
+
+    ``reports`` holds at most one report per member (its latest), ``rank``'s own included; what
+    earlier calls saw is in ``state`` and counts too, and a member that never reported is not
+    compared. ``excluded`` are ranks the heartbeat named: ignored, never waited for. The state takes
+    every report's entry; a replacement also records the rank's clock and clears its history (those
+    objectives belonged to the weights it loses). Same inputs, same verdict.
+    """
+    rules = LatestRules() if rules is None else rules
+    by_rank, gone = _checked(rank, reports, state, rules, excluded)
+    rank = int(rank)
+    state = _observe(state, by_rank, rules)
+    clock = rules.clock_of(by_rank[rank])
+    held = _hold(rank, clock, state, rules, gone)
+    if held is not None:
+        return Verdict(rank, False, (), f"not replaced: {held}"), state
+    anchor = clock if rules.match_experience else math.inf
+    values: dict[int, float] = {}
+    for r, entries in enumerate(state.history):
+        found = None if r in gone else _value(entries, clock if r == rank else anchor, rules.interval)
+        if found is not None:
+            values[r] = found[1]
+    if rank not in values:
+        return Verdict(rank, False, (), "not replaced: no report of its own since its last replacement"), state
+    if len(values) < 2:
+        why = f"not replaced: no other member has a report at or below {_fmt(clock)} {rules.clock}"
+        return Verdict(rank, False, (), why, values), state
+    return _rank_and_choose(rank, values, by_rank, state, rules)
+
+
+def _rank_and_choose(rank: int, values: dict[int, float], by_rank: Mapping[int, Report], state: LatestState,
+                     rules: LatestRules) -> tuple[Verdict, LatestState]:
+    """The quantile and gap rules over the comparable ``values``."""
+    n = len(values)
+    best_first = sorted(values, key=lambda r: (-values[r], r))
+    k = min(max(1, math.ceil(n * rules.quantile_fraction - _SLACK)), n // 2)
+    place = best_first.index(rank) + 1
+    own = values[rank]
+    if place <= n - k:
+        why = f"not replaced: objective {_fmt(own)} is {_ordinal(place)} of {n}, above the bottom {k}"
+        return Verdict(rank, False, (), why, values), state
+    top = best_first[:k]
+    chosen = [d for d in top if _leads(own, values[d], rules)][:rules.max_donors]
+    if not chosen:
+        lead = values[top[0]] - own
+        why = (f"not replaced: bottom {k} of {n} (objective {_fmt(own)}), but no top-{k} member leads by both "
+               f"gaps: rank {top[0]} leads by {_fmt(lead)}, needs > {_fmt(rules.absolute_gap)} and > "
+               f"{_fmt(rules.relative_gap * abs(values[top[0]]))}")
+        return Verdict(rank, False, (), why, values), state
+    donors = tuple(sorted(chosen))
+    why = (f"replaced: objective {_fmt(own)} is {_ordinal(place)} of {n} (bottom {k}); donors {list(donors)} lead "
+           f"by more than {_fmt(rules.absolute_gap)} and {_fmt(rules.relative_gap)} of their objective")
+    hparams = {d: by_rank[d].hparams if d in by_rank else {} for d in donors}
+    history = tuple(() if r == rank else h for r, h in enumerate(state.history))
+    last = tuple(rules.clock_of(by_rank[rank]) if r == rank else t for r, t in enumerate(state.last_replaced))
+    return Verdict(rank, True, donors, why, values, hparams), state._replace(history=history, last_replaced=last)
+
+
+def _ordinal(place: int) -> str:
+    suffix = "th" if 10 <= place % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(place % 10, "th")
+    return f"{place}{suffix}"
