@@ -77,3 +77,23 @@ def test_upstream_single_process_suites():
     done = subprocess.run([sys.executable, "-c", SINGLE_PROCESS.format(port=port)], capture_output=True, text=True,
                           timeout=100, env=env)
     assert done.returncode == 0 and "UPSTREAM-SINGLE-PROCESS-OK" in done.stdout, done.stdout + done.stderr
+
+
+def test_a_host_with_cuda_gets_nccl_for_cuda_tensors_and_the_gfn_facade_asks_for_pure_gloo():
+    """The device-dependent choices, for a host described as having CUDA (no GPU needed to check them)."""
+    from types import SimpleNamespace
+
+    from popmesh.compat import gfn
+    from popmesh.core.errors import ConfigError
+    from popmesh.engines.torch.engine import default_backend
+
+    assert default_backend(cuda_available=True, nccl_available=True) == "cpu:gloo,cuda:nccl"
+    assert default_backend(cuda_available=True, nccl_available=False) == "gloo"
+    assert default_backend(cuda_available=False, nccl_available=True) == "gloo"
+    assert gfn._world_options("gloo") == {"backend": "gloo"}  # torchgfn's buffers insist on exactly "gloo"
+    assert gfn._world_options("mpi") == {}
+    mixed = SimpleNamespace(engine_name="torch", engine=SimpleNamespace(backend="cpu:gloo,cuda:nccl"))
+    with pytest.raises(ConfigError, match=r"insist on exactly 'gloo'.*popmesh.init\(backend='gloo'\)"):
+        gfn._check_buffer_backend(mixed, num_remote_buffers=1)
+    gfn._check_buffer_backend(mixed, num_remote_buffers=0)  # no buffer, no constraint
+    gfn._check_buffer_backend(SimpleNamespace(engine_name="torch", engine=SimpleNamespace(backend="gloo")), 2)

@@ -101,13 +101,31 @@ _ENGINES = {"torch": "torch", "mpi": "mpi"}
 _DIST_BACKENDS = {"gloo": "torch", "mpi": "mpi"}
 
 
-def _world(engine: str | None = None) -> World:
-    """The current world (a world of one when nothing was launched); init a launched one if needed."""
+def _world(engine: str | None = None, **options: Any) -> World:
+    """The current world (a world of one when nothing was launched); init a launched one if needed,
+    with ``options`` (``backend="gloo"``)."""
     try:
         world = _current_world()
     except ConfigError:
-        world = _init() if engine is None else _init(engine)
+        world = _init(**options) if engine is None else _init(engine, **options)
     return world
+
+
+def _world_options(dist_backend: str) -> dict[str, Any]:
+    """How the facade forms a world for torchgfn's ``dist_backend``: ``"gloo"`` is a pure gloo default
+    group, on a host with CUDA too, since torchgfn's replay buffer and buffer manager insist on
+    ``dist.get_backend() == "gloo"`` (popmesh's own default there is ``"cpu:gloo,cuda:nccl"``)."""
+    return {"backend": "gloo"} if dist_backend == "gloo" else {}
+
+
+def _check_buffer_backend(world: World, num_remote_buffers: int) -> None:
+    """ConfigError where torchgfn's buffers would refuse the running world's backend (a world formed
+    before the facade, with nccl for CUDA tensors), instead of their bare assertion later."""
+    backend = getattr(world.engine, "backend", "gloo")
+    if num_remote_buffers > 0 and world.engine_name == "torch" and backend != "gloo":
+        raise ConfigError(f"this world's default group runs {backend!r}, and torchgfn's remote replay buffers "
+                          "insist on exactly 'gloo': let initialize_distributed_compute form the world, or "
+                          "form it with popmesh.init(backend='gloo')")
 
 
 def _first_env(*names: str, default: str | None = None) -> str | None:
@@ -320,8 +338,9 @@ def initialize_distributed_compute(dist_backend: str, num_remote_buffers: int, n
     """
     if dist_backend not in _DIST_BACKENDS:
         raise ConfigError(f"dist_backend={dist_backend!r}: use 'gloo' (torch engine) or 'mpi' (MPI engine)")
-    world = _world(_DIST_BACKENDS[dist_backend])
+    world = _world(_DIST_BACKENDS[dist_backend], **_world_options(dist_backend))
     _comm(_DIST_BACKENDS[dist_backend], world, "initialize_distributed_compute")
+    _check_buffer_backend(world, num_remote_buffers)
     ctx = _roles.assign_roles(world, num_buffers=num_remote_buffers, num_agent_groups=num_agent_groups,
                                 use_coordinator=use_coordinator)
     view = DistributedContextMPI4Py(**_fields_of(ctx)) if world.engine_name == "mpi" else None
