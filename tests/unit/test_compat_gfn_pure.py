@@ -85,11 +85,11 @@ def test_a_host_with_cuda_gets_nccl_for_cuda_tensors_and_the_gfn_facade_asks_for
 
     from popmesh.compat import gfn
     from popmesh.core.errors import ConfigError
-    from popmesh.engines.torch.engine import default_backend
+    from popmesh.engines.torch.engine import backend_for_host
 
-    assert default_backend(cuda_available=True, nccl_available=True) == "cpu:gloo,cuda:nccl"
-    assert default_backend(cuda_available=True, nccl_available=False) == "gloo"
-    assert default_backend(cuda_available=False, nccl_available=True) == "gloo"
+    assert backend_for_host(cuda_available=True, nccl_available=True) == "cpu:gloo,cuda:nccl"
+    assert backend_for_host(cuda_available=True, nccl_available=False) == "gloo"
+    assert backend_for_host(cuda_available=False, nccl_available=True) == "gloo"
     assert gfn._world_options("gloo") == {"backend": "gloo"}  # torchgfn's buffers insist on exactly "gloo"
     assert gfn._world_options("mpi") == {}
     mixed = SimpleNamespace(engine_name="torch", engine=SimpleNamespace(backend="cpu:gloo,cuda:nccl"))

@@ -423,13 +423,13 @@ def _pick_cuda_device(torch: Any, env: TorchEnv) -> None:
         torch.cuda.set_device(env.local_rank)
 
 
-def default_backend(cuda_available: bool, nccl_available: bool) -> str:
+def backend_for_host(cuda_available: bool, nccl_available: bool) -> str:
     """The default group's backend for a host described by the two flags: gloo for CPU tensors, and
     nccl for CUDA tensors where the host has both (so GradientSync and the collectives run CUDA
-    tensors on nccl). Code that insists on exactly ``"gloo"`` (torchgfn's replay buffer) asks for
-    ``init(backend="gloo")``, as ``popmesh.compat.gfn`` does."""
+    tensors on nccl). Code that insists on exactly ``"gloo"`` asks for ``init(backend="gloo")``, as
+    the GFlowNet facade in ``popmesh.compat`` does."""
     return "cpu:gloo,cuda:nccl" if cuda_available and nccl_available else "gloo"
 
 
 def _default_backend(torch: Any) -> str:
-    return default_backend(torch.cuda.is_available(), torch.distributed.is_nccl_available())
+    return backend_for_host(torch.cuda.is_available(), torch.distributed.is_nccl_available())
