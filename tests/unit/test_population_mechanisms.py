@@ -250,9 +250,10 @@ def test_channels_are_distinct_internal_tags():
 
 
 def test_up_rows_round_trip_with_nan():
-    kind, it, metric, fp, acked = parse_up(up_row(METRIC, 40, math.nan, 2**51 + 3, acked=30))
-    assert (kind, it, fp, acked) == (METRIC, 40, 2**51 + 3, 30) and math.isnan(metric)
-    assert parse_up(up_row(BYE, -1))[4] == -1, "no acknowledgement by default"
+    up = parse_up(up_row(METRIC, 40, math.nan, 2**51 + 3, acked=30, steps=2**52 + 1, generation=2))
+    assert (up.kind, up.iteration, up.fingerprint, up.acked) == (METRIC, 40, 2**51 + 3, 30) and math.isnan(up.metric)
+    assert (up.steps, up.generation) == (2**52 + 1, 2)
+    assert parse_up(up_row(BYE, -1)).acked == -1, "no acknowledgement by default"
     with pytest.raises(ConfigError, match="mixed popmesh versions"):
         parse_up(np.zeros(4))
 

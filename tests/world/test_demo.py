@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from popmesh.demo.config import ENT_RANGE, LR_RANGE
 from popmesh.population.state.checkpoint import read_manifest
 
 
@@ -37,8 +38,7 @@ def test_demo_writes_sane_files(tmp_path, policy):
         assert event["rank"] in (0, 1) and event["donors"] and event["rank"] not in event["donors"]
         assert abs(sum(event["weights"]) - 1) < 1e-6
         assert event["decided_at"] % 2 == 0 and event["decided_at"] <= event["iteration"]  # the cadence set (--every 2)
-        lr, inherited = event["lr"], event["lr_inherited"]  # PBT's explore step moved it (unless at an edge)
-        assert 1.999e-4 <= lr <= 6.001e-3 and (lr != inherited or min(abs(lr - 2e-4), abs(lr - 6e-3)) < 1e-9)
+        _check_explored(event, ("lr", "ent_coef"))
     # off a terminal the view prints each event as a line (and progress every 5 s) instead of a live table
     printed = [line for line in done.stdout.splitlines() if "[popmesh demo]" in line and "←" in line]
     assert len(printed) == len(events), done.stdout[-3000:]
@@ -51,6 +51,17 @@ def test_demo_writes_sane_files(tmp_path, policy):
         assert {"population.report", "population.apply"} & (names[0] | names[1])
 
 
+def _check_explored(event, names):
+    """A replaced agent's event carries each explored value, inherited and in use, within its range; the
+    explore step moved each of ``names`` (unless it stayed at an edge of the range) and nothing else."""
+    for name, (low, high) in (("lr", LR_RANGE), ("ent_coef", ENT_RANGE)):
+        value, inherited = event[name], event[f"{name}_inherited"]
+        assert low * (1 - 1e-6) <= value <= high * (1 + 1e-6) and inherited > 0, event
+        edge = min(abs(value - low) / low, abs(value - high) / high) < 1e-6
+        assert (value != inherited or edge) if name in names else value == inherited, event
+        assert (name in event["explored"]) == (value != inherited), event
+
+
 def _check_board(tb, summary, events):
     """TensorBoard's own reader finds one run per rank with its scalars against env steps."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -61,8 +72,9 @@ def _check_board(tb, summary, events):
         tags = set(board.Tags()["scalars"])
         assert {"return/mean_last_20", "speed/steps_per_s", "hparams/lr", "hparams/entropy",
                 "population/replaced"} <= tags, tags
-        lrs = board.Scalars("hparams/lr")
-        assert lrs[-1].step == agent["steps"] and abs(lrs[-1].value - agent["lr"]) < 1e-9
+        for tag, name in (("lr", "lr"), ("entropy", "ent_coef")):  # the explored values at the last iteration
+            last = board.Scalars(f"hparams/{tag}")[-1]
+            assert last.step == agent["steps"] and abs(last.value - agent[name]) <= 1e-6 * agent[name]
         replaced = [e for e in events if e["rank"] == agent["rank"]]
         assert board.Scalars("population/replaced")[-1].value == len(replaced)
 
@@ -85,11 +97,52 @@ def test_demo_checkpoints_and_resumes_where_it_left_off(tmp_path):
                             capture_output=True, text=True, timeout=150)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert f"resumed from {run}/checkpoints/ckpt-000000006 (iteration 6, 3,072 steps per agent)" in second.stdout
-    summary = json.loads((next(second_out.iterdir()) / "summary.json").read_text())
+    resumed_run = next(second_out.iterdir())
+    summary = json.loads((resumed_run / "summary.json").read_text())
     assert summary["resumed_from"] == f"{run}/checkpoints/ckpt-000000006"
+    # each agent's explored values come back with it: a rank not replaced at the resumed run's first
+    # iteration (6) trains at what it had when the checkpoint was written (after iteration 5)
+    saved = {r["rank"]: r for r in _rows(run) if r["iteration"] == 5}
+    replaced = {e["rank"] for e in _rows(resumed_run, "events") if e["iteration"] == 6}
+    first = {r["rank"]: r for r in _rows(resumed_run) if r["iteration"] == 6}
+    kept = [rank for rank in (0, 1) if rank not in replaced]
+    assert kept and all(first[r][k] == saved[r][k] for r in kept for k in ("lr", "ent_coef")), (saved, first)
+    assert len({saved[0]["lr"], saved[1]["lr"]}) == 2  # the ranks drew their own (seeded per rank)
     assert [a["steps"] for a in summary["agents"]] == [6144, 6144]  # 3,072 resumed + 6 iterations of 512
     names = _traced(run, 2)  # the selective policy: metrics all-gathered, weights exchanged in one all_reduce
     assert {"all_reduce", "all_gather", "population.gather", "population.transfer"} <= names[0] & names[1]
+
+
+@pytest.mark.timeout(90)
+def test_demo_on_acrobot_explores_the_entropy_coefficient_alone(tmp_path):
+    """--env Acrobot-v1 (3 actions, returns from -500 to 0, target -100) with --explore ent_coef: the
+    replaced agents inherit both values and the explore step moves the entropy coefficient only."""
+    cmd = [sys.executable, "-m", "popmesh", "demo", "--env", "Acrobot-v1", "--ranks", "2", "--steps", "8000",
+           "--every", "2", "--warmup", "0", "--explore", "ent_coef", "--stop-at-target",
+           "--out", str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=80)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run = next(tmp_path.iterdir())
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["env"] == "Acrobot-v1" and summary["target"] == -100.0
+    assert summary["config"]["explore"] == ["ent_coef"]
+    assert all(a["mean_return"] is None or -500 <= a["mean_return"] <= 0 for a in summary["agents"]), summary
+    # a negative target is not reached by a return of -500 (the run would stop early at the target)
+    assert summary["reached_target"] is None and all(a["steps"] >= 8000 for a in summary["agents"]), summary
+    assert any(a["mean_return"] is not None for a in summary["agents"]), summary  # episodes ended (500 steps)
+    events = _rows(run, "events")
+    assert events and len(events) == summary["replacements"], done.stdout[-3000:]
+    for event in events:
+        _check_explored(event, ("ent_coef",))
+    assert summary["explored"] == sum(bool(e["explored"]) for e in events) > 0
+    assert (run / "returns.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    explored = [line for line in done.stdout.splitlines() if "←" in line and "(explored)" in line]
+    assert len(explored) == summary["explored"] and all("ent_coef " in line and "lr " not in line
+                                                         for line in explored), done.stdout[-3000:]
+
+
+def _rows(run, name="history"):
+    return [json.loads(line) for line in (run / f"{name}.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.timeout(300)

@@ -1,12 +1,13 @@
 """AsyncSelectiveAveraging on real worlds: 1 rank, torch/gloo at 2, 3 and 4 ranks and MPI at 3 ranks,
-one pytest item per check; and dead or finalized peers in worlds of their own.
+one pytest item per check; a rank five times slower than the others, and dead or finalized peers, in
+worlds of their own.
 The training files (population, buffers, compat) share one world per engine and size."""
 
 from pathlib import Path
 
 import pytest
 
-from harness import run_world
+from harness import mpiexec, run_world
 from workers import population_async_worker as worker
 from worldtests import world_tests
 
@@ -59,3 +60,21 @@ def test_lost_member_surfaces_while_training(how):
                     env={"POPMESH_TEST_DEAD": how, "POPMESH_HEARTBEAT_TIMEOUT": "3"})
     for rank in (0, 1):
         assert run.outcome("lost_member_surfaces_while_training")[rank] == "ok", run.output[-3000:]
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("engine", ["torch", "mpi"])
+def test_a_slow_rank_delays_nobody_elses_replacement(engine):
+    """4 ranks, the last one five times slower: with the default decide="latest" a fast rank's
+    replacement lands within two of its iterations of the report that decided it, while the slow rank
+    lags far behind; decide="complete" waits for it."""
+    from workers import population_async_slow_worker as slow
+
+    if engine == "mpi" and mpiexec() is None:
+        pytest.skip("mpiexec not installed")
+    run = run_world(Path(slow.__file__), engine, 4, timeout=120)
+    assert not run.timed_out, run.output[-3000:]
+    for name in ("a_nan_metric_is_refused_naming_the_rank", "slow_rank_does_not_delay_the_others_replacements",
+                 "complete_mode_waits_for_the_slow_rank"):
+        assert run.outcome(name) == {r: "ok" for r in range(4)}, run.output[-3000:]
+    assert set(run.returncodes) == {0}, run.output[-3000:]  # under mpiexec one process is the world

@@ -181,8 +181,9 @@ class AverageAllPolicympi4py(AverageAllPolicy):
 
 
 class AsyncSelectiveAveragingPolicy(SpawnPolicy):
-    """Asynchronous selective averaging with background, non-blocking comms: the group's first rank
-    decides from every rank's metric, donors stream their weights, and a replaced rank applies them
+    """Asynchronous selective averaging with background, non-blocking comms: once every rank has
+    reported iteration t, the group's first rank decides from every rank's metric (popmesh's
+    ``decide="complete"``), donors stream their weights, and a replaced rank applies them
     at its next call (``info["averaged_this_iteration"]``). Call :meth:`shutdown` on every rank."""
 
     def __init__(self, model_builder: Any, average_every: int, replacement_ratio: float = 0.2,
@@ -196,8 +197,8 @@ class AsyncSelectiveAveragingPolicy(SpawnPolicy):
         else:
             limit = sys.float_info.max if threshold == math.inf else threshold
             rule = ReplacementRule(ratio=_ratio(replacement_ratio), threshold=limit, cooldown=cooldown, mode="all")
-        self._policy = AsyncSelectiveAveraging(self.average_every, poll_interval=poll_interval_s, rule=rule,
-                                               strategy=averaging_strategy, momentum=momentum,
+        self._policy = AsyncSelectiveAveraging(self.average_every, decide="complete", poll_interval=poll_interval_s,
+                                               rule=rule, strategy=averaging_strategy, momentum=momentum,
                                                model_builder=_builder(model_builder))
 
     def __call__(self, iteration: int, model: Any, optimizer: Any, local_metric: float | None = None,

@@ -1,4 +1,4 @@
-"""``popmesh demo``: population RL on CartPole over a real world, one command.
+"""``popmesh demo``: population RL on CartPole or Acrobot over a real world, one command.
 
 Registered with the CLI through the ``popmesh.commands`` entry point (see pyproject.toml).
 """
@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 
-from popmesh.demo.config import POLICIES, STRATEGIES, DemoConfig
+from popmesh.demo.config import ENVS, EXPLORABLE, POLICIES, STRATEGIES, DemoConfig, parse_explore, parse_range
 from popmesh.launch.cli import Command
 
 __all__ = ["COMMAND", "configure", "run_command", "shared_cores_note"]
@@ -20,23 +20,38 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks", type=int, default=defaults.ranks, help=f"agents, one per rank (default {defaults.ranks})")
     p.add_argument("--engine", choices=("torch", "mpi"), default=defaults.engine, help="engine (default torch/gloo)")
     p.add_argument("--policy", choices=POLICIES, default=defaults.policy, help="population policy (default async)")
+    p.add_argument("--env", choices=tuple(ENVS), default=defaults.env,
+                   help="the task: " + ", ".join(f"{env} (target {target:g})" for env, target in ENVS.items())
+                        + f"; default {defaults.env}"),
     p.add_argument("--seed", type=int, default=defaults.seed, help="base seed; rank r uses seed*1000+r")
     p.add_argument("--steps", type=int, default=defaults.steps,
                    help=f"env steps per agent (default {defaults.steps:,})")
     p.add_argument("--every", type=int, default=defaults.every, help="iterations between population decisions")
+    p.add_argument("--decide", choices=("latest", "complete"), default=defaults.decide,
+                   help="--policy async: judge a rank as it reports against everyone's latest report (default), "
+                        "or wait for every rank's report of one iteration")
     p.add_argument("--strategy", choices=STRATEGIES, default=defaults.strategy,
                    help="how donors combine into a replaced agent (default mean)")
     p.add_argument("--donors", type=int, default=defaults.donors, help="best agents that donate (default 2)")
     p.add_argument("--warmup", type=int, default=defaults.warmup, help="iterations before the first decision")
     p.add_argument("--out", default=defaults.out_dir, help="where runs/<timestamp>/ goes (default ./runs)")
-    p.add_argument("--stop-at-target", action="store_true", help="stop as soon as one agent averages 475")
+    p.add_argument("--stop-at-target", action="store_true",
+                   help="stop as soon as one agent's last 20 episodes average the task's target")
     p.add_argument("--no-live", action="store_true",
                    help="no live view (or, off a terminal, no progress lines): only the final summary")
     p.add_argument("--baseline", default="", metavar="RUN",
                    help="draw that earlier run's best agent beside this one in returns.png (e.g. a --policy none run)")
+    p.add_argument("--explore", default=",".join(defaults.explore), metavar="NAMES",
+                   help=f"what PBT's explore step moves on a replaced agent, comma-separated from "
+                        f"{','.join(EXPLORABLE)} (default {','.join(defaults.explore)}): each inherited value is "
+                        "multiplied by 0.8 or 1.2, or resampled from its range with probability 0.25")
     p.add_argument("--no-explore", action="store_true",
-                   help="a replaced agent keeps the learning rate it inherits (default: PBT's explore step "
-                        "perturbs it by 0.8 or 1.2, or resamples it with probability 0.25)")
+                   help="a replaced agent keeps the values it inherits (its donors', averaged on a log scale)")
+    p.add_argument("--lr-range", default=_range_text(defaults.lr_range), metavar="LOW:HIGH",
+                   help=f"each rank draws its learning rate log-uniformly from it, seeded per rank (default "
+                        f"{_range_text(defaults.lr_range)}); explore stays within it")
+    p.add_argument("--ent-range", default=_range_text(defaults.ent_range), metavar="LOW:HIGH",
+                   help=f"the same for the entropy coefficient (default {_range_text(defaults.ent_range)})")
     p.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
                    help="checkpoint the whole population every K iterations into runs/<ts>/checkpoints")
     p.add_argument("--checkpoint-keep", type=int, default=2, metavar="N",
@@ -50,6 +65,11 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "that imported torch (popmesh launch --preload): a restart then takes seconds")
     p.add_argument("--resume", default="", metavar="RUN",
                    help="resume from a run folder's newest complete checkpoint (or from one checkpoint)")
+
+
+def _range_text(pair: tuple[float, float]) -> str:
+    """``1e-5:0.1`` as one would type it."""
+    return ":".join(f"{x:g}".replace("e-0", "e-") for x in pair)
 
 
 # The demo's ranks and restarts are forked from one process that imported these (docs/launcher.md).
@@ -69,12 +89,19 @@ def run_command(ns: argparse.Namespace) -> int:
     from popmesh.launch.api import launch
     from popmesh.launch.plan import cpu_count
 
-    config = DemoConfig(ranks=ns.ranks, engine=ns.engine, policy=ns.policy, seed=ns.seed, steps=ns.steps,
-                        every=ns.every, strategy=ns.strategy, donors=ns.donors, warmup=ns.warmup, out_dir=ns.out,
+    if ns.no_explore and ns.explore != ",".join(DemoConfig().explore):
+        print(f"popmesh demo: warning: --no-explore overrides --explore {ns.explore}: nothing is explored",
+              file=sys.stderr)
+    config = DemoConfig(ranks=ns.ranks, engine=ns.engine, policy=ns.policy, env=ns.env, seed=ns.seed, steps=ns.steps,
+                        every=ns.every, strategy=ns.strategy, decide=ns.decide, donors=ns.donors, warmup=ns.warmup,
+                        out_dir=ns.out,
                         live=not ns.no_live, stop_at_target=ns.stop_at_target,
                         checkpoint_every=ns.checkpoint_every,
                         checkpoint_keep=ns.checkpoint_keep, resume=ns.resume, max_restarts=ns.max_restarts,
-                        kill=ns.kill, explore=not ns.no_explore, terminal=sys.stdout.isatty(), baseline=ns.baseline)
+                        kill=ns.kill, explore=() if ns.no_explore else parse_explore(ns.explore),
+                        lr_range=parse_range("--lr-range", ns.lr_range),
+                        ent_range=parse_range("--ent-range", ns.ent_range),
+                        terminal=sys.stdout.isatty(), baseline=ns.baseline)
     terminal = config.live and config.terminal and config.engine == "torch"
     result = launch("popmesh.demo.worker", ["--config", json.dumps(config.to_dict())], module=True,
                     nproc=config.ranks, engine=config.engine, quiet_others=True, rank0_terminal=terminal,
@@ -86,4 +113,5 @@ def run_command(ns: argparse.Namespace) -> int:
     return result.returncode
 
 
-COMMAND = Command("demo", "population RL on CartPole: one agent per rank, weak agents replaced", configure, run_command)
+COMMAND = Command("demo", "population RL on CartPole or Acrobot: one agent per rank, weak agents replaced",
+                  configure, run_command)

@@ -9,13 +9,20 @@ from typing import Any
 import numpy as np
 
 from popmesh.core.errors import ConfigError
-from popmesh.demo.learner import Hyper
+from popmesh.demo.learner import EXPLORED, Hyper
 from popmesh.demo.outputs import history_file
+from popmesh.population import Continuous, sample_hparams
+from popmesh.population import explore as pbt_explore
 
-__all__ = ["POLICIES", "STRATEGIES", "LR_RANGE", "DemoConfig", "explore_lr", "rank_hyper", "rank_seed", "sample_lr"]
+__all__ = ["POLICIES", "STRATEGIES", "ENVS", "EXPLORABLE", "LR_RANGE", "ENT_RANGE", "DemoConfig", "declarations",
+           "explore_hyper", "initial_hyper", "parse_explore", "parse_range", "rank_hyper", "rank_seed"]
 
 POLICIES = ("none", "average-all", "selective", "async")
 STRATEGIES = ("mean", "weighted_mean", "best_only")
+ENVS = {"CartPole-v1": 475.0, "Acrobot-v1": -100.0}  # each task's target: mean return over the last 20 episodes
+EXPLORABLE = EXPLORED  # what --explore may name: the hyper-parameters the model carries with its weights
+LR_RANGE = (1e-5, 1e-1)  # where each rank draws its learning rate (log-uniform); explore stays within it
+ENT_RANGE = (1e-4, 1e-1)  # likewise for the entropy coefficient
 
 
 @dataclass(frozen=True)
@@ -25,14 +32,15 @@ class DemoConfig:
     ranks: int = 4
     engine: str = "torch"
     policy: str = "async"
+    env: str = "CartPole-v1"
     seed: int = 0
     steps: int = 120_000
     every: int = 10
     ratio: float = 0.25
     strategy: str = "mean"
+    decide: str = "latest"  # the async policy judges a rank against every member's latest report
     donors: int = 2
     warmup: int = 20
-    target: float = 475.0
     out_dir: str = "runs"
     live: bool = True
     stop_at_target: bool = False
@@ -41,11 +49,30 @@ class DemoConfig:
     resume: str = ""  # a run folder (or one of its checkpoints) to resume from
     max_restarts: int = 0  # restarts per rank (popmesh launch --max-restarts): a lost agent rejoins
     kill: str = ""  # "RANK:ITERATION": that rank's first process SIGKILLs itself there (to watch survival)
-    explore: bool = True  # PBT's explore step on a replaced agent's inherited learning rate
+    explore: tuple[str, ...] = EXPLORED  # what PBT's explore step moves on a replaced agent (empty: nothing)
+    lr_range: tuple[float, float] = LR_RANGE  # each rank's learning rate drawn log-uniformly from it
+    ent_range: tuple[float, float] = ENT_RANGE  # and its entropy coefficient
     terminal: bool = False  # the user's stdout is a terminal (under mpiexec rank 0's is a pipe to it)
     baseline: str = ""  # an earlier run folder whose best agent returns.png draws beside this run
 
     def __post_init__(self) -> None:
+        put = object.__setattr__  # values that came through JSON (lists) become tuples
+        put(self, "explore", tuple(self.explore))
+        put(self, "lr_range", _range("--lr-range", self.lr_range))
+        put(self, "ent_range", _range("--ent-range", self.ent_range))
+        if self.env not in ENVS:
+            raise ConfigError(f"--env {self.env!r}: choose one of {', '.join(ENVS)}")
+        unknown = [name for name in self.explore if name not in EXPLORABLE]
+        if unknown or len(set(self.explore)) != len(self.explore):
+            raise ConfigError(f"--explore {','.join(self.explore)}: name each of {', '.join(EXPLORABLE)} at most "
+                              "once, comma-separated (or --no-explore to explore nothing)")
+        self._check_counts()
+        if self.kill:
+            self.kill_at()
+        if self.baseline:
+            _check_baseline(self.baseline, self.env)
+
+    def _check_counts(self) -> None:
         if self.ranks < 1:
             raise ConfigError(f"--ranks {self.ranks}: need at least one rank")
         if self.policy not in POLICIES:
@@ -56,6 +83,9 @@ class DemoConfig:
             raise ConfigError("--steps and --every must be positive")
         if self.strategy not in STRATEGIES:
             raise ConfigError(f"--strategy {self.strategy!r}: choose one of {', '.join(STRATEGIES)}")
+        if self.decide not in ("latest", "complete"):
+            raise ConfigError(f"--decide {self.decide!r}: choose latest (never wait) or complete (every rank's "
+                              "report of one iteration)")
         if self.donors < 1 or self.warmup < 0:
             raise ConfigError("--donors must be at least 1 and --warmup not negative")
         if self.checkpoint_every < 0:
@@ -66,10 +96,11 @@ class DemoConfig:
             raise ConfigError(f"--max-restarts {self.max_restarts}: give 0 or more")
         if self.max_restarts and self.engine != "torch":
             raise ConfigError("--max-restarts needs --engine torch: an MPI world cannot take a restarted rank back")
-        if self.kill:
-            self.kill_at()
-        if self.baseline:
-            history_file(self.baseline)
+
+    @property
+    def target(self) -> float:
+        """The mean return over an agent's last 20 episodes that counts as solving ``env``."""
+        return ENVS[self.env]
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -83,35 +114,86 @@ class DemoConfig:
             raise ConfigError(f"--kill {self.kill!r}: give RANK:ITERATION with RANK below --ranks, e.g. --kill 1:60")
         return int(rank), int(iteration)
 
+    def declarations(self) -> dict[str, Continuous]:
+        """The explored hyper-parameters' spaces: log-uniform over ``--lr-range`` and ``--ent-range``."""
+        return declarations(self.lr_range, self.ent_range)
+
+
+def _range(option: str, value: Any) -> tuple[float, float]:
+    """``(low, high)`` from a pair, with the option named when it is not ``0 < low < high``."""
+    try:
+        low, high = (float(v) for v in value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{option} {value!r}: give LOW:HIGH, e.g. {option} 1e-4:1e-2") from None
+    if not (0 < low < high and math.isfinite(high)):
+        raise ConfigError(f"{option} {low:g}:{high:g}: give 0 < LOW < HIGH (the values are drawn log-uniformly), "
+                          f"e.g. {option} 1e-4:1e-2")
+    return low, high
+
+
+def parse_range(option: str, text: str) -> tuple[float, float]:
+    """``"1e-5:1e-1"`` as ``(1e-5, 1e-1)``; a ConfigError naming ``option`` for anything else."""
+    low, sep, high = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        pair = (float(low), float(high))
+    except ValueError:
+        raise ConfigError(f"{option} {text!r}: give LOW:HIGH, e.g. {option} 1e-4:1e-2") from None
+    return _range(option, pair)
+
+
+def parse_explore(text: str) -> tuple[str, ...]:
+    """``"lr,ent_coef"`` as ``("lr", "ent_coef")`` (checked by :class:`DemoConfig`)."""
+    return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
+def _check_baseline(run: str, env: str) -> None:
+    """ConfigError when ``run`` has no history, or trained another task than ``env``."""
+    import json
+
+    folder = history_file(run).parent
+    summary = folder / "summary.json"
+    trained = json.loads(summary.read_text()).get("config", {}).get("env", "CartPole-v1") if summary.is_file() else env
+    if trained != env:
+        raise ConfigError(f"--baseline {run}: that run trained on {trained}, this one on {env}: give a run of the "
+                          f"same --env, or --env {trained}")
+
 
 def rank_seed(seed: int, rank: int) -> int:
     """Distinct, reproducible seeds per rank."""
     return int(seed) * 1000 + rank
 
 
-LR_RANGE = (2e-4, 6e-3)  # the learning rates the population draws from (log-uniform)
+def declarations(lr_range: tuple[float, float] = LR_RANGE,
+                 ent_range: tuple[float, float] = ENT_RANGE) -> dict[str, Continuous]:
+    """The explored hyper-parameters, each log-uniform over its range (the draw, the explore step's
+    resampling space and its bounds)."""
+    return {"lr": Continuous(*lr_range, log=True), "ent_coef": Continuous(*ent_range, log=True)}
 
 
-def sample_lr(gen: np.random.Generator) -> float:
-    """A learning rate drawn log-uniformly from :data:`LR_RANGE` (the explore step's resampling space)."""
-    return float(math.exp(gen.uniform(math.log(LR_RANGE[0]), math.log(LR_RANGE[1]))))
+def initial_hyper(seed: int, rank: int, lr_range: tuple[float, float] = LR_RANGE,
+                  ent_range: tuple[float, float] = ENT_RANGE) -> dict[str, float]:
+    """Rank ``rank``'s starting learning rate and entropy coefficient, drawn log-uniformly from the
+    ranges, seeded by (seed, rank): the same on every run, different per rank."""
+    drawn = sample_hparams(declarations(lr_range, ent_range), np.random.default_rng([seed, rank, 7]))
+    return {name: float(value) for name, value in drawn.items()}
 
 
-def explore_lr(lr: float, seed: int, rank: int, iteration: int) -> float:
-    """PBT's explore step for a replaced agent's inherited learning rate, as Ray Tune's defaults do it:
-    resample from the space with probability 0.25, else multiply by 0.8 or 1.2; clipped to the space.
-    Seeded by (seed, rank, iteration), so a run is reproducible."""
-    from popmesh.population.decisions.explore import explore
+def rank_hyper(seed: int, rank: int, lr_range: tuple[float, float] = LR_RANGE,
+               ent_range: tuple[float, float] = ENT_RANGE) -> Hyper:
+    """Each rank's hyper-parameters: :func:`initial_hyper`, so the population has good and bad agents
+    to tell apart."""
+    drawn = initial_hyper(seed, rank, lr_range, ent_range)
+    return Hyper(lr=drawn["lr"], entropy=drawn["ent_coef"])
 
+
+def explore_hyper(values: dict[str, float], names: tuple[str, ...], space: dict[str, Continuous], seed: int,
+                  rank: int, iteration: int) -> dict[str, float]:
+    """PBT's explore step for a replaced agent's inherited values, as Ray Tune's defaults do it: each of
+    ``names`` resampled from its space with probability 0.25, else multiplied by 0.8 or 1.2, kept within
+    its bounds; the others kept. Seeded by (seed, rank, iteration), so a run is reproducible."""
+    moved = {name: min(max(values[name], space[name].low), space[name].high) for name in names}
     gen = np.random.default_rng([seed, rank, iteration, 11])
-    new = float(explore({"lr": lr}, gen, perturb=(0.8, 1.2), resample_prob=0.25, space={"lr": sample_lr})["lr"])
-    return min(max(new, LR_RANGE[0]), LR_RANGE[1])
-
-
-def rank_hyper(seed: int, rank: int) -> Hyper:
-    """Each rank draws its own learning rate (log-uniform 2e-4..6e-3) and entropy bonus, so the
-    population has good and bad agents to tell apart."""
-    rng = np.random.default_rng([seed, rank, 7])
-    lr = sample_lr(rng)
-    entropy = float(rng.choice([0.0, 0.005, 0.01, 0.02]))
-    return Hyper(lr=lr, entropy=entropy)
+    new = pbt_explore(moved, gen, perturb=(0.8, 1.2), resample_prob=0.25, space={n: space[n] for n in names})
+    return {**values, **{name: float(value) for name, value in new.items()}}

@@ -1,25 +1,30 @@
-"""A small PPO learner for CartPole-v1 on vectorised environments: one agent per rank in the demo.
+"""A small PPO learner for a gymnasium task with discrete actions (CartPole-v1, Acrobot-v1) on vectorised
+environments: one agent per rank in the demo.
 
 Deliberately compact: the demo is about what popmesh does between agents, not about RL tricks. Each
 ``iterate()`` collects ``rollout`` steps from ``num_envs`` environments, then runs a few epochs of
-clipped PPO. Hyper-parameters are a small dataclass so a population can perturb them.
+clipped PPO. Hyper-parameters are a small dataclass so a population can perturb them; the two it
+explores (the learning rate and the entropy coefficient) ride along with the weights as buffers.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
-__all__ = ["Hyper", "IterationStats", "CartPoleLearner", "build_policy"]
+__all__ = ["EXPLORED", "Hyper", "IterationStats", "PPOLearner", "CartPoleLearner", "build_policy"]
+
+EXPLORED = ("lr", "ent_coef")  # the hyper-parameters carried by the model as buffers (log scale)
 
 
 @dataclass
 class Hyper:
-    """Per-agent hyper-parameters (the population varies ``lr`` and ``entropy``)."""
+    """Per-agent hyper-parameters (the population varies ``lr`` and ``entropy``, the entropy coefficient
+    that ``--explore`` calls ``ent_coef``)."""
 
     lr: float = 2.5e-3
     entropy: float = 0.01
@@ -45,9 +50,11 @@ class IterationStats:
     loss: float = 0.0
 
 
-def build_policy(hidden: int, lr: float = 2.5e-3) -> Any:
-    """Actor-critic MLP for CartPole (4 observations, 2 actions). The learning rate rides along as a
-    buffer, so a population policy that averages weights and buffers also passes it on."""
+def build_policy(hidden: int, lr: float = 2.5e-3, ent_coef: float = 0.01, observations: int = 4,
+                 actions: int = 2) -> Any:
+    """Actor-critic MLP (CartPole: 4 observations, 2 actions; Acrobot: 6 and 3). The learning rate and
+    the entropy coefficient ride along as buffers (``log_lr``, ``log_ent_coef``), so a population policy
+    that averages weights and buffers also passes them on (their geometric mean, for several donors)."""
     import math
 
     import torch
@@ -59,10 +66,13 @@ def build_policy(hidden: int, lr: float = 2.5e-3) -> Any:
         def __init__(self) -> None:
             super().__init__()
             self.register_buffer("log_lr", torch.tensor(math.log(lr), dtype=torch.float32))
-            self.actor = nn.Sequential(nn.Linear(4, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(),
-                                       nn.Linear(hidden, 2))
-            self.critic = nn.Sequential(nn.Linear(4, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(),
-                                        nn.Linear(hidden, 1))
+            no_bonus = -math.inf  # an entropy coefficient of 0 (exp(-inf) = 0)
+            self.register_buffer("log_ent_coef", torch.tensor(math.log(ent_coef) if ent_coef > 0 else no_bonus,
+                                                              dtype=torch.float32))
+            self.actor = nn.Sequential(nn.Linear(observations, hidden), nn.Tanh(), nn.Linear(hidden, hidden),
+                                       nn.Tanh(), nn.Linear(hidden, actions))
+            self.critic = nn.Sequential(nn.Linear(observations, hidden), nn.Tanh(), nn.Linear(hidden, hidden),
+                                        nn.Tanh(), nn.Linear(hidden, 1))
 
         def forward(self, obs: Any) -> tuple[Any, Any]:
             return self.actor(obs), self.critic(obs).squeeze(-1)
@@ -70,26 +80,31 @@ def build_policy(hidden: int, lr: float = 2.5e-3) -> Any:
     return ActorCritic()
 
 
-class CartPoleLearner:
-    """One PPO agent with its own environments, model and optimizer."""
+class PPOLearner:
+    """One PPO agent with its own environments (``env``: a gymnasium id with a vector observation and
+    discrete actions), model and optimizer."""
 
-    def __init__(self, seed: int, hyper: Hyper | None = None, init_seed: int | None = None) -> None:
+    def __init__(self, seed: int, hyper: Hyper | None = None, init_seed: int | None = None,
+                 env: str = "CartPole-v1") -> None:
         """``init_seed`` seeds the initial weights (shared across a population, so that averaging
         agents averages networks from one basin); ``seed`` seeds the environments and sampling."""
         import gymnasium as gym
         import torch
 
-        self.hyper = hyper or Hyper()
-        self.seed = seed
-        torch.manual_seed(seed if init_seed is None else init_seed)
-        self.model = build_policy(self.hyper.hidden, self.hyper.lr)
-        torch.manual_seed(seed)
+        self.hyper = Hyper() if hyper is None else replace(hyper)  # a copy: adopt_hyper() writes to it
+        self.seed, self.env = seed, env
         self.envs = gym.make_vec(
-            "CartPole-v1", num_envs=self.hyper.num_envs, vectorization_mode="sync",
+            env, num_envs=self.hyper.num_envs, vectorization_mode="sync",
             vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP},
         )
+        self.observations = int(np.prod(self.envs.single_observation_space.shape or (1,)))
+        actions = int(self.envs.single_action_space.n)  # type: ignore[attr-defined]  # Discrete: the demo's tasks
+        torch.manual_seed(seed if init_seed is None else init_seed)
+        self.model = build_policy(self.hyper.hidden, self.hyper.lr, self.hyper.entropy, self.observations, actions)
+        torch.manual_seed(seed)
         self.obs, _ = self.envs.reset(seed=seed)
         self.optimizer = self.make_optimizer(self.model)
+        self.adopt_hyper()  # the values as the model carries them (float32), everywhere
         self.running = np.zeros(self.hyper.num_envs)
         self.recent: deque[float] = deque(maxlen=20)
         self.total_steps = 0
@@ -98,30 +113,42 @@ class CartPoleLearner:
         """A fresh Adam for ``model`` at the model's own learning rate (the population's builder)."""
         import torch
 
-        return torch.optim.Adam(model.parameters(), lr=self.learning_rate(), eps=1e-5)
+        return torch.optim.Adam(model.parameters(), lr=float(model.log_lr.exp()), eps=1e-5)
 
     def learning_rate(self) -> float:
         """The learning rate carried by the model (its ``log_lr`` buffer)."""
         return float(self.model.log_lr.exp())
 
-    def adopt_learning_rate(self) -> None:
-        """After the population replaced this agent's weights (buffers included), train at the
-        learning rate that came with them: PBT's exploit, through the same weight exchange."""
-        lr = self.learning_rate()
-        self.hyper.lr = lr
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+    def explored(self) -> dict[str, float]:
+        """The explored hyper-parameters as the model carries them: ``{"lr": ..., "ent_coef": ...}``."""
+        return {name: float(getattr(self.model, f"log_{name}").exp()) for name in EXPLORED}
 
-    def set_learning_rate(self, lr: float) -> None:
-        """Train at ``lr`` from now on: the model's ``log_lr`` buffer (so it travels with the weights),
-        the hyper-parameters and the optimizer all take it."""
+    def adopt_hyper(self) -> None:
+        """After the population replaced this agent's weights (buffers included), train at the learning
+        rate and entropy coefficient that came with them: PBT's exploit, through the same weight exchange."""
+        values = self.explored()
+        self.hyper.lr, self.hyper.entropy = values["lr"], values["ent_coef"]
+        for group in self.optimizer.param_groups:
+            group["lr"] = values["lr"]
+
+    def set_hyper(self, **values: float) -> None:
+        """Train at these explored values from now on (``lr=``, ``ent_coef=``): the model's buffers (so
+        they travel with the weights), the hyper-parameters and the optimizer all take them."""
         import math
 
         import torch
 
+        unknown = sorted(set(values) - set(EXPLORED))
+        if unknown:
+            raise ValueError(f"set_hyper: {unknown} are not carried by the model; known: {list(EXPLORED)}")
         with torch.no_grad():
-            self.model.log_lr.fill_(math.log(lr))
-        self.adopt_learning_rate()
+            for name, value in values.items():
+                getattr(self.model, f"log_{name}").fill_(math.log(value) if value > 0 else -math.inf)
+        self.adopt_hyper()
+
+    def set_learning_rate(self, lr: float) -> None:
+        """:meth:`set_hyper` for the learning rate alone."""
+        self.set_hyper(lr=lr)
 
     def checkpoint(self, iteration: int, extra: dict[str, Any] | None = None) -> Any:
         """This agent as a population checkpoint holds it (:class:`popmesh.population.state.checkpoint.AgentState`)."""
@@ -129,13 +156,18 @@ class CartPoleLearner:
 
         return AgentState(model=self.model.state_dict(), optimizer=self.optimizer.state_dict(),
                           hyper=self.hyper.to_dict(), counters={"iteration": iteration, "steps": self.total_steps},
-                          rng=capture_rng(), extra={"recent": list(self.recent), **(extra or {})})
+                          rng=capture_rng(), extra={"recent": list(self.recent), "env": self.env, **(extra or {})})
 
     def restore(self, agent: Any) -> int:
         """Take back an :class:`AgentState` from :meth:`checkpoint`; the iteration it was taken at. The
         environments start fresh episodes (their state is not checkpointed), seeded by that iteration."""
+        from popmesh.core.errors import ConfigError
         from popmesh.population.state.checkpoint import restore_rng
 
+        trained = agent.extra.get("env", "CartPole-v1")
+        if trained != self.env:
+            raise ConfigError(f"--resume: that checkpoint's agents trained on {trained}, this run on {self.env}: "
+                              f"give --env {trained}")
         self.model.load_state_dict(agent.model)
         self.hyper = Hyper(**agent.hyper)
         self.optimizer = self.make_optimizer(self.model)
@@ -152,6 +184,12 @@ class CartPoleLearner:
         """Mean return of the last 20 finished episodes (NaN before the first one)."""
         return float(np.mean(self.recent)) if self.recent else float("nan")
 
+    def score(self) -> float:
+        """What the population compares: :meth:`mean_return`, or before the first episode has finished
+        (Acrobot's first ones last 500 steps, 8 iterations) the mean return so far of the unfinished
+        ones. Finite either way."""
+        return self.mean_return() if self.recent else float(np.mean(self.running))
+
     def iterate(self, timer: Any = None) -> IterationStats:
         """Collect one rollout and train on it (timed as ``rollout`` and ``train`` when given a Timer)."""
         with _section(timer, "rollout"):
@@ -166,7 +204,7 @@ class CartPoleLearner:
         import torch
 
         hp, n = self.hyper, self.hyper.num_envs
-        obs_buf = np.zeros((hp.rollout, n, 4), np.float32)
+        obs_buf = np.zeros((hp.rollout, n, self.observations), np.float32)
         act_buf, logp_buf, val_buf, rew_buf, done_buf = (np.zeros((hp.rollout, n), np.float32) for _ in range(5))
         finished: list[float] = []
         with torch.no_grad():
@@ -223,6 +261,9 @@ class CartPoleLearner:
 
     def close(self) -> None:
         self.envs.close()
+
+
+CartPoleLearner = PPOLearner  # its name where CartPole was the only task (benchmarks/ use it)
 
 
 def _section(timer: Any, name: str) -> Any:

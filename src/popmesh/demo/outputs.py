@@ -78,22 +78,32 @@ def best_curve(history: Sequence[dict[str, Any]]) -> tuple[list[int], list[float
 
 
 def plot_returns(path: Path, history: Sequence[dict[str, Any]], events: Sequence[dict[str, Any]],
-                 target: float, baseline: Sequence[dict[str, Any]] = (), baseline_label: str = "") -> None:
-    """Each rank's mean return over its env steps, with replacement events marked; with ``baseline``
-    (another run's history, e.g. ``--policy none``) that run's best agent as a dashed grey line."""
+                 target: float, baseline: Sequence[dict[str, Any]] = (), baseline_label: str = "",
+                 env: str = "CartPole-v1") -> None:
+    """Each rank's mean return over its env steps, with a marker on the replaced agent's curve at each
+    replacement (PBT's exploit: hollow ▼) or filled, with arrows naming what moved, when the explore step
+    changed its values (``lr↑ ent↓``); with ``baseline`` (another run's history, e.g. ``--policy none``)
+    that run's best agent as a dashed grey line. Below, each rank's learning rate and entropy coefficient
+    (log scale), where the rows carry them: an exploit jumps to the donors' values, an explore moves them."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
 
-    fig = Figure(figsize=(8, 4.5), dpi=110)
+    panels = [name for name in _EXPLORED if any(row.get(name) for row in history)]
+    fig = Figure(figsize=(8, 4.5 + 1.4 * len(panels)), dpi=110)
     FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 1, 1)
-    ranks = sorted({row["rank"] for row in history})
-    for rank in ranks:
-        rows = [r for r in history if r["rank"] == rank and r["mean_return"] is not None]
-        (line,) = ax.plot([r["steps"] for r in rows], [r["mean_return"] for r in rows], label=f"rank {rank}", lw=1.4)
-        mine = [e for e in events if e["rank"] == rank and "kind" not in e]
-        ax.plot([e["steps"] for e in mine], [e.get("metric_before") or 0.0 for e in mine], ls="none", marker="v",
-                color=line.get_color(), markeredgecolor="black", ms=7)
+    axes = fig.subplots(1 + len(panels), 1, sharex=True, squeeze=False,
+                        gridspec_kw={"height_ratios": [3.0] + [1.0] * len(panels)})[:, 0]
+    ax = axes[0]
+    for rank in sorted({row["rank"] for row in history}):
+        rows = sorted((r for r in history if r["rank"] == rank), key=lambda r: r["steps"])
+        curve = [r for r in rows if r["mean_return"] is not None]
+        (line,) = ax.plot([r["steps"] for r in curve], [r["mean_return"] for r in curve], label=f"rank {rank}",
+                          lw=1.4)
+        _mark_replacements(ax, line.get_color(), curve, [e for e in events if e["rank"] == rank and "kind" not in e])
+        for sub, name in zip(axes[1:], panels):
+            kept = [r for r in rows if r.get(name)]
+            sub.plot([r["steps"] for r in kept], [r[name] for r in kept], color=line.get_color(), lw=1.2)
         for event in (e for e in events if e["rank"] == rank and e.get("kind") == "rejoined"):
             ax.axvline(event["steps"], color=line.get_color(), ls=":", lw=1.2)
             ax.annotate(f"rank {rank} lost, rejoined", (event["steps"], target), rotation=90, fontsize=7,
@@ -101,12 +111,43 @@ def plot_returns(path: Path, history: Sequence[dict[str, Any]], events: Sequence
     if baseline:
         ax.plot(*best_curve(baseline), color="grey", ls="--", lw=1.6, label=f"best agent of {baseline_label}")
     ax.axhline(target, color="green", ls="--", lw=1, label=f"target {target:g}")
-    ax.set_xlabel("environment steps (per rank)")
+    handles = [Line2D([], [], ls="none", marker="v", mfc="white", mec="grey", mew=1.3, label="replaced (exploit)"),
+               Line2D([], [], ls="none", marker="v", mfc="grey", mec="black", label="replaced, then explored")]
+    ax.legend(handles=ax.get_legend_handles_labels()[0] + (handles if events else []), loc="best", fontsize=7,
+              ncol=2)
     ax.set_ylabel("mean return, last 20 episodes")
-    ax.set_title("CartPole-v1: one PPO agent per rank; ▼ = replaced by an average of better agents"
+    ax.set_title(f"{env}: one PPO agent per rank; ▼ = replaced by an average of better agents"
                  + ("\n┆ = a rank lost, then rejoined seeded by the best agents"
                     if any(e.get("kind") == "rejoined" for e in events) else ""), fontsize=10)
-    ax.legend(loc="lower right", fontsize=8)
-    ax.grid(alpha=0.3)
+    for sub, name in zip(axes[1:], panels):
+        sub.set_yscale("log")
+        sub.set_ylabel(name, fontsize=8)
+    axes[-1].set_xlabel("environment steps (per rank)")
+    for each in axes:
+        each.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path)
+
+
+_EXPLORED = ("lr", "ent_coef")  # the rows' explored values, drawn below the returns
+_SHORT = {"lr": "lr", "ent_coef": "ent"}
+
+
+def _mark_replacements(ax: Any, color: Any, curve: Sequence[dict[str, Any]], events: Sequence[dict[str, Any]]) -> None:
+    """A ▼ on the agent's curve at each of its replacements: hollow when its values were only inherited,
+    filled and annotated (``lr↑ ent↓``) when the explore step moved them."""
+    import numpy as np
+
+    if not curve or not events:
+        return
+    xs, ys = [r["steps"] for r in curve], [r["mean_return"] for r in curve]
+    for event in events:
+        y = event.get("metric_before")
+        y = float(np.interp(event["steps"], xs, ys)) if y is None else y
+        moved = [name for name in event.get("explored", ()) if f"{name}_inherited" in event and name in event]
+        ax.plot([event["steps"]], [y], ls="none", marker="v", ms=7, mew=1.3, color=color,
+                mec="black" if moved else color, mfc=color if moved else "white", zorder=3)
+        if moved:
+            text = " ".join(f"{_SHORT.get(n, n)}{'↑' if event[n] > event[f'{n}_inherited'] else '↓'}" for n in moved)
+            ax.annotate(text, (event["steps"], y), xytext=(0, -11), textcoords="offset points", fontsize=6,
+                        ha="center", va="top", color=color)

@@ -21,7 +21,7 @@ from popmesh.comm import messages
 from popmesh.comm.collectives import broadcast_object
 from popmesh.comm.world import World
 from popmesh.core.errors import PeerFailure, PopmeshError
-from popmesh.demo.view import PopulationView, describe_event
+from popmesh.demo.view import PopulationView, describe_event, describe_explore
 from popmesh.observe.board import Board
 
 __all__ = ["Reporter", "STATS_TAG", "STOP_TAG"]
@@ -74,11 +74,12 @@ class Reporter:
         self._replaced += event is not None
         step = row["steps"]
         self.board.scalars({"return/mean_last_20": row["mean_return"], "speed/steps_per_s": row["steps_per_s"],
-                            "hparams/lr": row["lr"], "hparams/entropy": row.get("entropy"),
+                            "hparams/lr": row["lr"], "hparams/entropy": row.get("ent_coef"),
                             "population/replaced": self._replaced}, step)
         if event is not None:
             text = describe_event(event["rank"], event["donors"], event["weights"], event["strategy"])
-            self.board.text("population/replacements", f"iteration {event['iteration']}: {text}", step)
+            self.board.text("population/replacements",
+                            f"iteration {event['iteration']}: {text}{describe_explore(event)}", step)
 
     def complete_history(self, rows_by_rank: list[list[dict[str, Any]]]) -> None:
         """Rank 0, at the end: add every rank's own rows (gathered) to the streamed history. Rows sent
@@ -185,6 +186,7 @@ class Reporter:
         self.history.append(row)
         if self.view is not None:
             self.view.update(row["rank"], steps=row["steps"], steps_per_s=row["steps_per_s"], lr=row["lr"],
+                             ent_coef=row.get("ent_coef", math.nan),
                              mean_return=math.nan if row["mean_return"] is None else row["mean_return"])
         if event is not None:
             self.events.append(event)
@@ -193,9 +195,7 @@ class Reporter:
                 text = describe_event(event["rank"], event["donors"], event["weights"], event["strategy"])
                 if event.get("decided_at") is not None and event["decided_at"] != event["iteration"]:
                     text += f" (decided at iteration {event['decided_at']}, applied at {event['iteration']})"
-                if event.get("lr_inherited") is not None and event.get("lr") != event["lr_inherited"]:
-                    text += f", lr {event['lr_inherited']:.1e} → {event['lr']:.1e} (explored)"
-                self.view.add_event(text)
+                self.view.add_event(text + describe_explore(event))
         self._check_target(row)
 
     def _check_target(self, row: dict[str, Any]) -> None:

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["RankStatus", "PopulationView", "describe_event"]
+__all__ = ["RankStatus", "PopulationView", "describe_event", "describe_explore"]
 
 
 @dataclass
@@ -17,7 +17,8 @@ class RankStatus:
     mean_return: float = float("nan")
     steps_per_s: float = 0.0
     replaced: int = 0
-    lr: float = 0.0
+    lr: float = math.nan
+    ent_coef: float = math.nan
 
 
 @dataclass
@@ -29,6 +30,7 @@ class PopulationView:
     ranks: int
     total_steps: int
     policy: str
+    env: str = "CartPole-v1"
     live: bool = True
     plain: bool = False
     plain_every_s: float = 5.0
@@ -63,10 +65,11 @@ class PopulationView:
         self._refresh()
 
     def progress_line(self) -> str:
-        """One line for a log: elapsed time, env steps done, and each rank's return and learning rate."""
+        """One line for a log: elapsed time, env steps done, and each rank's return, learning rate and
+        entropy coefficient."""
         done = sum(s.steps for s in self.status.values())
         ranks = "  ".join(f"r{rank} {'—' if math.isnan(s.mean_return) else f'{s.mean_return:.0f}'} "
-                          f"(lr {s.lr:.1e})" for rank, s in self.status.items())
+                          f"(lr {_value(s.lr)}, ent {_value(s.ent_coef)})" for rank, s in self.status.items())
         return (f"[popmesh demo] {time.monotonic() - self._started:6.1f}s  {done:,}/{self.total_steps * self.ranks:,} "
                 f"env steps  return (last 20): {ranks}")
 
@@ -92,17 +95,22 @@ class PopulationView:
 
         done = sum(s.steps for s in self.status.values())
         goal = self.total_steps * self.ranks
-        header = Text(f"population of {self.ranks} CartPole agents · policy {self.policy} · "
+        header = Text(f"population of {self.ranks} {self.env} agents · policy {self.policy} · "
                       f"{done:,}/{goal:,} env steps · {time.monotonic() - self._started:5.1f}s")
-        table = Table(expand=False, box=None, padding=(0, 2))
-        for column in ("rank", "lr", "steps", "return (last 20)", "steps/s", "replaced"):
+        table = Table(expand=False, box=None, padding=(0, 1))
+        for column in ("rank", "lr", "ent_coef", "steps", "return (last 20)", "steps/s", "replaced"):
             table.add_column(column, justify="right")
         for rank, s in self.status.items():
             ret = "—" if math.isnan(s.mean_return) else f"{s.mean_return:6.1f}"
-            table.add_row(str(rank), f"{s.lr:.1e}", f"{s.steps:,}", ret, f"{s.steps_per_s:,.0f}", str(s.replaced))
+            table.add_row(str(rank), _value(s.lr), _value(s.ent_coef), f"{s.steps:,}", ret, f"{s.steps_per_s:,.0f}",
+                          str(s.replaced))
         recent = "\n".join(self.events[-6:]) or "no replacements yet"
         return Group(header, ProgressBar(total=goal, completed=min(done, goal), width=60), table,
                      Panel(recent, title="replacement events", expand=False))
+
+
+def _value(x: float) -> str:
+    return "—" if math.isnan(x) else f"{x:.1e}"
 
 
 def describe_event(replaced: int, donors: list[int], weights: list[float], strategy: str) -> str:
@@ -116,3 +124,11 @@ def describe_event(replaced: int, donors: list[int], weights: list[float], strat
         return f"rank {replaced} ← mean({names})"
     parts = ", ".join(f"{w:.2f}·rank {d}" for d, w in zip(donors, weights))
     return f"rank {replaced} ← {strategy}({parts})"
+
+
+def describe_explore(event: dict[str, Any]) -> str:
+    """``, lr 1.2e-03 → 1.4e-03, ent_coef 1.0e-02 → 8.0e-03 (explored)`` for the values the explore step
+    changed on a replaced agent; empty when it changed none."""
+    moved = [f"{name} {event[f'{name}_inherited']:.1e} → {event[name]:.1e}" for name in event.get("explored", ())
+             if f"{name}_inherited" in event and name in event]
+    return f", {', '.join(moved)} (explored)" if moved else ""

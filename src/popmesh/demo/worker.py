@@ -1,4 +1,4 @@
-"""One rank of the demo: a PPO agent on CartPole, a population policy, and (on rank 0) the view.
+"""One rank of the demo: a PPO agent on a gymnasium task, a population policy, and (on rank 0) the view.
 
 Launched by ``popmesh demo`` as ``python -m popmesh.demo.worker --config '<json>'`` on every rank.
 """
@@ -21,8 +21,8 @@ import numpy as np
 import popmesh
 from popmesh.core import trace
 from popmesh.core.errors import ConfigError, PeerClosed, PeerFailure, PopmeshError
-from popmesh.demo.config import DemoConfig, explore_lr, rank_hyper, rank_seed
-from popmesh.demo.learner import CartPoleLearner
+from popmesh.demo.config import DemoConfig, explore_hyper, rank_hyper, rank_seed
+from popmesh.demo.learner import PPOLearner
 from popmesh.demo.outputs import new_run_dir, plot_returns, read_history, write_jsonl, write_summary
 from popmesh.demo.reporter import Reporter
 from popmesh.demo.view import PopulationView
@@ -37,7 +37,7 @@ from popmesh.population.state.rejoin import seed_newcomers
 __all__ = ["make_policy", "run", "main"]
 
 
-def make_policy(config: DemoConfig, learner: CartPoleLearner, channel: int = 0) -> Any:
+def make_policy(config: DemoConfig, learner: PPOLearner, channel: int = 0) -> Any:
     """The population policy named by ``config.policy`` (None for ``none``); ``channel``: the asynchronous
     policy's tag set (the survivors of a lost rank run theirs on another, see ``_regroup``)."""
     selective: dict[str, Any] = dict(  # keyword options shared by both selective policies
@@ -48,7 +48,7 @@ def make_policy(config: DemoConfig, learner: CartPoleLearner, channel: int = 0) 
     if config.policy == "selective":
         return SelectiveAveraging(config.every, **selective)
     if config.policy == "async":  # channel 0 on every rank: a policy rebuilt after a loss meets the newcomer's
-        return AsyncSelectiveAveraging(config.every, channel=channel, **selective)
+        return AsyncSelectiveAveraging(config.every, channel=channel, decide=config.decide, **selective)
     return None
 
 
@@ -58,12 +58,13 @@ def run(config: DemoConfig) -> dict[str, Any] | None:
 
     torch.set_num_threads(1)
     world = popmesh.init(engine=config.engine)
-    learner = CartPoleLearner(rank_seed(config.seed, world.rank), rank_hyper(config.seed, world.rank),
-                              init_seed=config.seed)
+    learner = PPOLearner(rank_seed(config.seed, world.rank),
+                         rank_hyper(config.seed, world.rank, config.lr_range, config.ent_range), init_seed=config.seed,
+                         env=config.env)
     policy = make_policy(config, learner)
     # rank 0 holds the terminal when the launcher gave it; under mpiexec its stdout is a pipe to the user's
     live = config.live and (sys.stdout.isatty() or (config.terminal and config.engine == "mpi"))
-    view = PopulationView(world.size, config.steps, config.policy, live=live,
+    view = PopulationView(world.size, config.steps, config.policy, env=config.env, live=live,
                           plain=config.live and not live) if world.is_main else None
     reporter = Reporter(world, view, config.target, config.stop_at_target, at_checkpoints=config.checkpoint_every > 0)
     if world.newcomers:  # this process was restarted for a lost rank: the population seeds it
@@ -98,7 +99,7 @@ def run(config: DemoConfig) -> dict[str, Any] | None:
     return summary
 
 
-def _resume(world: Any, config: DemoConfig, learner: CartPoleLearner,
+def _resume(world: Any, config: DemoConfig, learner: PPOLearner,
             policy: Any) -> tuple[int, dict[str, Any] | None]:
     """With ``--resume``: every rank takes its agent (and its policy's state) back from the newest complete
     checkpoint; a rank that was lost when the survivors wrote it is seeded from them instead, as at a
@@ -131,7 +132,7 @@ def _resume(world: Any, config: DemoConfig, learner: CartPoleLearner,
     return iteration, {"path": str(found), "seeded": seeded}
 
 
-def _train(world: Any, config: DemoConfig, learner: CartPoleLearner, policy: Any, reporter: Reporter,
+def _train(world: Any, config: DemoConfig, learner: PPOLearner, policy: Any, reporter: Reporter,
            timer: Timer, out: Path, start: int, checkpoints: Checkpointer, policy_from: int = 0) -> Any:
     """The training loop; returns the policy in use at the end (a new one after the world re-formed).
 
@@ -185,7 +186,7 @@ def _train(world: Any, config: DemoConfig, learner: CartPoleLearner, policy: Any
             lost = _leave(world, config, learner, policy, reporter, e, timer, iteration, lost, checkpoints)
 
 
-def _checkpoint(learner: CartPoleLearner, policy: Any, checkpoints: Checkpointer, timer: Timer, iteration: int,
+def _checkpoint(learner: PPOLearner, policy: Any, checkpoints: Checkpointer, timer: Timer, iteration: int,
                 lost: _Lost | None) -> None:
     """Every rank of the population, or of the survivors' group while a rank is lost (the checkpoint then
     names it missing, and a run resumed from it seeds it from the others). The policy's state is the
@@ -199,7 +200,7 @@ def _checkpoint(learner: CartPoleLearner, policy: Any, checkpoints: Checkpointer
                          group=None if lost is None else lost.group)
 
 
-def _iterate(world: Any, config: DemoConfig, learner: CartPoleLearner, policy: Any, reporter: Reporter,
+def _iterate(world: Any, config: DemoConfig, learner: PPOLearner, policy: Any, reporter: Reporter,
              timer: Timer, iteration: int, started: float, first_steps: int, group: Any = None) -> None:
     """One iteration: train, let the population policy act (over ``group``; None: the world), report."""
     learner.iterate(timer)
@@ -208,20 +209,30 @@ def _iterate(world: Any, config: DemoConfig, learner: CartPoleLearner, policy: A
     if policy is not None and iteration >= config.warmup:
         with timer.section("population"):
             learner.model, optimizer, info = policy(iteration - config.warmup, learner.model,
-                                                    learner.optimizer, metric, group=group)
+                                                    learner.optimizer, learner.score(), group=group)
         learner.optimizer = optimizer if optimizer is not None else learner.optimizer
         if info.replaced:
-            learner.adopt_learning_rate()
-            inherited = learner.learning_rate()
-            if config.explore:
-                learner.set_learning_rate(explore_lr(inherited, config.seed, world.rank, iteration))
-            event = {**_event(world.rank, learner, info, metric, config.warmup), "lr_inherited": inherited,
-                     "lr": learner.learning_rate()}
+            event = {**_event(world.rank, learner, info, metric, config.warmup),
+                     **_explore(config, learner, world.rank, iteration)}
     row = {"rank": world.rank, "iteration": iteration, "steps": learner.total_steps,
            "mean_return": None if math.isnan(metric) else metric, "time": time.time(),
            "steps_per_s": (learner.total_steps - first_steps) / max(time.monotonic() - started, 1e-9),
-           "lr": learner.optimizer.param_groups[0]["lr"], "entropy": learner.hyper.entropy}
+           "lr": learner.optimizer.param_groups[0]["lr"], "ent_coef": learner.hyper.entropy}
     reporter.record(row, event)
+
+
+def _explore(config: DemoConfig, learner: PPOLearner, rank: int, iteration: int) -> dict[str, Any]:
+    """A replaced agent trains at the values that came with the weights (PBT's exploit), moved by the
+    explore step for those ``--explore`` names. What the event keeps: each value inherited and in use
+    (``lr_inherited``, ``lr``, ``ent_coef_inherited``, ``ent_coef``) and the names that changed."""
+    learner.adopt_hyper()
+    inherited = learner.explored()
+    if config.explore:
+        learner.set_hyper(**explore_hyper(inherited, config.explore, config.declarations(), config.seed, rank,
+                                          iteration))
+    now = learner.explored()
+    return {**{f"{name}_inherited": value for name, value in inherited.items()}, **now,
+            "explored": [name for name in now if now[name] != inherited[name]]}
 
 
 @dataclass
@@ -253,7 +264,7 @@ class _Alone(NamedTuple):
     leaving_s: float = 0.0  # leaving the broken world and forming survivors' groups
 
 
-def _leave(world: Any, config: DemoConfig, learner: CartPoleLearner, policy: Any, reporter: Reporter,
+def _leave(world: Any, config: DemoConfig, learner: PPOLearner, policy: Any, reporter: Reporter,
            error: PeerFailure, timer: Timer, iteration: int, lost: _Lost | None, checkpoints: Checkpointer) -> _Lost:
     """A rank was lost: stop what lives on the broken world (the policy, keeping its state; the reporter's
     messages) and go on with the other survivors (``_regroup``); ``error`` again when nothing restarts
@@ -278,7 +289,7 @@ def _lockstep(config: DemoConfig) -> bool:
     return config.policy in ("selective", "average-all")
 
 
-def _regroup(world: Any, config: DemoConfig, learner: CartPoleLearner, lost: _Lost, iteration: int,
+def _regroup(world: Any, config: DemoConfig, learner: PPOLearner, lost: _Lost, iteration: int,
              checkpoints: Checkpointer) -> None:
     """Form the survivors' group and a population policy among them, on a channel of its own (frames of the
     old policy may still be unreceived). Its replacement rules start afresh: what the whole population's
@@ -313,7 +324,7 @@ def _shut_down(policy: Any) -> None:
             pass
 
 
-def _rejoin(world: Any, config: DemoConfig, learner: CartPoleLearner, reporter: Reporter, lost: _Lost,
+def _rejoin(world: Any, config: DemoConfig, learner: PPOLearner, reporter: Reporter, lost: _Lost,
             iteration: int, out: Path, checkpoints: Checkpointer) -> tuple[Any, int]:
     """The lost rank's restarted process waits: wind down the survivors' policy, form the next generation
     with it, rebuild what lived on the old one (the policy, keeping its state; the reporter's receives)
@@ -335,7 +346,7 @@ def _rejoin(world: Any, config: DemoConfig, learner: CartPoleLearner, reporter: 
     return policy, through if _lockstep(config) else 0
 
 
-def _seed(world: Any, config: DemoConfig, learner: CartPoleLearner, reporter: Reporter, iteration: int,
+def _seed(world: Any, config: DemoConfig, learner: PPOLearner, reporter: Reporter, iteration: int,
           lost: dict[str, Any] | None, out: Path | None,
           alone: _Alone | None = None) -> tuple[int, Path, int]:
     """Every rank, right after the world (re-)formed with newcomers: they take the mean of the best agents
@@ -371,22 +382,23 @@ def _seed(world: Any, config: DemoConfig, learner: CartPoleLearner, reporter: Re
     return iteration, out, through
 
 
-def _exploit(world: Any, config: DemoConfig, learner: CartPoleLearner, iteration: int,
+def _exploit(world: Any, config: DemoConfig, learner: PPOLearner, iteration: int,
              newcomers: tuple[int, ...] | None = None) -> tuple[Any, int]:
     """PBT's exploit for the newcomers (``world.newcomers``, or the ranks given): :func:`seed_newcomers`, and a
-    newcomer takes its best donor's step count and learning rate. The seeding (None when no rank is new)
-    and the iteration this rank goes on from (a newcomer's is its best donor's)."""
+    newcomer takes its best donor's step count and the explored values that came with the weights. The
+    seeding (None when no rank is new) and the iteration this rank goes on from (a newcomer's is its best
+    donor's)."""
     seeding = seed_newcomers(learner.model, learner.optimizer, learner.mean_return(),
                              {"iteration": iteration, "steps": learner.total_steps}, donors=config.donors,
                              newcomers=newcomers)
     if seeding is not None and world.rank in seeding.newcomers:
         learner.total_steps = int(seeding.counters["steps"])
-        learner.adopt_learning_rate()
+        learner.adopt_hyper()
         iteration = int(seeding.counters["iteration"])
     return seeding, iteration
 
 
-def _event(rank: int, learner: CartPoleLearner, info: Any, metric: float, warmup: int) -> dict[str, Any]:
+def _event(rank: int, learner: PPOLearner, info: Any, metric: float, warmup: int) -> dict[str, Any]:
     """A replacement as events.jsonl keeps it, in the demo's iterations: ``decided_at`` is the iteration
     whose metrics decided it (warm-up plus a multiple of --every), ``iteration`` the one at which this
     rank applied it (later for the asynchronous policy: the decision travels while the agents train)."""
@@ -398,12 +410,12 @@ def _event(rank: int, learner: CartPoleLearner, info: Any, metric: float, warmup
             "summary": info.summary}
 
 
-def _finish(world: Any, config: DemoConfig, learner: CartPoleLearner, reporter: Reporter,
+def _finish(world: Any, config: DemoConfig, learner: PPOLearner, reporter: Reporter,
             timer: Timer, out: Path, resumed: dict[str, Any] | None = None,
             checkpoints: Checkpointer | None = None) -> dict[str, Any] | None:
     finals = popmesh.gather_object({"rank": world.rank, "steps": learner.total_steps,
                                     "mean_return": None if math.isnan(learner.mean_return()) else learner.mean_return(),
-                                    "lr": learner.learning_rate(), "entropy": learner.hyper.entropy,
+                                    **learner.explored(),
                                     "rows": reporter.own}, dst=0)
     times = report_timings(timer, group=world, show=False)
     imbalance = report_imbalance(timer, group=world, show=False)
@@ -411,8 +423,10 @@ def _finish(world: Any, config: DemoConfig, learner: CartPoleLearner, reporter: 
         return None
     reporter.complete_history([agent.pop("rows") for agent in finals])
     survival = [e for e in reporter.events if "kind" in e]
-    summary = {"config": config.to_dict(), "agents": finals, "reached_target": reporter.reached,
-               "replacements": len(reporter.events) - len(survival), "engine": world.engine_name,
+    summary = {"config": config.to_dict(), "env": config.env, "target": config.target, "agents": finals,
+               "reached_target": reporter.reached,
+               "replacements": len(reporter.events) - len(survival),
+               "explored": sum(bool(e.get("explored")) for e in reporter.events), "engine": world.engine_name,
                "ranks": world.size, "resumed_from": None if resumed is None else resumed["path"],
                "generation": world.generation, "restarts": [e for e in survival if e["kind"] == "rejoined"]}
     if resumed is not None and resumed["seeded"]:  # lost when the survivors wrote the checkpoint
@@ -425,7 +439,7 @@ def _finish(world: Any, config: DemoConfig, learner: CartPoleLearner, reporter: 
     write_summary(out / "summary.json", summary)
     baseline = read_history(config.baseline) if config.baseline else []
     plot_returns(out / "returns.png", reporter.history, reporter.events, config.target, baseline,
-                 f"{Path(config.baseline).name} (--baseline)")
+                 f"{Path(config.baseline).name} (--baseline)", env=config.env)
     _print_summary(summary, times, imbalance, out)
     return summary
 
@@ -434,7 +448,8 @@ def _print_summary(summary: dict[str, Any], times: Any, imbalance: Any, out: Any
     print("\nagents at the end:")
     for agent in summary["agents"]:
         ret = "—" if agent["mean_return"] is None else f"{agent['mean_return']:.1f}"
-        print(f"  rank {agent['rank']}: lr {agent['lr']:.1e}  steps {agent['steps']:,}  return (last 20) {ret}")
+        print(f"  rank {agent['rank']}: lr {agent['lr']:.1e}  ent_coef {agent['ent_coef']:.1e}  "
+              f"steps {agent['steps']:,}  return (last 20) {ret}")
     reached = summary["reached_target"]
     print(f"replacements: {summary['replacements']};  target: "
           + (f"rank {reached['rank']} after {reached['agent_steps']:,} steps" if reached else "not reached"))

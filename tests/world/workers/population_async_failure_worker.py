@@ -54,7 +54,8 @@ def dead_donor_surfaces_on_the_replaced_rank(w):
 
     if w.rank == 1:
         async_trainer.TrainerLink._decision = lambda self, message: os._exit(3)
-    policy = AsyncSelectiveAveraging(every=10, rule=ReplacementRule(ratio=0.25), timeout=SHUTDOWN_S)
+    policy = AsyncSelectiveAveraging(every=10, decide="complete", rule=ReplacementRule(ratio=0.25),
+                                     timeout=SHUTDOWN_S)  # both others donate: a decision of all three
     model = make_agent(w.rank + 1)
     policy(0, model, None, [3.0, 2.0, 1.0][w.rank])
     start = time.monotonic()

@@ -1,5 +1,7 @@
 """AsyncSelectiveAveraging on a real world (torch/gloo and MPI): closed forms, conformance with the
-synchronous policy, the coordinator as donor and as replaced, a dedicated coordinator, sub-groups."""
+synchronous policy, the coordinator as donor and as replaced, a dedicated coordinator, sub-groups.
+One round each, so these use decide="complete" (every rank's metric of the round, then one decision,
+as before); population_async_slow_worker.py covers the default, decide="latest"."""
 
 import json
 import math
@@ -55,7 +57,7 @@ def one_round(w, policy, metrics, model=None, optimizer=None, replaced=(), group
 def averaged_weights_are_applied(w):
     """Regression for torchgfn's bug: after the applying call, weights are the expected combination."""
     n = w.size
-    policy = AsyncSelectiveAveraging(every=10, rule=QUARTER)
+    policy = AsyncSelectiveAveraging(every=10, decide="complete", rule=QUARTER)
     model, _, info = one_round(w, policy, WORST_FIRST[n], replaced=(0,) if n > 1 else ())
     if w.rank == 0 and n > 1:
         assert_all(model, mean([r + 1 for r in range(1, n)]), what="coordinator replaced by the others' mean")
@@ -70,7 +72,7 @@ def coordinator_donates_best_only(w):
     n = w.size
     need_ranks(w, 2)
     metrics = [float(n - r) for r in range(n)]  # rank 0 (the coordinator) is the best
-    policy = AsyncSelectiveAveraging(every=10, rule=QUARTER, strategy="best_only")
+    policy = AsyncSelectiveAveraging(every=10, decide="complete", rule=QUARTER, strategy="best_only")
     model, _, _info = one_round(w, policy, metrics, replaced=(n - 1,))
     assert_all(model, 1.0 if w.rank == n - 1 else w.rank + 1, what="best_only from the coordinator")
 
@@ -81,7 +83,7 @@ def conforms_to_the_synchronous_policy(w):
     n = w.size
     need_ranks(w, 3)
     opts = dict(rule=ReplacementRule(ratio=0.5), strategy="weighted_mean", momentum=0.3)
-    asyn, sync = AsyncSelectiveAveraging(every=5, **opts), SelectiveAveraging(every=5, **opts)
+    asyn, sync = AsyncSelectiveAveraging(every=5, decide="complete", **opts), SelectiveAveraging(every=5, **opts)
     model_a, model_s = make_agent(w.rank + 1), make_agent(w.rank + 1)
     rng = np.random.default_rng(11)
     for round_ in range(3):
@@ -113,7 +115,7 @@ def optimizer_state_is_copied_from_the_best_donor(w):
     model = make_agent(w.rank + 1)
     opt = adam_for(model, grad=w.rank + 1)
     best = int(np.argmax(WORST_FIRST[n]))
-    policy = AsyncSelectiveAveraging(every=10, rule=QUARTER, optimizer_policy="copy")
+    policy = AsyncSelectiveAveraging(every=10, decide="complete", rule=QUARTER, optimizer_policy="copy")
     model, opt, info = one_round(w, policy, WORST_FIRST[n], model=model, optimizer=opt, replaced=(0,))
     assert math.isclose(exp_avg_of(opt), 0.1 * ((best if w.rank == 0 else w.rank) + 1), rel_tol=1e-5)
     if w.rank == 0:
@@ -125,7 +127,7 @@ def events_and_reset_weights(w):
     n = w.size
     need_ranks(w, 2)
     path = os.path.join(os.environ["POPMESH_TEST_OUT"], "async-events-{rank}.jsonl")
-    policy = AsyncSelectiveAveraging(every=10, rule=QUARTER, strategy="reset_weights",
+    policy = AsyncSelectiveAveraging(every=10, decide="complete", rule=QUARTER, strategy="reset_weights",
                                      model_builder=lambda: make_agent(-1.0), events_path=path)
     model, _, _info = one_round(w, policy, WORST_FIRST[n], replaced=(0,))
     assert_all(model, -1.0 if w.rank == 0 else w.rank + 1, what="reset_weights")
@@ -144,7 +146,7 @@ def dedicated_coordinator_rank(w):
     need_ranks(w, 3)
     trainers = list(range(n - 1))
     group = w.new_group(trainers)
-    policy = AsyncSelectiveAveraging(every=10, rule=QUARTER, coordinator=n - 1)
+    policy = AsyncSelectiveAveraging(every=10, decide="complete", rule=QUARTER, coordinator=n - 1)
     if w.rank == n - 1:
         assert policy.coordinate(group, timeout=WAIT_S) == 1
         return
@@ -157,7 +159,7 @@ def sub_group_with_an_idle_rank(w):
     n = w.size
     need_ranks(w, 3)
     group = w.new_group(range(1, n))  # rank 0 idles; rank 1 coordinates and is replaced
-    policy = AsyncSelectiveAveraging(every=10, rule=QUARTER)
+    policy = AsyncSelectiveAveraging(every=10, decide="complete", rule=QUARTER)
     if w.rank == 0:
         return
     metrics = {g: float(g + 1) for g in range(1, n)}

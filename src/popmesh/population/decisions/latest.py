@@ -33,9 +33,11 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal, NamedTuple
 
 from popmesh.core.errors import ConfigError
+from popmesh.population.decisions.combine import OptimizerPolicy, Strategy, averaging_weights, optimizer_action
+from popmesh.population.decisions.decision import Decision, _summary
 from popmesh.population.decisions.selection import _is_real
 
-__all__ = ["Report", "LatestRules", "LatestState", "Verdict", "init_latest", "judge"]
+__all__ = ["Report", "LatestRules", "LatestState", "Verdict", "init_latest", "judge", "verdict_decision"]
 
 _SLACK = 1e-9  # so that ceil(10 * 0.3) is 3, not 4
 
@@ -324,3 +326,27 @@ def _rank_and_choose(rank: int, values: dict[int, float], by_rank: Mapping[int, 
 def _ordinal(place: int) -> str:
     suffix = "th" if 10 <= place % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(place % 10, "th")
     return f"{place}{suffix}"
+
+
+def verdict_decision(verdict: Verdict, n: int, strategy: str | Strategy = Strategy.MEAN,
+                     optimizer_policy: str | OptimizerPolicy = OptimizerPolicy.RESET,
+                     iteration: int | None = None) -> Decision:
+    """The :class:`~popmesh.population.Decision` that carries out a replacing ``verdict`` in a
+    population of ``n``: its rank alone replaced, its donors weighted by ``strategy`` over the
+    objectives it was judged by (``best_only``: the best donor; ``reset_weights``: no donor), the
+    optimizer source of ``optimizer_policy``; ``iteration`` is the judged report's."""
+    if not verdict.replace:
+        raise ConfigError(f"rank {verdict.rank}'s verdict replaces nobody ({verdict.reason}): nothing to carry out")
+    strategy, policy = Strategy.parse(strategy), OptimizerPolicy.parse(optimizer_policy)
+    r = verdict.rank
+    donors: tuple[int, ...] = ()
+    weights: tuple[float, ...] = ()
+    if strategy is not Strategy.RESET:
+        m = [verdict.objectives.get(i, math.nan) for i in range(n)]
+        donors, weights = tuple(verdict.donors), averaging_weights(m, verdict.donors, strategy)
+        if strategy is Strategy.BEST_ONLY:
+            donors, weights = tuple(d for d, w in zip(donors, weights) if w > 0), (1.0,)
+    source = optimizer_action(policy, r, donors, weights, metrics=[verdict.objectives.get(i, math.nan)
+                                                                    for i in range(n)]) if donors else None
+    return Decision((r,), {r: donors}, {r: weights}, {r: source}, strategy, policy, reasons={r: verdict.reason},
+                    iteration=iteration, summary=_summary(n, [r], {}, strategy))

@@ -59,11 +59,16 @@ class EventLog:
 
 def replacement_event(policy: str, iteration: int, decision_iteration: int | None, rank: int,
                       donors: Sequence[int], weights: Sequence[float], metrics: Mapping[int, float],
-                      strategy: str | None, optimizer: str | None, reason: str = "") -> dict[str, Any]:
-    """The record of one replaced agent (global ranks; non-finite metrics as null)."""
-    return {
+                      strategy: str | None, optimizer: str | None, reason: str = "",
+                      report_iterations: Mapping[int, int] | None = None) -> dict[str, Any]:
+    """The record of one replaced agent (global ranks; non-finite metrics as null); with
+    ``report_iterations``, each compared member's reported iteration when it was decided."""
+    record = {
         "event": "replace", "policy": policy, "iteration": int(iteration),
         "decision_iteration": decision_iteration, "rank": int(rank), "donors": [int(d) for d in donors],
         "weights": [float(w) for w in weights], "strategy": strategy, "optimizer": optimizer,
         "metrics": {str(r): json_number(m) for r, m in sorted(metrics.items())}, "reason": reason,
     }
+    if report_iterations:
+        record["report_iterations"] = {str(r): int(i) for r, i in sorted(report_iterations.items())}
+    return record

@@ -32,6 +32,8 @@ class PolicyInfo:
     * ``decision_iteration``: the iteration whose metrics the applied decision came from (equal to
       ``iteration`` for synchronous policies, earlier for asynchronous ones).
     * ``summary``: the decision in one line; ``metrics``: the metrics it was based on, by global rank.
+    * ``report_iterations``: the asynchronous policy's applied decision: each compared member's
+      latest reported iteration when it was made, by global rank (how far behind the others were).
     * ``hparams``: hyper-parameters changed by exploration, ``{name: [old, new]}``.
     * ``timings``: seconds spent in each phase of this call on this rank.
     """
@@ -48,6 +50,7 @@ class PolicyInfo:
     decision_iteration: int | None = None
     summary: str = ""
     metrics: dict[int, float] = field(default_factory=dict)
+    report_iterations: dict[int, int] = field(default_factory=dict)
     hparams: dict[str, list[Any]] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -57,6 +60,7 @@ class PolicyInfo:
         out["donors"] = list(self.donors)
         out["weights"] = list(self.weights)
         out["metrics"] = {str(r): json_number(m) for r, m in self.metrics.items()}
+        out["report_iterations"] = {str(r): int(i) for r, i in self.report_iterations.items()}
         return out
 
 

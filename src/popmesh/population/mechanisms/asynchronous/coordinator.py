@@ -1,4 +1,7 @@
-"""The coordinator side of the asynchronous policy: collect metrics, decide, dispatch, say FIN.
+"""The coordinator side of the asynchronous policy: collect reports, decide, dispatch, say FIN.
+
+What to decide and when is its :class:`~popmesh.population.mechanisms.asynchronous.deciders.Decider`'s
+(each report judged as it arrives, or every iteration once complete); this side moves the messages.
 
 Runs inside a trainer's background thread (the group's first rank by default) or in the calling
 thread of a dedicated coordinator rank (:meth:`AsyncSelectiveAveraging.coordinate`). Like the
@@ -15,9 +18,8 @@ from typing import Any
 from popmesh.comm.messages import RecvHandle, irecv, isend
 from popmesh.comm.world import World
 from popmesh.core.errors import CommTimeout, PeerFailure
-from popmesh.population.decisions.options import SelectiveOptions
-from popmesh.population.decisions.selection import update_state
-from popmesh.population.mechanisms.asynchronous.protocol import Channels, CoordinatorBook, decision_messages, parse_up
+from popmesh.population.mechanisms.asynchronous.deciders import Decider, Dispatch
+from popmesh.population.mechanisms.asynchronous.protocol import Channels, parse_up
 from popmesh.population.mechanisms.asynchronous.trainer import reap
 
 __all__ = ["CoordinatorLink"]
@@ -26,13 +28,11 @@ __all__ = ["CoordinatorLink"]
 class CoordinatorLink:
     """Coordinate the training ranks ``ranks`` (global, group order) from global rank ``world.rank``."""
 
-    def __init__(self, world: World, ranks: Sequence[int], tags: Channels, options: SelectiveOptions,
+    def __init__(self, world: World, ranks: Sequence[int], tags: Channels, decider: Decider,
                  timeout: float, local: Callable[[dict[str, Any]], None] | None = None) -> None:
-        self.world, self.ranks, self.tags, self.options = world, list(ranks), tags, options
+        self.world, self.ranks, self.tags, self.decider = world, list(ranks), tags, decider
         self._local = local  # this rank's trainer side, when the coordinator also trains
         self.timeout = timeout
-        self.book = CoordinatorBook(len(self.ranks))
-        self.state = options.init_state(len(self.ranks))
         self._up: RecvHandle | None = irecv(self.ranks, tags.up, group=world)
         self._sends: list[Any] = []
         self._dispatched_at = 0.0
@@ -40,7 +40,7 @@ class CoordinatorLink:
         self.finished = False
 
     def poll(self) -> bool:
-        """Take every up message that arrived, decide if a complete iteration is ready, FIN at the end."""
+        """Take every up message that arrived, send the decisions they make ready, FIN at the end."""
         failure = self.world.failure(self.ranks)
         if failure is not None:  # a member the heartbeat found frozen or dead: no decision can complete
             raise failure
@@ -49,14 +49,12 @@ class CoordinatorLink:
         while self._up is not None and self._up.done():
             src, row = self._up.wait()
             self._up = irecv(self.ranks, self.tags.up, group=self.world)
-            kind, iteration, metric, fingerprint, acked = parse_up(row)
-            self.book.record(kind, self.ranks.index(src), iteration, metric, fingerprint, acked=acked)
+            self.decider.record(self.ranks.index(src), parse_up(row), time.monotonic())
             progress = True
-        ready = self.book.next_decision()
-        if ready is not None:
-            self._dispatch(*ready)
+        for dispatch in self.decider.ready():  # after the batch: the complete protocol decides its newest iteration
+            self._dispatch(dispatch)
             progress = True
-        if not self.finished and self.book.finished():
+        if not self.finished and self.decider.finished():
             for dst in self.ranks:
                 self._tell({"kind": "fin"}, dst)
             self.finished = True
@@ -64,14 +62,9 @@ class CoordinatorLink:
         self._check_liveness()
         return progress
 
-    def _dispatch(self, iteration: int, metrics: list[float]) -> None:
-        decision = self.options.decide(metrics, iteration, self.state)
-        self.state = update_state(self.state, decision.replaced, iteration)
-        if not decision.replaced:
-            return
-        for g, message in decision_messages(decision, metrics).items():
+    def _dispatch(self, dispatch: Dispatch) -> None:
+        for g, message in dispatch.messages.items():
             self._tell(message, self.ranks[g])
-        self.book.dispatched(decision.replaced, iteration)
         self._dispatched_at = time.monotonic()
         self.decisions += 1
 
@@ -84,14 +77,15 @@ class CoordinatorLink:
 
     def _check_liveness(self) -> None:
         now = time.monotonic()
-        stalled = self.book.stalled(now, self.timeout)
+        stalled = self.decider.stalled(now, self.timeout)
         if stalled is not None:
             it, missing = stalled
             self._raise_missing([self.ranks[r] for r in missing],
                                 f"ranks {[self.ranks[r] for r in missing]} sent no metric for iteration {it} "
                                 f"within {self.timeout:g} s while the others did")
-        if self.book.in_flight and now - self._dispatched_at > 2 * self.timeout:
-            late = [self.ranks[r] for r in self.book.missing_acks()]
+        acks = self.decider.missing_acks()
+        if acks and now - self._dispatched_at > 2 * self.timeout:
+            late = [self.ranks[r] for r in acks]
             self._raise_missing(late, f"replaced ranks {late} did not finish their replacement within "
                                       f"{2 * self.timeout:g} s")
 
@@ -108,7 +102,7 @@ class CoordinatorLink:
 
     def missing_byes(self) -> list[int]:
         """Global ranks that have not said BYE yet."""
-        return [g for i, g in enumerate(self.ranks) if i not in self.book.byes]
+        return [g for i, g in enumerate(self.ranks) if i not in self.decider.byes]
 
     def check_shutdown(self, since: float, timeout: float) -> None:
         """Raise if the trainers have not all said BYE within ``timeout`` seconds of ``since``."""
@@ -116,7 +110,7 @@ class CoordinatorLink:
             missing = self.missing_byes()
             if missing:
                 self._raise_missing(missing, f"ranks {missing} did not shut the policy down within {timeout:g} s")
-            late = [self.ranks[r] for r in self.book.missing_acks()]
+            late = [self.ranks[r] for r in self.decider.missing_acks()]
             raise CommTimeout(f"population coordinator: replaced ranks {late} did not finish their replacement "
                               f"within {timeout:g} s of shutdown", tuple(late))
 

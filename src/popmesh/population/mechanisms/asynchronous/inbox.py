@@ -51,6 +51,7 @@ class Pending:
     reason: str
     metrics: dict[int, float]
     snapshot_iterations: tuple[int, ...] = ()
+    report_iterations: dict[int, int] = field(default_factory=dict)  # global rank -> its report's iteration
 
 
 _FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
@@ -142,6 +143,7 @@ class Job:
     combined: int = 0  # donors[:combined] are in the sum
     seen: dict[int, int] = field(default_factory=dict)  # donor -> iteration of its snapshot
     state: dict[str, Any] | None = None  # optimizer state of the source donor
+    iterations: dict[int, int] = field(default_factory=dict)  # global rank -> iteration of the report read
 
     @property
     def iteration(self) -> int:
@@ -226,4 +228,4 @@ class Inbox:
         self.job = None
         return Pending(job.iteration, tuple(job.donors), d.weights[me], combined, job.state, job.source,
                        d.strategy, d.summary_in(job.ranks), d.reasons.get(me, ""), job.metrics,
-                       tuple(job.seen[g] for g in job.donors))
+                       tuple(job.seen[g] for g in job.donors), job.iterations)

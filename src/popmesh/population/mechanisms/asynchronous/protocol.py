@@ -2,10 +2,12 @@
 
 Three channels per policy instance, on popmesh-internal tags (:data:`popmesh.comm.messages.POPULATION_TAGS`):
 
-* **up** (trainer → coordinator), one float64 row ``[kind, iteration, metric, fingerprint, acked]``
-  where kind is METRIC, ACK (a replaced rank has combined its donors' weights for a decision) or
-  BYE (the rank is shutting down: it sends nothing more but keeps serving until FIN), and
-  ``acked`` the newest decision iteration this rank has combined (-1: none). A replaced rank's
+* **up** (trainer → coordinator), one float64 row :class:`Up`
+  ``[kind, iteration, metric, fingerprint, acked, steps, generation]`` where kind is METRIC, ACK (a
+  replaced rank has combined its donors' weights for a decision) or BYE (the rank is shutting down:
+  it sends nothing more but keeps serving until FIN), ``acked`` the newest decision iteration this
+  rank has combined (-1: none), ``steps`` its experience and ``generation`` how many replacements
+  its main thread has applied (a report of older weights is then told apart). A replaced rank's
   acknowledgement usually rides in its next METRIC row; it sends an ACK row of its own only when
   it finished combining after it had already reported a newer iteration (the coordinator may then
   be waiting for it).
@@ -27,7 +29,9 @@ its BYE, and a decision always precedes FIN.
 
 :class:`CoordinatorBook` decides *when* to decide: at most one decision in flight (until every
 replaced rank acknowledged it), always on the newest iteration whose metrics are complete (older
-complete ones are skipped), FIN once every rank said BYE and nothing is in flight. Fewer messages
+complete ones are skipped), FIN once every rank said BYE and nothing is in flight. It serves the
+``decide="complete"`` protocol; :mod:`~popmesh.population.mechanisms.asynchronous.deciders` holds
+the default one, which judges each report as it arrives. Fewer messages
 matter: with more ranks than cores each one costs its receiver a few hundred microseconds of CPU
 that training would otherwise use.
 """
@@ -38,7 +42,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -46,9 +50,8 @@ from popmesh.comm.messages import INTERNAL_TAG_BASE, POPULATION_TAGS, internal_t
 from popmesh.core.errors import ConfigError
 
 __all__ = [
-    "METRIC", "ACK", "BYE", "MAX_INSTANCES", "Channels", "channels", "up_row", "parse_up", "decision_messages",
-    "recipients_of",
-    "involved", "metrics_by_rank", "CoordinatorBook",
+    "METRIC", "ACK", "BYE", "MAX_INSTANCES", "Channels", "channels", "Up", "up_row", "parse_up", "decision_messages",
+    "recipients_of", "check_fingerprint", "involved", "metrics_by_rank", "CoordinatorBook",
 ]
 
 METRIC, ACK, BYE = 0, 1, 2
@@ -74,17 +77,42 @@ def channels(instance: int) -> Channels:
     return Channels(*(internal_tag(base + i) for i in range(_PER_INSTANCE)))
 
 
-def up_row(kind: int, iteration: int, metric: float = math.nan, fingerprint: int = 0, acked: int = -1) -> np.ndarray:
-    """The float64 row a trainer sends up (fingerprints are 52-bit, exact in float64)."""
-    return np.array([kind, iteration, metric, fingerprint, acked], dtype=np.float64)
+class Up(NamedTuple):
+    """One up row, parsed."""
+
+    kind: int
+    iteration: int
+    metric: float
+    fingerprint: int
+    acked: int
+    steps: int
+    generation: int
 
 
-def parse_up(row: Any) -> tuple[int, int, float, int, int]:
-    """``(kind, iteration, metric, fingerprint, acked)`` from an up row; ConfigError for anything else."""
+_UP_SIZE = len(Up._fields)
+
+
+def up_row(kind: int, iteration: int, metric: float = math.nan, fingerprint: int = 0, acked: int = -1,
+           steps: int = -1, generation: int = 0) -> np.ndarray:
+    """The float64 row a trainer sends up (fingerprints are 52-bit and steps below 2**53: exact in float64)."""
+    return np.array([kind, iteration, metric, fingerprint, acked, steps, generation], dtype=np.float64)
+
+
+def parse_up(row: Any) -> Up:
+    """The :class:`Up` of an up row; ConfigError for anything else."""
     a = np.asarray(row, dtype=np.float64).reshape(-1)
-    if a.size != 5 or int(a[0]) not in (METRIC, ACK, BYE):
+    if a.size != _UP_SIZE or int(a[0]) not in (METRIC, ACK, BYE):
         raise ConfigError(f"not an asynchronous-policy message (mixed popmesh versions?): {a[:8].tolist()}")
-    return int(a[0]), int(a[1]), float(a[2]), int(a[3]), int(a[4])
+    return Up(int(a[0]), int(a[1]), float(a[2]), int(a[3]), int(a[4]), int(a[5]), int(a[6]))
+
+
+def check_fingerprint(fingerprints: dict[int, int], rank: int, fingerprint: int) -> None:
+    """Book group rank ``rank``'s model layout; ConfigError naming every rank's when they differ."""
+    known = fingerprints.setdefault(rank, fingerprint)
+    if known != fingerprint or len(set(fingerprints.values())) > 1:
+        per_rank = ", ".join(f"group rank {r}: {p:#x}" for r, p in sorted(fingerprints.items()))
+        raise ConfigError(f"model layouts differ across the group ({per_rank}; now {fingerprint:#x} from "
+                          f"group rank {rank}): every agent must have the same architecture")
 
 
 def recipients_of(decision: Any) -> dict[int, list[int]]:
@@ -107,14 +135,20 @@ def recipients_of(decision: Any) -> dict[int, list[int]]:
     return out
 
 
-def decision_messages(decision: Any, metrics: Sequence[float]) -> dict[int, dict[str, Any]]:
+def decision_messages(decision: Any, metrics: Sequence[float],
+                      iterations: Sequence[int | None] | None = None) -> dict[int, dict[str, Any]]:
     """Group rank → the JSON sent down to it, for every rank ``decision`` involves (non-finite
-    metrics as null): its part of the decision and whom it streams to, not the whole decision."""
+    metrics as null): its part of the decision and whom it streams to, not the whole decision.
+    ``iterations`` (index = group rank, None: not compared): each member's report the decision read."""
     finite = [m if math.isfinite(m) else None for m in metrics]
     recipients = recipients_of(decision)
-    return {g: {"kind": "decision", "decision": decision.part(g).to_dict(), "recipients": recipients.get(g, []),
-                "metrics": finite}
-            for g in sorted(set(recipients) | set(decision.replaced))}
+    out = {g: {"kind": "decision", "decision": decision.part(g).to_dict(), "recipients": recipients.get(g, []),
+               "metrics": finite}
+           for g in sorted(set(recipients) | set(decision.replaced))}
+    if iterations is not None:
+        for g in decision.replaced:  # only the replaced rank shows them (PolicyInfo.report_iterations)
+            out[g]["iterations"] = list(iterations)
+    return out
 
 
 @dataclass
@@ -146,11 +180,7 @@ class CoordinatorBook:
             del self.in_flight[rank]
 
     def _metric(self, rank: int, iteration: int, metric: float, fingerprint: int, now: float) -> None:
-        known = self.fingerprints.setdefault(rank, fingerprint)
-        if known != fingerprint or len(set(self.fingerprints.values())) > 1:
-            per_rank = ", ".join(f"group rank {r}: {p:#x}" for r, p in sorted(self.fingerprints.items()))
-            raise ConfigError(f"model layouts differ across the group ({per_rank}; now {fingerprint:#x} from "
-                              f"group rank {rank}): every agent must have the same architecture")
+        check_fingerprint(self.fingerprints, rank, fingerprint)
         self.latest[rank] = max(self.latest.get(rank, iteration), iteration)
         if iteration <= self.decided_upto:
             return

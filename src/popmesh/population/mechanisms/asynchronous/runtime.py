@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from popmesh.comm.messages import on_arrival
 from popmesh.comm.world import World
 from popmesh.core.errors import CommTimeout, PeerFailure, PopmeshError
-from popmesh.population.decisions.options import SelectiveOptions
 from popmesh.population.mechanisms.asynchronous.coordinator import CoordinatorLink
+from popmesh.population.mechanisms.asynchronous.deciders import Decider
 from popmesh.population.mechanisms.asynchronous.protocol import BYE, METRIC, Channels
 from popmesh.population.mechanisms.asynchronous.trainer import Pending, Snapshot, TrainerLink, reap
 
@@ -40,10 +40,11 @@ _GRACE = 2.0
 
 
 class Runtime:
-    """One policy instance's background thread for the training ranks ``ranks`` (global)."""
+    """One policy instance's background thread for the training ranks ``ranks`` (global);
+    ``decider(n)`` makes the coordinator's decision protocol when this rank coordinates."""
 
     def __init__(self, world: World, ranks: Sequence[int], coordinator: int, tags: Channels,
-                 options: SelectiveOptions, timeout: float, poll_interval: float) -> None:
+                 decider: Callable[[int], Decider], timeout: float, poll_interval: float) -> None:
         self.timeout, self.poll_interval = timeout, poll_interval
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -58,17 +59,18 @@ class Runtime:
         self._bye_sent = False
         self._stop_watching = on_arrival(self._wake.set, group=world)
         self.trainer = TrainerLink(world, list(ranks), coordinator, tags, timeout, self.latest, self._deliver)
-        self.coordinator = (CoordinatorLink(world, ranks, tags, options, timeout, local=self.trainer.handle)
+        self.coordinator = (CoordinatorLink(world, ranks, tags, decider(len(ranks)), timeout, local=self.trainer.handle)
                             if world.rank == coordinator else None)
         self._thread = threading.Thread(target=self._run, name=f"popmesh-population-{world.rank}", daemon=True)
         self._thread.start()
 
     # ---- main thread ---------------------------------------------------------------------------
-    def post(self, snapshot: Snapshot, metric: float, fingerprint: int) -> None:
-        """Hand over this cadence's snapshot, then send its metric row (main thread)."""
+    def post(self, snapshot: Snapshot, metric: float, fingerprint: int, steps: int, generation: int) -> None:
+        """Hand over this cadence's snapshot, then send its report row (main thread): its metric, its
+        experience (``steps``) and how many replacements it applied (``generation``)."""
         with self._lock:
             self._snapshot = snapshot
-        handle = self.trainer.isend_up(METRIC, snapshot.iteration, metric, fingerprint)
+        handle = self.trainer.isend_up(METRIC, snapshot.iteration, metric, fingerprint, steps, generation)
         self._main_sends = reap(self._main_sends, self.timeout) + [handle]
 
     def quiet(self) -> bool:

@@ -1,34 +1,40 @@
 """AsyncSelectiveAveraging: selective averaging where training never waits.
 
 At a decision point each rank snapshots its weights (a copy taken between optimizer steps, so a
-donor never streams a tensor the optimizer is modifying) and queues its metric for the
-coordinator. The coordinator decides with the same pure :func:`~popmesh.population.decide` as the
-synchronous policy and instructs the ranks involved; donors stream their snapshot; the replaced
-rank combines in its background thread, and its main thread swaps the result in at its next
-policy call. All of it runs over :mod:`popmesh.comm.messages` on popmesh-internal tags, from one
-background thread per rank; no collective is issued from that thread.
+donor never streams a tensor the optimizer is modifying) and sends its report (metric, steps) to
+the coordinator. By default the coordinator judges that rank at once against every other member's
+latest report (the pure :func:`~popmesh.population.judge`); with ``decide="complete"`` it waits
+until every member reported the iteration and runs the synchronous policy's pure
+:func:`~popmesh.population.decide`. It instructs the ranks involved; donors stream their snapshot;
+the replaced rank combines in its background thread, and its main thread swaps the result in at
+its next policy call. All of it runs over :mod:`popmesh.comm.messages` on popmesh-internal tags,
+from one background thread per rank; no collective is issued from that thread.
 
 Fixes over torchgfn's ``AsyncSelectiveAveragingPolicy``: combined weights are actually applied;
 the coordinator (rank 0 by default) may itself donate or be replaced; momentum and the group are
-honoured (group ranks, group size); ``weighted_mean`` favours better donors; one decision at a
-time, so parameter streams never interleave; shutdown is a handshake with a timeout, and a dead
+honoured (group ranks, group size); ``weighted_mean`` favours better donors; one decision in
+flight per replaced rank, so parameter streams never interleave; shutdown is a handshake with a timeout, and a dead
 peer surfaces as PeerFailure/CommTimeout instead of a hang.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
+import numbers
 import warnings
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from popmesh.comm.world import Comm, resolve_group
 from popmesh.core.errors import ConfigError, PeerFailure, PopmeshError
 from popmesh.population.decisions.combine import OptimizerPolicy
+from popmesh.population.decisions.latest import LatestRules
 from popmesh.population.decisions.options import SelectiveOptions, check_metric
-from popmesh.population.decisions.selection import state_from_json, state_to_json
+from popmesh.population.decisions.selection import DonorRule, ReplacementRule
 from popmesh.population.mechanisms.asynchronous.coordinator import CoordinatorLink
+from popmesh.population.mechanisms.asynchronous.deciders import CompleteDecider, Decider, LatestDecider
 from popmesh.population.mechanisms.asynchronous.protocol import Channels, channels
 from popmesh.population.mechanisms.asynchronous.runtime import Runtime, surface
 from popmesh.population.mechanisms.asynchronous.trainer import Pending, Snapshot
@@ -40,11 +46,22 @@ from popmesh.population.state.replace import apply_replacement
 __all__ = ["AsyncSelectiveAveraging"]
 
 _INSTANCES = itertools.count()
+DECIDE = ("latest", "complete")
 
 
 class AsyncSelectiveAveraging(PopulationPolicy):
     """Asynchronous selective averaging (same options as :class:`SelectiveAveraging`), plus:
 
+    * ``decide``: ``"latest"`` (default) judges a rank as soon as it reports at a decision point,
+      against the latest report of every other member (:func:`~popmesh.population.judge`), and
+      sends that rank's decision at once: nobody waits for the slowest, and at most one decision per
+      replaced rank is in flight. ``"complete"`` waits until every member reported the iteration and
+      decides for all of them (:func:`~popmesh.population.decide`), torchgfn's protocol.
+    * ``latest``: the judge's rules, a :class:`~popmesh.population.LatestRules` or a mapping of its
+      fields (``relative_gap``, ``absolute_gap``, ``interval``, ``cooldown``, ``burn_in``,
+      ``match_experience``, ``quantile_fraction``, ``max_donors``, ``clock``, ``history``). Unset,
+      ``quantile_fraction`` is ``rule``'s ratio and ``max_donors`` is ``donor_rule``'s ``best_k``;
+      ``rule`` may then hold only a ratio (at most 0.5) and ``donor_rule`` not be random.
     * ``coordinator``: global rank that decides. Default: the group's first rank, which also trains
       (and may donate or be replaced). A rank outside the group (a topology's coordinator rank)
       must call :meth:`coordinate` with the training group instead of training.
@@ -54,17 +71,28 @@ class AsyncSelectiveAveraging(PopulationPolicy):
       report arrivals (MPI); on gloo it sleeps until a message arrives.
 
     A replacement decided at iteration ``t`` is applied at a later call of the replaced rank;
-    ``info.decision_iteration`` says which. Cross-rank contract: every rank of the group calls the
-    policy with metrics at the same decision iterations (it may get there at its own pace) and
-    calls :meth:`shutdown` at the end (also run at exit). Errors of the background thread (a dead
-    peer: PeerFailure / CommTimeout) are raised at the next call or at shutdown.
+    ``info.decision_iteration`` says which. A call may pass ``steps=`` (the experience collected,
+    default the iteration): the latest rules compare on it. With ``decide="latest"`` a decision
+    point's metric must be finite (a ConfigError names the rank). Cross-rank contract: every rank
+    of the group calls the policy with metrics at the same decision iterations (it may get there at
+    its own pace) and calls :meth:`shutdown` at the end (also run at exit). Errors of the
+    background thread (a dead peer: PeerFailure / CommTimeout) are raised at the next call or at
+    shutdown.
     """
 
     name = "async_selective"
 
-    def __init__(self, every: int, *, coordinator: int | None = None, channel: int | None = None,
-                 poll_interval: float = 0.05, **options: Any) -> None:
+    def __init__(self, every: int, *, decide: str = "latest", latest: LatestRules | Mapping[str, Any] | None = None,
+                 coordinator: int | None = None, channel: int | None = None, poll_interval: float = 0.05,
+                 **options: Any) -> None:
         self.options = SelectiveOptions.build(every, options, "AsyncSelectiveAveraging")
+        if decide not in DECIDE:
+            raise ConfigError(f"decide={decide!r}: choose 'latest' (judge each report against the others' latest) "
+                              "or 'complete' (wait until every member reported the iteration)")
+        self.decide = decide
+        self.latest = latest_rules(self.options, latest, set(options)) if decide == "latest" else None
+        if decide == "complete" and latest is not None:
+            warnings.warn("AsyncSelectiveAveraging: latest= has no effect with decide='complete'", stacklevel=2)
         if coordinator is not None and (isinstance(coordinator, bool) or not isinstance(coordinator, int)
                                         or coordinator < 0):
             raise ConfigError(f"coordinator must be a global rank (int >= 0) or None, got {coordinator!r}")
@@ -76,8 +104,23 @@ class AsyncSelectiveAveraging(PopulationPolicy):
         self._slot: dict[str, Any] = {"runtime": None, "ranks": None}
         self.every, self.events_path = self.options.every, self.options.events_path
         self._closed = False
-        self._resumed: dict[str, Any] | None = None  # the coordinator's selection state from a checkpoint
+        self._resumed: dict[str, Any] = {}  # the coordinator's state from a checkpoint
+        self._generation = 0  # replacements applied on this rank, reported with every metric
+        self._steps: int | None = None
         self._finalizer = weakref.finalize(self, _shutdown_at_exit, self._slot)
+
+    def __call__(self, iteration: int, model: Any, optimizer: Any = None, local_metric: float | None = None,
+                 group: Comm | None = None, *, steps: int | None = None) -> tuple[Any, Any, PolicyInfo]:
+        """As every policy's call; ``steps``: this agent's experience so far (env steps; default the
+        iteration), reported at decision points for the latest rules' experience matching."""
+        self._steps = None if steps is None else _count(steps)
+        return super().__call__(iteration, model, optimizer, local_metric, group)
+
+    def _decider(self, n: int) -> Decider:
+        """The coordinator's decision protocol for a group of ``n``."""
+        if self.latest is None:
+            return CompleteDecider(n, self.options)
+        return LatestDecider(n, self.options, self.latest)
 
     def _idle(self, group: Comm | None) -> bool:
         """Most calls: nothing to report or swap in. Kept to a few attribute reads, since such a
@@ -89,6 +132,7 @@ class AsyncSelectiveAveraging(PopulationPolicy):
               local_metric: float | None) -> tuple[Any, Any, PolicyInfo]:
         """Swap in a finished replacement, and on decision points report the metric and a snapshot."""
         info = PolicyInfo(iteration, self.name, acted=is_due)
+        metric = self._metric(comm, iteration, local_metric) if is_due else math.nan
         runtime = self._runtime(comm)
         surface(runtime.error)
         clock = Clock()
@@ -97,10 +141,20 @@ class AsyncSelectiveAveraging(PopulationPolicy):
             optimizer = self._apply(comm, pending, model, optimizer, info)
             clock.lap("apply")
         if is_due:
-            self._report(runtime, iteration, model, optimizer, check_metric(local_metric, iteration))
+            steps = iteration if self._steps is None else self._steps
+            self._report(runtime, iteration, model, optimizer, metric, steps)
             clock.lap("report")
         info.timings = clock.laps
         return model, optimizer, info
+
+    def _metric(self, comm: Comm, iteration: int, local_metric: float | None) -> float:
+        """A decision point's metric, checked before anything is sent."""
+        metric = check_metric(local_metric, iteration)
+        if self.latest is not None and not math.isfinite(metric):
+            raise ConfigError(f"rank {comm.rank} reported the metric {metric} at iteration {iteration}: "
+                              "decide='latest' judges finite metrics only (pass the last finite value of a "
+                              "diverged agent, or use decide='complete', where non-finite means replace first)")
+        return metric
 
     def _runtime(self, comm: Comm) -> Runtime:
         if self._closed:
@@ -115,32 +169,33 @@ class AsyncSelectiveAveraging(PopulationPolicy):
         if not 0 <= coordinator < comm.world.size:
             raise ConfigError(f"coordinator={coordinator} is not a rank of this world of {comm.world.size}")
         timeout = comm.timeout if self.options.timeout is None else float(self.options.timeout)
-        runtime = Runtime(comm.world, comm.ranks, coordinator, self.tags, self.options, timeout, self.poll_interval)
-        if runtime.coordinator is not None and self._resumed is not None:
-            runtime.coordinator.state = state_from_json(self._resumed)
+        runtime = Runtime(comm.world, comm.ranks, coordinator, self.tags, self._decider, timeout, self.poll_interval)
+        if runtime.coordinator is not None:
+            runtime.coordinator.decider.load_state_dict(self._resumed)
         self._slot.update(runtime=runtime, ranks=comm.ranks)
         return runtime
 
     def state_dict(self) -> dict[str, Any]:
         """What the coordinator's replacement rules remember, as JSON values (on the coordinator's rank;
-        empty elsewhere): for a checkpoint."""
+        empty elsewhere): for a checkpoint. ``decide="complete"`` keeps its selection state (cooldowns,
+        ages); ``"latest"`` keeps nothing (its history refills from the next reports)."""
         runtime = self._slot["runtime"]
         if runtime is not None and runtime.coordinator is not None:
-            return {"selection": state_to_json(runtime.coordinator.state)}
-        return {} if self._resumed is None else {"selection": self._resumed}
+            return runtime.coordinator.decider.state_dict()
+        return dict(self._resumed)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Take back :meth:`state_dict` before the first call (the coordinator starts from it)."""
         if self._slot["runtime"] is not None:
             raise ConfigError("load_state_dict() must come before the policy's first call")
-        self._resumed = state.get("selection")
+        self._resumed = {k: v for k, v in state.items() if v is not None}
 
-    def _report(self, runtime: Runtime, iteration: int, model: Any, optimizer: Any, metric: float) -> None:
+    def _report(self, runtime: Runtime, iteration: int, model: Any, optimizer: Any, metric: float, steps: int) -> None:
         tensors = model_tensors(model, self.options.include_buffers)
         layout = layout_of(tensors)
         state = optimizer_tensors(optimizer) if self._copies_optimizer(optimizer) else {}
         snap = Snapshot(iteration, snapshot(tensors, layout).buffers, state)
-        runtime.post(snap, metric, layout.fingerprint())
+        runtime.post(snap, metric, layout.fingerprint(), steps, self._generation)
 
     def _copies_optimizer(self, optimizer: Any) -> bool:
         return self.options.optimizer_policy is OptimizerPolicy.COPY and optimizer is not None
@@ -148,8 +203,10 @@ class AsyncSelectiveAveraging(PopulationPolicy):
     def _apply(self, comm: Comm, pending: Pending, model: Any, optimizer: Any, info: PolicyInfo) -> Any:
         applied = apply_replacement(self.options, model, optimizer, pending.combined, iteration=info.iteration,
                                     rank=comm.rank, donor_state=pending.donor_state, source=pending.source)
+        self._generation += 1
         info.replaced, info.donors, info.weights = True, pending.donors, pending.weights
         info.strategy, info.summary, info.metrics = pending.strategy, pending.summary, pending.metrics
+        info.report_iterations = dict(pending.report_iterations)
         info.decision_iteration, info.optimizer, info.hparams = (pending.decision_iteration,
                                                                  applied.optimizer_text, applied.hparams)
         self._log_replacement(comm, info, pending.reason)
@@ -183,7 +240,7 @@ class AsyncSelectiveAveraging(PopulationPolicy):
             raise ConfigError(f"coordinate() runs on the dedicated coordinator rank {self.coordinator}, outside "
                               f"the training group {list(comm.ranks)}; rank {me} should train instead")
         seconds = comm.timeout if timeout is None else float(timeout)
-        link = CoordinatorLink(comm.world, comm.ranks, self.tags, self.options, seconds)
+        link = CoordinatorLink(comm.world, comm.ranks, self.tags, self._decider(len(comm.ranks)), seconds)
         try:
             _serve(link, self.poll_interval)
         except BaseException as e:
@@ -192,6 +249,59 @@ class AsyncSelectiveAveraging(PopulationPolicy):
         finally:
             link.close()
         return link.decisions
+
+
+def _count(steps: Any) -> int:
+    """``steps`` as an int: a non-negative integer (numpy's too), else a ConfigError."""
+    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 0:
+        raise ConfigError(f"steps must be a non-negative int (the experience collected), got {steps!r}")
+    return int(steps)
+
+
+def latest_rules(options: SelectiveOptions, latest: LatestRules | Mapping[str, Any] | None,
+                 given: set[str]) -> LatestRules:
+    """The judge's rules: ``latest`` (a LatestRules, or its fields over the defaults), with the quantile
+    fraction and the most donors that ``rule`` and ``donor_rule`` say unless ``latest`` sets them;
+    ConfigError naming a field that cannot hold, or that both set differently."""
+    if latest is not None and not isinstance(latest, (LatestRules, Mapping)):
+        raise ConfigError(f"latest must be a LatestRules or a mapping of its fields, got {type(latest).__name__}")
+    def quantile() -> float:
+        return _quantile_of(options.rule)
+
+    def donors() -> int | None:
+        return _max_donors_of(options.donor_rule)
+
+    fields: dict[str, tuple[str, Callable[[], Any]]] = {"quantile_fraction": ("rule", quantile),
+                                                        "max_donors": ("donor_rule", donors)}
+    explicit = latest if isinstance(latest, LatestRules) else None
+    mapping = dict(latest) if isinstance(latest, Mapping) else {}
+    derived: dict[str, Any] = {}
+    for name, (option, value_of) in fields.items():
+        if (explicit is None and name not in mapping) or option in given:
+            derived[name] = value_of()
+        set_here = getattr(explicit, name) if explicit is not None else mapping.get(name, derived.get(name))
+        if option in given and set_here != derived[name]:
+            raise ConfigError(f"latest's {name}={set_here!r} disagrees with the {derived[name]!r} that {option}= "
+                              "sets: set it in one place")
+    return explicit if explicit is not None else LatestRules.build({**derived, **mapping})
+
+
+def _quantile_of(rule: ReplacementRule) -> float:
+    if rule.threshold is not None or rule.age_range is not None or rule.ratio is None:
+        raise ConfigError("decide='latest' replaces the bottom quantile of the members' latest reports: rule= may "
+                          f"hold only a ratio, got {rule}; use latest={{'cooldown': ...}} for a cap on replacements "
+                          "or decide='complete' for threshold and age rules")
+    if rule.ratio > 0.5:
+        raise ConfigError(f"rule.ratio={rule.ratio} with decide='latest': the bottom and top quantiles would overlap; "
+                          "give a ratio of at most 0.5")
+    return float(rule.ratio)
+
+
+def _max_donors_of(donor_rule: DonorRule) -> int | None:
+    if donor_rule.kind == "random":
+        raise ConfigError("donor_rule=DonorRule('random', ...) with decide='latest': donors are the members that lead "
+                          "the judged rank; use DonorRule('best_k', k) or decide='complete'")
+    return donor_rule.k if donor_rule.kind == "best_k" else None
 
 
 def _serve(link: CoordinatorLink, poll_interval: float) -> None:

@@ -65,11 +65,12 @@ class TrainerLink:
         self.finished = False
 
     # ---- up rows (main thread and background thread) ------------------------------------------
-    def isend_up(self, kind: int, iteration: int, metric: float = math.nan, fingerprint: int = 0) -> Any:
+    def isend_up(self, kind: int, iteration: int, metric: float = math.nan, fingerprint: int = 0, steps: int = -1,
+                 generation: int = 0) -> Any:
         """Start sending one up row carrying the newest acknowledgement; the caller reaps the handle."""
         with self._up_lock:
             self._reported = max(self._reported, math.inf if kind == BYE else iteration)
-            return self._send_row(up_row(kind, iteration, metric, fingerprint, self._acked))
+            return self._send_row(up_row(kind, iteration, metric, fingerprint, self._acked, steps, generation))
 
     def _send_row(self, row: np.ndarray) -> Any:
         return isend(row, self.coordinator, self.tags.up, group=self.world, timeout=self.timeout)
@@ -149,8 +150,10 @@ class TrainerLink:
         me = ranks.index(self.me)
         donors = [ranks[d] for d in decision.donors.get(me, ())]
         source = decision.copy_optimizer_from.get(me)
+        iterations = {ranks[g]: int(i) for g, i in enumerate(message.get("iterations") or ()) if i is not None}
         return Job(decision, ranks, metrics_by_rank(ranks, message["metrics"]), donors,
-                   None if source is None else ranks[source], time.monotonic() + self.timeout), me
+                   None if source is None else ranks[source], time.monotonic() + self.timeout,
+                   iterations=iterations), me
 
     def _decision(self, message: dict[str, Any]) -> None:
         """The coordinator's decision: stream to its recipients as a donor, open the job as a replaced rank."""
