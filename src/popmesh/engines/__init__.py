@@ -84,7 +84,7 @@ def mpi_native_status() -> tuple[str, str] | None:
     from popmesh.engines.mpi.native import native_status
 
     try:
-        return tuple(native_status(_mpi_uninitialised()))  # type: ignore[return-value]
+        return native_status(_mpi_uninitialised())
     except Exception as e:
         return "unknown", f"{type(e).__name__}: {e}"
 

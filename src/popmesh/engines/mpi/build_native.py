@@ -151,10 +151,14 @@ def build(force: bool = False, cpu: str = "native") -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``--force`` rebuilds even when up to date; ``--cpu NAME`` picks zig's ``-mcpu`` (default: native)."""
-    args = sys.argv[1:] if argv is None else argv
-    cpu = args[args.index("--cpu") + 1] if "--cpu" in args and args.index("--cpu") + 1 < len(args) else "native"
-    print(build(force="--force" in args, cpu=cpu))
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m popmesh.engines.mpi.build_native",
+                                     description="Build the MPI engine's C parts next to their sources.")
+    parser.add_argument("--force", action="store_true", help="rebuild even when up to date")
+    parser.add_argument("--cpu", default="native", help="zig's -mcpu (default: native, this machine's CPU)")
+    ns = parser.parse_args(argv)
+    print(build(force=ns.force, cpu=ns.cpu))
     return 0
 
 
