@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# The CPU build of torch 2.13.0 lies on disk here; any other version downloads gigabytes.
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e ".[mpi,jax,demo,docs,dev,package]"
+	$(BIN)/python -m pip install --quiet -e ".[mpi,jax,demo,pb2,docs,dev,package]"
 	touch $(STAMP)
 
 # Every rank process imports popmesh: compile it once here, since an import writes no .pyc where

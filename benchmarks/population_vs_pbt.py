@@ -1,64 +1,132 @@
-"""popmesh's asynchronous selective averaging against Ray Tune's PopulationBasedTraining, on the demo's
-CartPole PPO agents: the same agent code, 4 agents at once on the same cores, the same cap.
+"""popmesh's population policy against Ray Tune's PBT and PB2 (and no policy at all), on the demo's PPO
+agents: the same agent code, 4 agents at once on the same cores, the same budget, seed by seed.
 
-* **popmesh**: `popmesh demo --stop-at-target` with its defaults (4 ranks on torch/gloo, policy
-  `async`: every 10 iterations after a 20-iteration warm-up the worst quarter is replaced by the mean
-  of the two best, and its inherited learning rate explored).
-* **Ray Tune PBT**: the demo's `CartPoleLearner` as a function trainable, 4 concurrent trials
-  (`ray.init(num_cpus=4)`, one CPU each, `reuse_actors=True` as Ray advises for PBT), asynchronous
-  `PopulationBasedTraining` with the closest settings: `perturbation_interval=10` and
-  `burn_in_period=20` iterations, `quantile_fraction=0.25` (1 of 4), the learning rate explored
-  ×0.8/×1.2 or resampled (log-uniform 2e-4..6e-3) with p = 0.25 and clipped to that range, as the
-  demo's explore. Each trial starts from the demo's rank r hyper-parameters and seeds, checkpoints
-  (weights, Adam state, hyper-parameters, via the learner's own `checkpoint()`) at the iterations
-  where PBT may perturb it, and an exploited trial restarts from its donor's checkpoint.
+Tasks (`--task`, several allowed), each the demo's `--env` with its target (an agent's mean return over
+its last 20 episodes) and the initial ranges each rank draws its learning rate and entropy
+coefficient from, log-uniformly, seeded per rank and seed (`popmesh.demo.config.rank_hyper`):
 
-Both sides: one torch thread per agent; the target is the demo's (an agent's mean return over its last
-20 episodes ≥ 475; steps are that agent's own env steps, 512 per iteration); each run its own process,
-timed from its start. Runs alternate per seed (popmesh seed 0, Ray seed 0, popmesh seed 1, ...).
-Per run: steps to 475 (that agent's, and the population's summed), wall time to 475 from the process
-start and from the end of the first iteration (i.e. without start-up), and the overhead per exploit
-(popmesh: main-thread time in the policy calls of every rank, from trace.json, per replacement; Ray:
-checkpoint saves of every trial plus each exploited trial's interruption, from its last report to
-training again on the donor's checkpoint, per exploit).
+* `cartpole`: CartPole-v1, target 475; narrow ranges: lr 2e-4..6e-3, ent_coef 1e-3..2e-2
+* `cartpole-wide`: CartPole-v1, target 475; the demo's ranges: lr 1e-5..1e-1, ent_coef 1e-4..1e-1
+* `acrobot`, `acrobot-wide`: the same for Acrobot-v1, target -100
 
-Ray is needed only here: `pip install -e '.[demo,bench]'` (the `bench` extra is `ray[tune]`), then
+Contenders (`--contenders`, default all), run one after another for each seed (every other seed in
+reverse order), each in its own process, timed from its start:
 
-    python benchmarks/population_vs_pbt.py [--seeds 5] [--first-seed 0] [--steps 150000] [-- DEMO OPTIONS]
+* `popmesh`: `popmesh demo --stop-at-target --decide latest` (its default asynchronous policy: each
+  agent judged the moment it reports, against every member's latest report; a bottom-quarter agent that
+  trails by both gaps takes the mean of the two best, its lr and ent_coef explored);
+* `popmesh-complete`: the same with `--decide complete` (decides once every agent reported an iteration);
+* `none`: `popmesh demo --policy none`, the same agents without a population policy;
+* `ray-pbt`: Ray Tune `PopulationBasedTraining` around the same learner (benchmarks/_ray_pbt.py): 4
+  concurrent trials (`ray.init(num_cpus=4)`, one CPU each, `reuse_actors=True`), asynchronous,
+  `perturbation_interval` and `burn_in_period` the demo's `--every` and `--warmup` (iterations),
+  `quantile_fraction=0.25`, lr and ent_coef perturbed ×0.8/×1.2 or resampled log-uniformly over the
+  task's ranges with p = 0.25, clipped to them (the demo's explore step);
+* `ray-pb2`: Ray Tune `PB2`, the same, its GP bandit choosing the new values within
+  `hyperparam_bounds` equal to the task's ranges on a log scale.
 
-`--quick` checks the plumbing (one seed, 20,000 steps); `--results LOG...` prints the tables of earlier
-calls' JSON lines (one seed per call, e.g. to run each when the machine is quiet); options after `--` go to
-`popmesh demo` (e.g. `-- --strategy best_only`, PBT's exploit of one donor). Figures: docs/population.md.
+Every contender of a task starts rank r from the same hyper-parameters, seeds (`rank_seed`) and
+initial weights (`init_seed`: the seed), with the same budget (steps per agent), one torch thread per
+agent and 512 env steps per iteration. Per run: steps to the target (that agent's own, and the
+population's summed), wall time to the target from the process start and from the end of the first
+iteration (without start-up), exploits, and the overhead per exploit (popmesh: main-thread time in the
+policy calls of every rank, from trace.json, per replacement; Ray: checkpoint saves of every trial plus
+each exploited trial's interruption, from its last report to training again, per exploit). A run that
+never reaches the target counts as the budget in the tables (benchmarks/_pbt_tables.py).
+
+Ray is needed for the Ray contenders only: `pip install -e '.[demo,bench,pb2]'` (the `bench` extra is
+`ray[tune]>=2.60.0`, tested with Ray 2.60.0; Ray's PB2 also needs scikit-learn, the `pb2` extra), then,
+e.g. one seed per call:
+
+    python benchmarks/population_vs_pbt.py --task cartpole --first-seed 0 --seeds 1 | tee -a cartpole.log
+    python benchmarks/population_vs_pbt.py --task acrobot-wide --seeds 5 --steps 150000
+    python benchmarks/population_vs_pbt.py --results cartpole.log acrobot.log
+    python benchmarks/population_vs_pbt.py --task cartpole-wide --quick
+    python benchmarks/population_vs_pbt.py --contenders popmesh ray-pbt -- --strategy best_only
+
+Each run prints one JSON line as it ends and the tables at the end; `--results LOG...` prints the
+tables of earlier calls' JSON lines. `--quick` checks the plumbing: one seed, 20,000 steps. Options
+after `--` go to every popmesh contender's `popmesh demo` call.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
 import json
-import math
-import random
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from _pbt_tables import CONTENDERS, report
+from _ray_pbt import RaySetup, overhead, read_jsonl, significant, spawn
+from popmesh.demo.config import ENT_RANGE, ENVS, LR_RANGE, DemoConfig
+from popmesh.demo.learner import Hyper
 from popmesh.demo.outputs import steps_to_target
 
-TARGET = 475.0
-EVERY, WARMUP = 10, 20  # the demo's defaults: iterations between decisions, iterations before the first
-PER_ITERATION = 512  # the demo's rollout (64) times its environments (8)
-RANKS = 4
+Run = dict[str, Any]
+NARROW_LR, NARROW_ENT = (2e-4, 6e-3), (1e-3, 2e-2)
+DEMO_FLAGS = {"popmesh": ["--decide", "latest"], "popmesh-complete": ["--decide", "complete"],
+              "none": ["--policy", "none"]}
+RAY_SCHEDULERS = {"ray-pbt": "pbt", "ray-pb2": "pb2"}
+PER_ITERATION = Hyper().rollout * Hyper().num_envs  # env steps per agent per iteration (512), both sides
 
 
-def run_popmesh(seed: int, steps: int, tmp: Path, extra: list[str]) -> dict[str, Any]:
-    """One `popmesh demo` run (with ``extra`` options); its figures from summary.json, history.jsonl and
-    trace.json."""
-    cmd = [sys.executable, "-m", "popmesh", "demo", "--seed", str(seed), "--steps", str(steps), "--ranks",
-           str(RANKS), "--stop-at-target", "--no-live", "--out", str(tmp), *extra]
+@dataclass(frozen=True)
+class Task:
+    """A demo task with the initial ranges of its learning rate and entropy coefficient."""
+
+    name: str
+    env: str
+    lr_range: tuple[float, float]
+    ent_range: tuple[float, float]
+
+    @property
+    def target(self) -> float:
+        return ENVS[self.env]
+
+
+TASKS = {t.name: t for t in (Task("cartpole", "CartPole-v1", NARROW_LR, NARROW_ENT),
+                             Task("cartpole-wide", "CartPole-v1", LR_RANGE, ENT_RANGE),
+                             Task("acrobot", "Acrobot-v1", NARROW_LR, NARROW_ENT),
+                             Task("acrobot-wide", "Acrobot-v1", LR_RANGE, ENT_RANGE))}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What every contender of one task and seed shares."""
+
+    task: Task
+    seed: int
+    budget: int  # env steps per agent
+    every: int
+    warmup: int
+    ranks: int = 4
+    demo_args: tuple[str, ...] = ()
+
+    def fields(self) -> Run:
+        """The run's settings as its JSON line keeps them; the budget as the agents take it, in whole
+        iterations (an agent stops at the first iteration that reaches it)."""
+        t = self.task
+        return {"task": t.name, "seed": self.seed, "env": t.env, "target": t.target, "lr_range": list(t.lr_range),
+                "ent_range": list(t.ent_range), "budget": -(-self.budget // PER_ITERATION) * PER_ITERATION,
+                "ranks": self.ranks, "every": self.every, "warmup": self.warmup}
+
+
+def run_popmesh(name: str, plan: Plan, tmp: Path) -> Run:
+    """One `popmesh demo` run of contender ``name``; its figures from summary.json, history.jsonl,
+    events.jsonl and trace.json."""
+    t = plan.task
+    cmd = [sys.executable, "-m", "popmesh", "demo", "--env", t.env, "--lr-range", ":".join(map(str, t.lr_range)),
+           "--ent-range", ":".join(map(str, t.ent_range)), "--every", str(plan.every), "--warmup", str(plan.warmup),
+           "--seed", str(plan.seed), "--steps", str(plan.budget), "--ranks", str(plan.ranks), "--stop-at-target",
+           "--no-live", "--out", str(tmp), *DEMO_FLAGS[name], *plan.demo_args]
     started = time.time()
     done = subprocess.run(cmd, timeout=1800, capture_output=True, text=True)
     total = time.time() - started
@@ -66,34 +134,49 @@ def run_popmesh(seed: int, steps: int, tmp: Path, extra: list[str]) -> dict[str,
         raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
     run = next(tmp.glob("*/summary.json")).parent
     summary = json.loads((run / "summary.json").read_text())
-    rows = [json.loads(line) for line in (run / "history.jsonl").read_text().splitlines()]
+    rows = read_jsonl(run / "history.jsonl")
     trace = json.loads((run / "trace.json").read_text())
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     policy_s = sum(e["dur"] for e in events if e.get("name") == "population" and e.get("cat") == "timer") / 1e6
     replaced = summary["replacements"]
     swaps = [e for e in read_jsonl(run / "events.jsonl") if "kind" not in e]
-    return {"contender": "popmesh", "seed": seed, **reach(rows, started, swaps), "total_s": round(total, 2),
-            "exploits": replaced, "overhead_ms": round(1e3 * policy_s / replaced, 2) if replaced else None}
+    return {"contender": name, **plan.fields(), **reach(rows, started, swaps, t.target), "total_s": round(total, 2),
+            "exploits": replaced, "overhead_ms": round(1e3 * policy_s / replaced, 2) if replaced else None,
+            "initial": initial(rows), "demo_args": list(plan.demo_args)}
 
 
-def reach(rows: list[dict[str, Any]], started: float, swaps: list[dict[str, Any]]) -> dict[str, Any]:
-    """The demo's target in a history (rows with rank, steps, mean_return, time): the first row at or
-    above it (its agent's steps and rank, and whether ``swaps``, exploits with rank and time, had
-    replaced that agent before), the population's steps then, and the times from ``started``."""
+def run_ray(name: str, plan: Plan, tmp: Path) -> Run:
+    """One Ray Tune run of contender ``name`` (benchmarks/_ray_pbt.py, its own process)."""
+    t = plan.task
+    setup = RaySetup(scheduler=RAY_SCHEDULERS[name], env=t.env, target=t.target, seed=plan.seed, steps=plan.budget,
+                     every=plan.every, warmup=plan.warmup, lr_range=t.lr_range, ent_range=t.ent_range,
+                     ranks=plan.ranks, out=str(tmp))
+    records, started, total = spawn(setup)
+    rows = [r for r in records if r["kind"] == "row"]
+    starts = [r for r in records if r["kind"] == "start"]
+    ranks = {r["trial"]: r["rank"] for r in starts}
+    swaps = [{"rank": ranks[r["trial"]], "time": r["time"]} for r in records if r["kind"] == "restore"]
+    return {"contender": name, **plan.fields(), **reach(rows, started, swaps, t.target), "total_s": round(total, 2),
+            **overhead(records), "initial": [[r["lr"], r["ent_coef"]] for r in sorted(starts, key=lambda r: r["rank"])]}
+
+
+def reach(rows: list[Run], started: float, swaps: list[Run], target: float) -> Run:
+    """The target in a history (rows with rank, steps, mean_return, time): the first row at or above it
+    (its agent's steps and rank, and whether ``swaps``, exploits with rank and time, had replaced that
+    agent before), the population's steps then, and the times from ``started``."""
     rows = sorted(rows, key=lambda r: r["time"])
     first = rows[0]["time"]
-    hit = next((r for r in rows if r["mean_return"] is not None and r["mean_return"] >= TARGET), None)
-    out: dict[str, Any] = {"startup_s": round(first - started, 2),
-                           "iteration_ms": iteration_ms(rows), "steps": None, "population_steps": None,
-                           "wall_s": None, "train_s": None}
+    hit = next((r for r in rows if r["mean_return"] is not None and r["mean_return"] >= target), None)
+    out: Run = {"startup_s": round(first - started, 2), "iteration_ms": iteration_ms(rows), "steps": None,
+                "population_steps": None, "wall_s": None, "train_s": None}
     if hit is not None:
-        out.update(steps=hit["steps"], population_steps=steps_to_target(rows, TARGET), rank=hit["rank"],
+        out.update(steps=hit["steps"], population_steps=steps_to_target(rows, target), rank=hit["rank"],
                    was_replaced=any(e["rank"] == hit["rank"] and e["time"] < hit["time"] for e in swaps),
                    wall_s=round(hit["time"] - started, 2), train_s=round(hit["time"] - first, 2))
     return out
 
 
-def iteration_ms(rows: list[dict[str, Any]]) -> float:
+def iteration_ms(rows: list[Run]) -> float:
     """The median time between an agent's consecutive rows (one iteration, and whatever it waited)."""
     laps: list[float] = []
     for rank in {r["rank"] for r in rows}:
@@ -102,254 +185,68 @@ def iteration_ms(rows: list[dict[str, Any]]) -> float:
     return round(1e3 * statistics.median(laps), 1)
 
 
-def run_ray(seed: int, steps: int, tmp: Path) -> dict[str, Any]:
-    """One Ray Tune PBT run in its own process (this script with --ray-child); its rows and events."""
-    cmd = [sys.executable, __file__, "--ray-child", str(tmp), "--first-seed", str(seed), "--steps", str(steps)]
-    started = time.time()
-    with open(tmp / "ray.log", "w") as log:
-        done = subprocess.run(cmd, timeout=1800, stdout=log, stderr=subprocess.STDOUT)
-    total = time.time() - started
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{(tmp / 'ray.log').read_text()[-3000:]}")
-    records = read_jsonl(tmp / "rows.jsonl")
-    rows = [r for r in records if r["kind"] == "row"]
-    ranks = {r["trial"]: r["rank"] for r in records if r["kind"] == "start"}
-    swaps = [{"rank": ranks[r["trial"]], "time": r["time"]} for r in records if r["kind"] == "restore"]
-    return {"contender": "ray", "seed": seed, **reach(rows, started, swaps), "total_s": round(total, 2),
-            **ray_overhead(records)}
+def initial(rows: list[Run]) -> list[list[float]]:
+    """Each rank's [lr, ent_coef] in its first history row (before any decision: its starting values)."""
+    firsts = {r["rank"]: r for r in sorted(rows, key=lambda r: r["time"], reverse=True)}
+    return [list(significant({"lr": r["lr"], "ent_coef": r["ent_coef"]}).values())
+            for _, r in sorted(firsts.items())]
 
 
-def ray_overhead(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """Ray's cost of exploiting: every checkpoint (the save, and its report's time beyond a plain
-    report's) plus each exploited trial's interruption (its last record to training on the donor's
-    checkpoint), per exploit; and the parts."""
-    plain = [r["report_s"] for r in records if r["kind"] == "row" and r["report_s"] > 0]
-    report = statistics.median(plain) if plain else 0.0
-    saves = [r["save_s"] + max(r["report_s"] - report, 0.0) for r in records if r["kind"] == "save"]
-    restores = [r for r in records if r["kind"] == "restore"]
-    gaps = [r["restored"] - r["last_seen"] for r in restores]
-    cost = sum(saves) + sum(gaps)
-
-    def ms(values: list[float]) -> float | None:
-        return round(1e3 * statistics.median(values), 2) if values else None
-
-    return {"exploits": len(restores), "overhead_ms": round(1e3 * cost / len(restores), 2) if restores else None,
-            "saves": len(saves), "save_ms": ms(saves), "restart_ms": ms(gaps),
-            "load_ms": ms([r["load_s"] for r in restores]), "report_ms": ms(plain)}
+def run_one(name: str, plan: Plan) -> Run:
+    """Contender ``name`` on ``plan``, in a temporary folder."""
+    runner = run_ray if name in RAY_SCHEDULERS else run_popmesh
+    with tempfile.TemporaryDirectory(prefix="pbt-") as tmp:
+        return runner(name, plan, Path(tmp))
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Every complete line of ``path`` (one being appended by a live trial may be cut short)."""
-    records = []
-    for line in path.read_text().splitlines() if path.exists() else ():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return records
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    defaults = DemoConfig()
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0].replace("\n", " "))
+    parser.add_argument("--task", nargs="+", choices=tuple(TASKS), default=["cartpole"],
+                        help="the tasks, one after another (default cartpole)")
+    parser.add_argument("--contenders", nargs="+", choices=tuple(CONTENDERS), default=list(CONTENDERS),
+                        help="who runs (default all)")
+    parser.add_argument("--seeds", type=int, default=5, help="seeds per task (default 5)")
+    parser.add_argument("--first-seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=150_000,
+                        help="budget: env steps per agent, rounded up to whole iterations of 512 (default 150,000)")
+    parser.add_argument("--every", type=int, default=defaults.every,
+                        help=f"iterations between decisions, every contender (default the demo's, {defaults.every})")
+    parser.add_argument("--warmup", type=int, default=defaults.warmup,
+                        help=f"iterations before the first decision (default the demo's, {defaults.warmup})")
+    parser.add_argument("--quick", action="store_true", help="one seed, 20,000 steps: checks the plumbing")
+    parser.add_argument("--results", type=Path, nargs="+", metavar="LOG",
+                        help="run nothing: the tables of the runs these logs of earlier calls hold (their JSON lines)")
+    parser.add_argument("demo_args", nargs="*", help="popmesh demo options after --, e.g. -- --strategy best_only")
+    return parser.parse_args(argv)
 
 
-def append(path: Path, record: dict[str, Any]) -> None:
-    """One JSON line, one O_APPEND write: trials in other processes append to the same file."""
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
-
-
-# ---- the Ray side: runs in the --ray-child process and its Ray workers ----
-
-def trainable(config: dict[str, Any]) -> None:
-    """One trial: the demo's CartPoleLearner, reporting every iteration and checkpointing where PBT may
-    perturb it. A trial keeps its own rank (seeds) and env-step count across exploits (PBT copies the
-    donor's config, so both live in rows.jsonl, keyed by the trial's id)."""
-    import torch
-    from ray import tune
-
-    import popmesh.population.state.checkpoint  # noqa: F401  # imported at start-up, as the demo's worker does
-    from popmesh.demo.config import rank_seed
-    from popmesh.demo.learner import CartPoleLearner, Hyper
-
-    torch.set_num_threads(1)
-    out, trial = Path(config["out"]), tune.get_context().get_trial_id()
-    mine = [r for r in read_jsonl(out / "rows.jsonl") if r.get("trial") == trial]
-    rank = next((r["rank"] for r in mine if r["kind"] == "start"), config["rank"])
-    if not mine:
-        append(out / "rows.jsonl", {"kind": "start", "trial": trial, "rank": rank, "time": time.time()})
-    steps = max((r["steps"] for r in mine if r["kind"] == "row"), default=0)
-    learner = CartPoleLearner(rank_seed(config["seed"], rank), Hyper(lr=config["lr"], entropy=config["entropy"]),
-                              init_seed=config["seed"])
-    checkpoint = tune.get_checkpoint()
-    if checkpoint is not None:
-        exploit(learner, checkpoint, config["lr"], out, trial, mine)
-    reported = 0.0  # seconds the previous iteration's plain tune.report took
-    while steps < config["steps"]:
-        learner.iterate()
-        steps += PER_ITERATION
-        iteration = steps // PER_ITERATION - 1
-        metric = learner.mean_return()
-        append(out / "rows.jsonl", {"kind": "row", "trial": trial, "rank": rank, "iteration": iteration,
-                                    "steps": steps, "time": time.time(), "lr": learner.learning_rate(),
-                                    "report_s": reported, "mean_return": None if math.isnan(metric) else metric})
-        result = {"iteration": iteration, "steps": steps, "mean_return": metric}
-        if iteration >= WARMUP and iteration % EVERY == 0:
-            save_and_report(learner, iteration, result, out, trial)
-            reported = 0.0
-        else:
-            begin = time.perf_counter()
-            tune.report(result)
-            reported = time.perf_counter() - begin
-
-
-def save_and_report(learner: Any, iteration: int, result: dict[str, Any], out: Path, trial: str) -> None:
-    """Write the agent (the learner's own checkpoint: weights, Adam state, hyper-parameters, counters)
-    and report it with ``result``; the save and Ray's persisting of it are timed."""
-    import torch
-    from ray import tune
-
-    begin = time.perf_counter()
-    with tempfile.TemporaryDirectory() as folder:
-        torch.save(learner.checkpoint(iteration).to_dict(), Path(folder) / "agent.pt")
-        saved = time.perf_counter()
-        tune.report(result, checkpoint=tune.Checkpoint.from_directory(folder))
-    end = time.perf_counter()
-    append(out / "rows.jsonl", {"kind": "save", "trial": trial, "iteration": iteration, "save_s": saved - begin,
-                                "report_s": end - saved, "time": time.time()})
-
-
-def exploit(learner: Any, checkpoint: Any, lr: float, out: Path, trial: str, mine: list[dict[str, Any]]) -> None:
-    """PBT's exploit landed: take the donor's agent from ``checkpoint`` and train at the explored ``lr``."""
-    import torch
-
-    from popmesh.population.state.checkpoint import AgentState
-
-    begin = time.perf_counter()
-    with checkpoint.as_directory() as folder:
-        data = torch.load(Path(folder) / "agent.pt", weights_only=True)
-    learner.restore(AgentState(**data))
-    inherited = learner.learning_rate()
-    learner.set_learning_rate(lr)
-    load_s = time.perf_counter() - begin
-    append(out / "rows.jsonl", {"kind": "restore", "trial": trial, "time": time.time(), "load_s": load_s,
-                                "last_seen": max(r["time"] for r in mine), "restored": time.time(),
-                                "donor_iteration": data["counters"]["iteration"], "lr_inherited": inherited, "lr": lr})
-
-
-class TargetStopper:
-    """Stop a trial at the step cap, and every trial once one reached the target (the demo's
-    --stop-at-target)."""
-
-    def __init__(self, cap: int) -> None:
-        self.cap, self.reached = cap, False
-
-    def __call__(self, trial_id: str, result: dict[str, Any]) -> bool:
-        if result.get("mean_return", math.nan) >= TARGET:
-            self.reached = True
-        return bool(result["steps"] >= self.cap)
-
-    def stop_all(self) -> bool:
-        return self.reached
-
-
-def ray_child(out: Path, seed: int, steps: int) -> None:
-    """The Ray side of one run: 4 concurrent trials under asynchronous PBT, Ray's files in ``out``."""
-    import ray
-    from ray import tune
-    from ray.tune.schedulers import PopulationBasedTraining
-
-    from popmesh.demo.config import LR_RANGE, rank_hyper
-
-    random.seed(seed)  # PBT draws donors and perturbations from Python's random
-    ray.init(num_cpus=RANKS, include_dashboard=False, log_to_driver=False, _temp_dir=str(out / "ray"),
-             logging_level="warning")
-    pbt = PopulationBasedTraining(
-        time_attr="iteration", metric="mean_return", mode="max", perturbation_interval=EVERY, burn_in_period=WARMUP,
-        quantile_fraction=0.25, resample_probability=0.25, perturbation_factors=(1.2, 0.8),
-        hyperparam_mutations={"lr": tune.loguniform(*LR_RANGE)},
-        custom_explore_fn=lambda c: {**c, "lr": min(max(c["lr"], LR_RANGE[0]), LR_RANGE[1])})
-    space = {"rank": tune.grid_search(list(range(RANKS))), "seed": seed, "steps": steps, "out": str(out),
-             "lr": tune.sample_from(lambda c: rank_hyper(seed, c["rank"]).lr),
-             "entropy": tune.sample_from(lambda c: rank_hyper(seed, c["rank"]).entropy)}
-
-    class Stopper(TargetStopper, tune.Stopper):
-        """The target stopper as Ray Tune takes it."""
-
-    tuner = tune.Tuner(tune.with_resources(trainable, {"cpu": 1}), param_space=space,
-                       tune_config=tune.TuneConfig(scheduler=pbt, reuse_actors=True, max_concurrent_trials=RANKS),
-                       run_config=tune.RunConfig(name="pbt", storage_path=str(out / "results"), verbose=0,
-                                                 stop=Stopper(steps)))
-    tuner.fit()
-    ray.shutdown()
-
-
-# ---- the report ----
-
-def spread(values: list[Any], unit: str = "") -> str:
-    known = [v for v in values if v is not None]
-    if not known:
-        return "—"
-    fmt = (lambda v: f"{v:,.0f}") if unit == "" else (lambda v: f"{v:.1f}{unit}")
-    return f"{fmt(statistics.median(known))} ({fmt(min(known))}–{fmt(max(known))})"
-
-
-def table(rows: list[dict[str, Any]], cap: int) -> str:
-    """Median (range) of each figure per contender, as docs/population.md shows them."""
-    lines = ["| | steps to 475 (agent) | population steps | wall to 475 | without start-up | start-up | "
-             "missed | exploits | overhead per exploit | per iteration |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for name in ("popmesh", "ray"):
-        mine = [r for r in rows if r["contender"] == name]
-        missed = sum(r["steps"] is None for r in mine)
-        lines.append(f"| {name} | {spread([r['steps'] for r in mine])} | "
-                     f"{spread([r['population_steps'] for r in mine])} | {spread([r['wall_s'] for r in mine], ' s')} | "
-                     f"{spread([r['train_s'] for r in mine], ' s')} | {spread([r['startup_s'] for r in mine], ' s')} | "
-                     f"{missed} of {len(mine)} (cap {cap:,}) | {spread([r['exploits'] for r in mine])} | "
-                     f"{spread([r['overhead_ms'] for r in mine], ' ms')} | "
-                     f"{spread([r.get('iteration_ms') for r in mine], ' ms')} |")
-    return "\n".join(lines)
-
-
-def per_seed(rows: list[dict[str, Any]]) -> str:
-    """One line per seed: each contender's steps to 475 (the agent that got there first, * if the
-    population had replaced it before) and its wall time to 475."""
-    lines = ["| seed | popmesh steps (agent) | Ray steps (agent) | popmesh wall | Ray wall |", "|---|---|---|---|---|"]
-    for seed in sorted({r["seed"] for r in rows}):
-        cells = []
-        for name in ("popmesh", "ray"):
-            run = next((r for r in rows if r["seed"] == seed and r["contender"] == name), None)
-            hit = run is not None and run["steps"] is not None
-            cells.append((f"{run['steps']:,} (rank {run['rank']}{'*' if run['was_replaced'] else ''})",
-                          f"{run['wall_s']:.1f} s") if hit else ("—", "—"))
-        lines.append(f"| {seed} | {cells[0][0]} | {cells[1][0]} | {cells[0][1]} | {cells[1][1]} |")
-    return "\n".join(lines)
+def missing(names: list[str]) -> list[str]:
+    """What the chosen contenders need and this environment lacks, as the extras that bring it."""
+    needs = {"ray": ("ray-pbt", "ray-pb2"), "sklearn": ("ray-pb2",)}
+    extras = {"ray": "bench (ray[tune])", "sklearn": "pb2 (scikit-learn, for Ray's PB2)"}
+    return [extras[m] for m, users in needs.items() if set(users) & set(names) and importlib.util.find_spec(m) is None]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=5)
-    parser.add_argument("--first-seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=150_000, help="cap on env steps per agent, both contenders")
-    parser.add_argument("--quick", action="store_true", help="one seed, 20,000 steps: checks the plumbing")
-    parser.add_argument("--only", choices=("popmesh", "ray"), help="run one contender")
-    parser.add_argument("--results", type=Path, nargs="+", metavar="LOG",
-                        help="run nothing: the table of the runs these logs of earlier calls hold (their JSON lines)")
-    parser.add_argument("--ray-child", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("demo_args", nargs="*", help="popmesh demo options after --, e.g. -- --strategy best_only")
-    ns = parser.parse_args()
-    if ns.ray_child is not None:
-        return ray_child(ns.ray_child, ns.first_seed, ns.steps)
+    ns = parse()
     if ns.results:
-        rows = [r for log in ns.results for r in read_jsonl(log)]
-        print(table(rows, ns.steps) + "\n\n" + per_seed(rows))
+        print(report([r for log in ns.results for r in read_jsonl(log) if "contender" in r and "task" in r]))
         return
-    seeds, steps = (1, 20_000) if ns.quick else (ns.seeds, ns.steps)
-    contenders: dict[str, Any] = {"popmesh": lambda seed, tmp: run_popmesh(seed, steps, tmp, ns.demo_args),
-                                  "ray": lambda seed, tmp: run_ray(seed, steps, tmp)}
-    rows = []
-    for seed in range(ns.first_seed, ns.first_seed + seeds):
-        for name, run in contenders.items():
-            if ns.only in (None, name):
-                with tempfile.TemporaryDirectory(prefix="pbt-") as tmp:
-                    rows.append(run(seed, Path(tmp)))
-                print(json.dumps(rows[-1]), flush=True)
-    print("\n" + table(rows, steps) + "\n\n" + per_seed(rows))
+    lacking = missing(ns.contenders)
+    if lacking:
+        sys.exit(f"missing: {'; '.join(lacking)}. Install the extras: pip install -e '.[demo,bench,pb2]', or leave "
+                 "the Ray contenders out (--contenders popmesh popmesh-complete none)")
+    seeds, budget = (1, 20_000) if ns.quick else (ns.seeds, ns.steps)
+    names = [n for n in CONTENDERS if n in ns.contenders]
+    runs = []
+    for task in ns.task:
+        for i, seed in enumerate(range(ns.first_seed, ns.first_seed + seeds)):
+            plan = Plan(TASKS[task], seed, budget, ns.every, ns.warmup, demo_args=tuple(ns.demo_args))
+            for name in names if i % 2 == 0 else names[::-1]:
+                runs.append(run_one(name, plan))
+                print(json.dumps(runs[-1]), flush=True)
+    print("\n" + report(runs))
 
 
 if __name__ == "__main__":

@@ -39,8 +39,8 @@ def test_one_decision_in_flight_per_replaced_rank_not_per_group():
     assert book.record(0, report(10, 1.0)).replace
     # rank 0 reports its old weights again before applying: neither judged nor compared
     assert book.record(0, report(12, 1.0)) is None and book.in_flight == {0: (10, 1)}
-    verdict = book.record(3, report(12, 2.0))  # another rank is decided meanwhile
-    assert verdict.replace and verdict.donors == (1,) and 0 not in verdict.objectives
+    verdict = book.record(3, report(12, 0.5))  # another rank is decided meanwhile
+    assert verdict.replace and verdict.donors == (1,) and verdict.objectives[0] == 1.0, "its old value stands in"
     assert book.in_flight == {0: (10, 1), 3: (12, 1)}
     assert book.missing_acks() == [0, 3]
 
@@ -158,3 +158,38 @@ def test_steps_must_be_a_count():
     policy = AsyncSelectiveAveraging(5)
     with pytest.raises(ConfigError, match="steps"):
         policy(1, None, None, None, steps=-3)
+
+
+def test_the_reproducible_decider_decides_a_round_the_same_whatever_order_its_reports_arrive_in():
+    from itertools import permutations
+
+    from popmesh.population.mechanisms.asynchronous.deciders import ReproducibleDecider
+
+    options = SelectiveOptions(10, rule=ReplacementRule(ratio=0.25))
+    rounds = {0: [5.0, 1.0, 4.0, 3.0], 10: [5.0, 6.0, 0.5, 3.0]}
+    outcomes = set()
+    for order in permutations(range(4)):
+        decider = ReproducibleDecider(4, options, LatestRules(relative_gap=0.0, absolute_gap=0.0))
+        sent = []
+        for t, metrics in rounds.items():
+            for r in order:
+                generation = 1 if t == 10 and r == 1 else 0  # rank 1 reports the weights round 0 gave it
+                decider.record(r, report(t, metrics[r], generation=generation), 0.0)
+                out = decider.ready()
+                assert not out or r == order[-1], "a round is decided once it is complete"
+                sent += [(d.iteration, d.replaced, json.dumps(d.messages, sort_keys=True)) for d in out]
+        outcomes.add(tuple(sent))
+    (sent,) = outcomes
+    assert [(it, replaced) for it, replaced, _ in sent] == [(0, (1,)), (0, ()), (10, (2,)), (10, ())]
+
+
+def test_a_round_waits_for_every_member_and_names_the_missing_ones():
+    from popmesh.population.mechanisms.asynchronous.deciders import ReproducibleDecider
+
+    decider = ReproducibleDecider(3, SelectiveOptions(10), EASY)
+    decider.record(0, report(0, 1.0), 0.0)
+    decider.record(1, report(0, 2.0), 1.0)
+    assert decider.ready() == [] and decider.stalled(5.0, 10.0) is None
+    assert decider.stalled(11.0, 10.0) == (0, [2])
+    decider.record(2, Up(BYE, -1, math.nan, 0, -1, -1, 0), 12.0)
+    assert [d.iteration for d in decider.ready()][-1] == 0, "a member that said BYE is not waited for"

@@ -159,11 +159,24 @@ def test_a_newer_generation_starts_afresh():
 
 # ---------------------------------------------------------------- the cap, burn-in, exclusion
 
+def test_a_replaced_rank_stands_in_the_others_comparisons_with_its_old_value_until_it_reports_again():
+    rules = LatestRules(relative_gap=0.0, absolute_gap=0.0, quantile_fraction=0.25)
+    state = init_latest(4)
+    v, state = judge(1, [Report(r, 1, 100, m) for r, m in enumerate([5.0, 1.0, 4.0, 3.0])], state, rules)
+    assert v.replace and v.donors == (0,)
+    v, state = judge(3, [Report(3, 2, 200, 3.0)], state, rules)
+    assert not v.replace and v.objectives[1] == 1.0, "rank 1's old value still holds the bottom place"
+    _, state = judge(1, [Report(1, 3, 300, 6.0)], state, rules)  # its new weights' first report
+    assert state.history[1] == ((300.0, 6.0),), "the old weights' entries are gone once it reports"
+    v, _ = judge(3, [Report(3, 4, 400, 3.0)], state, rules)
+    assert v.replace and v.donors == (1,)
+
+
 def test_cooldown_caps_how_often_a_rank_is_replaced():
     rules = LatestRules(relative_gap=0.0, absolute_gap=0.0, cooldown=2000)
     state = init_latest(2)
     v, state = judge(0, reports([0, 10], steps=1000), state, rules)
-    assert v.replace and state.last_replaced == (1000.0, None) and state.history[0] == ()
+    assert v.replace and state.last_replaced == (1000.0, None)
     v, state = judge(0, reports([0, 10], steps=2000), state, rules)
     assert not v.replace and "cooldown" in v.reason and "not again before 3000" in v.reason
     v, state = judge(0, reports([0, 10], steps=3000), state, rules)
@@ -251,7 +264,7 @@ def test_unknown_options_name_the_valid_ones():
     (lambda s: judge(0, [Report(1, 1, 1, 1.0)], s), "without its own report"),
     (lambda s: judge(0, [Report(0, 1, 1, 1.0), Report(0, 2, 2, 1.0)], s), "two reports"),
     (lambda s: judge(0, [Report(0, 1, 1, 1.0), Report(5, 2, 2, 1.0)], s), "outside the population"),
-    (lambda s: judge(0, [Report(0, 1, 1, 1.0)], s, excluded=[9]), "excluded names ranks"),
+    (lambda s: judge(0, [Report(0, 1, 1, 1.0)], s, excluded=[9]), "excluded or reference names ranks"),
     (lambda s: judge(0, [Report(0, 1, 1, 1.0)], s, rules=0.25), "LatestRules"),
     (lambda s: judge(0, [(0, 1, 1, 1.0)], s), "Report values"),
     (lambda s: judge(0, [Report(0, 1, 1, 1.0)], (1, 2)), "LatestState"),

@@ -78,3 +78,27 @@ def test_a_slow_rank_delays_nobody_elses_replacement(engine):
                  "complete_mode_waits_for_the_slow_rank"):
         assert run.outcome(name) == {r: "ok" for r in range(4)}, run.output[-3000:]
     assert set(run.returncodes) == {0}, run.output[-3000:]  # under mpiexec one process is the world
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("engine, size", [("torch", 4), ("mpi", 3)])
+def test_the_reproducible_mode_gives_bit_identical_runs(engine, size, tmp_path):
+    """lag=: two runs whose reports arrive in other orders (random sleeps from the OS) make the same
+    replacements at the same iterations and end with the same weights, bit for bit."""
+    import json
+
+    from workers import population_async_reproducible_worker as repro
+
+    if engine == "mpi" and mpiexec() is None:
+        pytest.skip("mpiexec not installed")
+    records = []
+    for attempt in range(2):
+        out = tmp_path / f"run{attempt}"
+        out.mkdir()
+        run = run_world(Path(repro.__file__), engine, size, timeout=90, env={"POPMESH_TEST_RECORD": str(out)})
+        assert not run.timed_out, run.output[-3000:]
+        assert run.outcome("two_runs_with_the_same_seeds_are_bit_identical") == {r: "ok" for r in range(size)}, \
+            run.output[-3000:]
+        records.append([json.loads((out / f"rank{r}.json").read_text()) for r in range(size)])
+    assert records[0] == records[1]
+    assert sum(len(r["applied"]) for r in records[0]) >= 2, records[0]

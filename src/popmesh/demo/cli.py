@@ -45,6 +45,12 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help=f"what PBT's explore step moves on a replaced agent, comma-separated from "
                         f"{','.join(EXPLORABLE)} (default {','.join(defaults.explore)}): each inherited value is "
                         "multiplied by 0.8 or 1.2, or resampled from its range with probability 0.25")
+    p.add_argument("--explore-method", choices=("perturb", "pb2"), default=defaults.explore_method,
+                   help="perturb (default): Ray PBT's step above; pb2: PB2's Gaussian-process model of the "
+                        "population's progress picks the values (--decide latest; needs scikit-learn)")
+    p.add_argument("--reference", action="store_true",
+                   help="rank 0 trains alone as a reference agent, never replaced or explored, to show what the "
+                        "population bought (--decide latest, at least 3 ranks)")
     p.add_argument("--no-explore", action="store_true",
                    help="a replaced agent keeps the values it inherits (its donors', averaged on a log scale)")
     p.add_argument("--lr-range", default=_range_text(defaults.lr_range), metavar="LOW:HIGH",
@@ -93,7 +99,8 @@ def run_command(ns: argparse.Namespace) -> int:
         print(f"popmesh demo: warning: --no-explore overrides --explore {ns.explore}: nothing is explored",
               file=sys.stderr)
     config = DemoConfig(ranks=ns.ranks, engine=ns.engine, policy=ns.policy, env=ns.env, seed=ns.seed, steps=ns.steps,
-                        every=ns.every, strategy=ns.strategy, decide=ns.decide, donors=ns.donors, warmup=ns.warmup,
+                        every=ns.every, strategy=ns.strategy, decide=ns.decide, explore_method=ns.explore_method,
+                        reference=ns.reference, donors=ns.donors, warmup=ns.warmup,
                         out_dir=ns.out,
                         live=not ns.no_live, stop_at_target=ns.stop_at_target,
                         checkpoint_every=ns.checkpoint_every,

@@ -39,6 +39,8 @@ class DemoConfig:
     ratio: float = 0.25
     strategy: str = "mean"
     decide: str = "latest"  # the async policy judges a rank against every member's latest report
+    explore_method: str = "perturb"  # how the explore step moves values: Ray PBT's perturbation, or PB2's model
+    reference: bool = False  # rank 0 trains as a reference agent: never replaced, compared or a donor
     donors: int = 2
     warmup: int = 20
     out_dir: str = "runs"
@@ -86,6 +88,7 @@ class DemoConfig:
         if self.decide not in ("latest", "complete"):
             raise ConfigError(f"--decide {self.decide!r}: choose latest (never wait) or complete (every rank's "
                               "report of one iteration)")
+        self._check_latest_only()
         if self.donors < 1 or self.warmup < 0:
             raise ConfigError("--donors must be at least 1 and --warmup not negative")
         if self.checkpoint_every < 0:
@@ -96,6 +99,25 @@ class DemoConfig:
             raise ConfigError(f"--max-restarts {self.max_restarts}: give 0 or more")
         if self.max_restarts and self.engine != "torch":
             raise ConfigError("--max-restarts needs --engine torch: an MPI world cannot take a restarted rank back")
+
+    def _check_latest_only(self) -> None:
+        latest = self.policy == "async" and self.decide == "latest"
+        if self.explore_method not in ("perturb", "pb2"):
+            raise ConfigError(f"--explore-method {self.explore_method!r}: choose perturb (Ray PBT's) or pb2 "
+                              "(PB2's model)")
+        if self.explore_method == "pb2" and not (latest and self.explore):
+            raise ConfigError("--explore-method pb2 models the population's reports on the coordinator: it needs "
+                              "--policy async --decide latest and something to --explore")
+        if self.reference and not (latest and self.ranks >= 3):
+            raise ConfigError("--reference needs --policy async --decide latest and at least 3 --ranks (rank 0 trains "
+                              "alone; the others select among themselves)")
+
+    @property
+    def library_explores(self) -> bool:
+        """The population policy assigns a replaced agent's explored values (its donor's, explored by the
+        coordinator): the asynchronous policy deciding on the latest reports. Otherwise the worker
+        explores the values that came with the weights itself."""
+        return self.policy == "async" and self.decide == "latest" and bool(self.explore)
 
     @property
     def target(self) -> float:

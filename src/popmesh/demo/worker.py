@@ -29,7 +29,15 @@ from popmesh.demo.view import PopulationView
 from popmesh.observe.board import Board
 from popmesh.observe.reports import Timer, print_report
 from popmesh.observe.timing import report_imbalance, report_timings
-from popmesh.population import AsyncSelectiveAveraging, AverageAll, DonorRule, ReplacementRule, SelectiveAveraging
+from popmesh.population import (
+    PB2,
+    AsyncSelectiveAveraging,
+    AverageAll,
+    DonorRule,
+    Explore,
+    ReplacementRule,
+    SelectiveAveraging,
+)
 from popmesh.population.mechanisms.asynchronous.protocol import MAX_INSTANCES
 from popmesh.population.state.checkpoint import Checkpointer, latest_checkpoint, load_agent, missing_ranks
 from popmesh.population.state.rejoin import seed_newcomers
@@ -48,7 +56,12 @@ def make_policy(config: DemoConfig, learner: PPOLearner, channel: int = 0) -> An
     if config.policy == "selective":
         return SelectiveAveraging(config.every, **selective)
     if config.policy == "async":  # channel 0 on every rank: a policy rebuilt after a loss meets the newcomer's
-        return AsyncSelectiveAveraging(config.every, channel=channel, decide=config.decide, **selective)
+        if config.library_explores:  # the coordinator hands a replaced agent its donor's values, explored
+            space = {k: config.declarations()[k] for k in config.explore}
+            selective["explore"] = Explore(keys=config.explore, space=space,
+                                           pb2=PB2() if config.explore_method == "pb2" else None)
+        return AsyncSelectiveAveraging(config.every, channel=channel, decide=config.decide,
+                                       reference=0 if config.reference else None, **selective)
     return None
 
 
@@ -207,13 +220,16 @@ def _iterate(world: Any, config: DemoConfig, learner: PPOLearner, policy: Any, r
     metric = learner.mean_return()
     event = None
     if policy is not None and iteration >= config.warmup:
+        loop = {"hparams": {k: v for k, v in learner.explored().items() if k in config.explore and k != "lr"}} \
+            if config.library_explores else {}  # the learning rate is read from the optimizer
         with timer.section("population"):
             learner.model, optimizer, info = policy(iteration - config.warmup, learner.model,
-                                                    learner.optimizer, learner.score(), group=group)
+                                                    learner.optimizer, learner.score(), group=group, **loop)
         learner.optimizer = optimizer if optimizer is not None else learner.optimizer
         if info.replaced:
-            event = {**_event(world.rank, learner, info, metric, config.warmup),
-                     **_explore(config, learner, world.rank, iteration)}
+            explored = _assigned(learner, info) if info.hparams and config.library_explores else \
+                _explore(config, learner, world.rank, iteration)
+            event = {**_event(world.rank, learner, info, metric, config.warmup), **explored}
     row = {"rank": world.rank, "iteration": iteration, "steps": learner.total_steps,
            "mean_return": None if math.isnan(metric) else metric, "time": time.time(),
            "steps_per_s": (learner.total_steps - first_steps) / max(time.monotonic() - started, 1e-9),
@@ -233,6 +249,17 @@ def _explore(config: DemoConfig, learner: PPOLearner, rank: int, iteration: int)
     now = learner.explored()
     return {**{f"{name}_inherited": value for name, value in inherited.items()}, **now,
             "explored": [name for name in now if now[name] != inherited[name]]}
+
+
+def _assigned(learner: PPOLearner, info: Any) -> dict[str, Any]:
+    """A replaced agent trains at the values the population policy assigned (its best donor's, explored);
+    what the event keeps, as :func:`_explore` keeps it."""
+    inherited = {**learner.explored(), **info.inherited}
+    learner.adopt_hyper()  # the weights' buffers first, for any name not explored
+    learner.set_hyper(**info.hparams_now)
+    now = learner.explored()
+    return {**{f"{name}_inherited": value for name, value in inherited.items()}, **now,
+            "explored": [name for name in now if not math.isclose(now[name], inherited[name], rel_tol=1e-6)]}
 
 
 @dataclass

@@ -38,6 +38,7 @@ from popmesh.population.decisions.explore import (
 )
 from popmesh.population.decisions.latest import LatestRules, LatestState, Report, Verdict, init_latest, judge
 from popmesh.population.decisions.options import Explore, SelectiveOptions
+from popmesh.population.decisions.pb2 import PB2, Observation, pb2_explore
 from popmesh.population.decisions.selection import (
     AgeState,
     DonorRule,
@@ -108,6 +109,9 @@ __all__ = [
     "Declaration",
     "Integer",
     "sample_hparams",
+    "PB2",
+    "Observation",
+    "pb2_explore",
     "LatestRules",
     "LatestState",
     "Report",

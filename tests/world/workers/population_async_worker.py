@@ -1,7 +1,8 @@
 """AsyncSelectiveAveraging on a real world (torch/gloo and MPI): closed forms, conformance with the
 synchronous policy, the coordinator as donor and as replaced, a dedicated coordinator, sub-groups.
-One round each, so these use decide="complete" (every rank's metric of the round, then one decision,
-as before); population_async_slow_worker.py covers the default, decide="latest"."""
+Most use decide="complete" (every rank's metric of the round, then one decision); the default,
+decide="latest", is here for what travels with the weights (the explored hyper-parameters, the true
+objective, a reference agent) and in population_async_slow_worker.py for not waiting."""
 
 import json
 import math
@@ -18,10 +19,13 @@ import popmesh
 from popmesh import ConfigError, PopmeshError
 from popmesh.population import (
     AsyncSelectiveAveraging,
+    Continuous,
+    Explore,
     ReplacementRule,
     SelectiveAveraging,
     decide,
 )
+from popmesh.population.decisions.hparams import assign
 from workers.population_common import adam_for, assert_all, exp_avg_of, make_agent, mean, values
 from worldlib import check, main, need_ranks
 
@@ -189,6 +193,75 @@ def shutdown_is_idempotent_and_final(w):
         pass
     else:
         raise AssertionError("poll_interval=0 must be refused")
+
+
+EXPLORED = Explore(keys=("lr", "ent"), space={"lr": Continuous(1e-5, 1e-1, log=True),
+                                              "ent": Continuous(1e-4, 1e-1, log=True)})
+
+
+def report_until_replaced(policy, model, optimizer, metric, objective, hparams):
+    """Report at decision points 0, 10, 20, ... until a replacement is applied (the first report may be
+    judged before the others' arrive); off-cadence calls in between swap it in."""
+    deadline, iteration = time.monotonic() + WAIT_S, 0
+    while time.monotonic() < deadline:
+        model, optimizer, info = policy(iteration, model, optimizer, metric, objective=objective, hparams=hparams)
+        until = time.monotonic() + 1.0
+        while time.monotonic() < until:
+            model, optimizer, info = policy(iteration + 1, model, optimizer, None)
+            if info.replaced:
+                return model, optimizer, info
+            time.sleep(0.005)
+        iteration += 10
+    raise AssertionError(f"no replacement was applied within {WAIT_S} s")
+
+
+def latest_round(w, reference=None):
+    """Objectives 100 - r (within the relative gap of each other) and 10 for the last rank, training
+    metrics the other way round; each rank's learning rate and entropy coefficient 1e-3 * (r + 1).
+    The last rank is replaced by the best non-reference rank; returns (model, optimizer, info, donor)."""
+    last = w.size - 1
+    policy = AsyncSelectiveAveraging(every=10, explore=EXPLORED, seed=11, reference=reference)
+    model = make_agent(w.rank + 1)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3 * (w.rank + 1))
+    objective, metric = (10.0, 1e6) if w.rank == last else (100.0 - w.rank, float(w.rank))
+    hparams = {"ent": 1e-3 * (w.rank + 1)}
+    info = None
+    if w.rank != last:
+        model, optimizer, info = policy(0, model, optimizer, metric, objective=objective, hparams=hparams)
+    popmesh.barrier()
+    if w.rank == last:
+        model, optimizer, info = report_until_replaced(policy, model, optimizer, metric, objective, hparams)
+    policy.shutdown(timeout=WAIT_S)
+    return model, optimizer, info, 1 if reference == 0 else 0
+
+
+@check
+def latest_hands_over_the_donors_hyper_parameters_explored(w):
+    """decide="latest": the replaced rank starts from its donor's learning rate and entropy coefficient,
+    moved by the explore step the coordinator seeded; the learning rate is set in its optimizer and
+    info.hparams says what to train at. It was ranked by its objective, not its training metric."""
+    need_ranks(w, 2)
+    model, optimizer, info, donor = latest_round(w)
+    if w.rank != w.size - 1:
+        assert_all(model, w.rank + 1, what="not replaced")
+        return
+    inherited = {"lr": 1e-3 * (donor + 1), "ent": 1e-3 * (donor + 1)}
+    assert info.donors == (donor,) and info.inherited == inherited, (info.donors, info.inherited)
+    expected = assign(inherited, EXPLORED, 11, 0, w.size - 1)
+    assert info.hparams_now == expected and info.hparams["lr"][0] == 1e-3 * w.size, info.hparams
+    assert optimizer.param_groups[0]["lr"] == expected["lr"]
+    assert_all(model, donor + 1, what="the donor's weights")
+
+
+@check
+def a_reference_agent_is_never_compared_or_a_donor(w):
+    need_ranks(w, 3)
+    model, _, info, _donor = latest_round(w, reference=0)
+    if w.rank == w.size - 1:
+        assert info.donors == (1,) and math.isnan(info.metrics[0]), (info.donors, info.metrics)  # not compared
+        assert_all(model, 2.0, what="the best member that is not the reference")
+    else:
+        assert_all(model, w.rank + 1, what="not replaced")
 
 
 if __name__ == "__main__":

@@ -73,6 +73,11 @@ def _check_bounds(kind: str, low: Any, high: Any, log: bool, is_value: Callable[
                           "use log=False for a range that reaches 0 or below")
 
 
+_ROUNDING = 1e-6
+"""A continuous value this close to a bound (relative) counts as at it: a value kept in a float32
+buffer or tensor comes back a few 1e-8 away from the float64 bound it was clipped to."""
+
+
 def _outside(name: str, value: Any, low: Any, high: Any) -> ConfigError:
     return ConfigError(f"hyper-parameter {name!r} = {value!r} lies outside its declared bounds [{low!r}, {high!r}]: "
                        "start it inside them or widen the declaration")
@@ -94,7 +99,7 @@ class Continuous(Declaration):
     def check(self, name: str, value: Any) -> None:
         if not _is_number(value) or not math.isfinite(value):
             raise ConfigError(f"hyper-parameter {name!r} is declared Continuous but is {value!r}: give a finite number")
-        if not self.low <= value <= self.high:
+        if not self.low - _ROUNDING * abs(self.low) <= value <= self.high + _ROUNDING * abs(self.high):
             raise _outside(name, value, self.low, self.high)
 
     def sample(self, gen: np.random.Generator) -> float:

@@ -18,7 +18,9 @@ The rules, each an option of :class:`LatestRules`:
   negative objectives work);
 * **cooldown** and **burn-in**: no replacement before ``burn_in``, nor within ``cooldown`` of the
   rank's previous replacement;
-* **exclusion**: ranks the heartbeat named (passed in) are neither compared nor donors.
+* **exclusion**: ranks the heartbeat named (passed in) are neither compared nor donors;
+* **reference**: a reference agent (passed in) is never replaced, compared or a donor: it trains
+  alone, so that a run shows what the population bought.
 
 Ties follow :mod:`~popmesh.population.decisions.selection`'s total order: among equal objectives the
 higher rank is the worse. A donor's weights are its current ones; matching decides only who is
@@ -201,7 +203,7 @@ def _observe(state: LatestState, reports: Mapping[int, Report], rules: LatestRul
         replaced_at = state.last_replaced[r]
         if replaced_at is not None and clock <= replaced_at:
             continue
-        entries = history[r]
+        entries = tuple(e for e in history[r] if replaced_at is None or e[0] > replaced_at)  # the new weights' own
         if entries and clock < entries[-1][0]:
             continue
         kept = entries[:-1] if entries and clock == entries[-1][0] else entries
@@ -240,13 +242,17 @@ def _checked(rank: int, reports: Sequence[Report], state: LatestState, rules: La
         raise ConfigError(f"rank {rank!r} is judged without its own report among reports: pass its latest one")
     gone = frozenset(int(r) for r in excluded)
     if any(not 0 <= r < n for r in gone):
-        raise ConfigError(f"excluded names ranks {sorted(r for r in gone if not 0 <= r < n)} outside 0..{n - 1}")
+        raise ConfigError(f"excluded or reference names ranks {sorted(r for r in gone if not 0 <= r < n)} outside "
+                          f"0..{n - 1}")
     return by_rank, gone
 
 
-def _hold(rank: int, clock: float, state: LatestState, rules: LatestRules, gone: frozenset[int]) -> str | None:
+def _hold(rank: int, clock: float, state: LatestState, rules: LatestRules, gone: frozenset[int],
+          reference: frozenset[int] = frozenset()) -> str | None:
     """Why ``rank`` cannot be replaced now whoever leads, or None."""
     unit = rules.clock
+    if rank in reference:
+        return f"rank {rank} is the reference agent (never replaced)"
     if rank in gone:
         return f"rank {rank} is excluded (named by the heartbeat)"
     if clock < rules.burn_in:
@@ -264,26 +270,35 @@ def _leads(own: float, donor: float, rules: LatestRules) -> bool:
 
 
 def judge(rank: int, reports: Sequence[Report], state: LatestState, rules: LatestRules | None = None, *,
-          excluded: Collection[int] = ()) -> tuple[Verdict, LatestState]:
+          excluded: Collection[int] = (), reference: Collection[int] = ()) -> tuple[Verdict, LatestState]:
     """Judge ``rank`` against the latest report of every member; return the verdict and the new state.
 
     ``reports`` holds at most one report per member (its latest), ``rank``'s own included; what
     earlier calls saw is in ``state`` and counts too, and a member that never reported is not
-    compared. ``excluded`` are ranks the heartbeat named: ignored, never waited for. The state takes
-    every report's entry; a replacement also records the rank's clock and clears its history (those
-    objectives belonged to the weights it loses). Same inputs, same verdict.
+    compared. ``excluded`` are ranks the heartbeat named: ignored, never waited for; ``reference``
+    ranks are reference agents, never replaced and never compared or donors. The state takes
+    every report's entry; a replacement also records the rank's clock. Its entries up to then belonged
+    to the weights it loses: they never count for it again, but stand for it in the others'
+    comparisons until it reports with its new weights (as Ray PBT keeps an exploited trial's last
+    score), so that one replacement does not move the next member into the bottom quantile.
+    Same inputs, same verdict.
     """
     rules = LatestRules() if rules is None else rules
     by_rank, gone = _checked(rank, reports, state, rules, excluded)
+    _, kept = _checked(rank, reports, state, rules, reference)
     rank = int(rank)
     state = _observe(state, by_rank, rules)
     clock = rules.clock_of(by_rank[rank])
-    held = _hold(rank, clock, state, rules, gone)
+    held = _hold(rank, clock, state, rules, gone, kept)
+    gone |= kept
     if held is not None:
         return Verdict(rank, False, (), f"not replaced: {held}"), state
     anchor = clock if rules.match_experience else math.inf
     values: dict[int, float] = {}
+    last = state.last_replaced[rank]
     for r, entries in enumerate(state.history):
+        if r == rank and last is not None:
+            entries = tuple(e for e in entries if e[0] > last)
         found = None if r in gone else _value(entries, clock if r == rank else anchor, rules.interval)
         if found is not None:
             values[r] = found[1]
@@ -318,9 +333,8 @@ def _rank_and_choose(rank: int, values: dict[int, float], by_rank: Mapping[int, 
     why = (f"replaced: objective {_fmt(own)} is {_ordinal(place)} of {n} (bottom {k}); donors {list(donors)} lead "
            f"by more than {_fmt(rules.absolute_gap)} and {_fmt(rules.relative_gap)} of their objective")
     hparams = {d: by_rank[d].hparams if d in by_rank else {} for d in donors}
-    history = tuple(() if r == rank else h for r, h in enumerate(state.history))
     last = tuple(rules.clock_of(by_rank[rank]) if r == rank else t for r, t in enumerate(state.last_replaced))
-    return Verdict(rank, True, donors, why, values, hparams), state._replace(history=history, last_replaced=last)
+    return Verdict(rank, True, donors, why, values, hparams), state._replace(last_replaced=last)
 
 
 def _ordinal(place: int) -> str:

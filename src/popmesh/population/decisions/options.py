@@ -57,12 +57,19 @@ class Explore:
     ``resample_prob``, seeded by (policy seed, iteration, global rank): deterministic and different
     per agent. ``space`` may declare a key (``{"lr": Continuous(1e-5, 1e-1, log=True)}``); it names
     no key outside ``keys``.
+
+    With :class:`AsyncSelectiveAveraging`'s ``decide="latest"`` a key may also be any value the
+    training loop reads (passed to the call as ``hparams=``), the replaced agent starts from its
+    donor's values (PBT's exploit), and ``pb2=PB2()`` chooses the declared continuous and integer
+    ones with PB2's model of the population's progress instead of the perturbation
+    (:mod:`~popmesh.population.decisions.hparams`).
     """
 
     keys: tuple[str, ...] = ("lr",)
     space: Mapping[str, SpaceEntry] = field(default_factory=dict)
     perturb: tuple[float, ...] = (0.8, 1.2)
     resample_prob: float = 0.25
+    pb2: Any = None
 
     def __post_init__(self) -> None:
         if not self.keys or not all(isinstance(k, str) for k in self.keys):
@@ -74,6 +81,11 @@ class Explore:
             raise ConfigError(f"Explore space names {unknown}, which are not among keys {list(self.keys)}: "
                               "add them to keys= or take them out of space=")
         check_space(self.space, self.perturb, self.resample_prob)
+        if self.pb2 is not None:
+            from popmesh.population.decisions.pb2 import PB2
+
+            if not isinstance(self.pb2, PB2):
+                raise ConfigError(f"Explore(pb2=...) takes a PB2(...) of its options, got {type(self.pb2).__name__}")
 
     def apply(self, optimizer: Any, seed: int, iteration: int, rank: int) -> dict[str, list[Any]]:
         """Perturb ``optimizer``'s param groups in place; return ``{key: [old, new]}`` (first group)."""

@@ -34,7 +34,9 @@ class PolicyInfo:
     * ``summary``: the decision in one line; ``metrics``: the metrics it was based on, by global rank.
     * ``report_iterations``: the asynchronous policy's applied decision: each compared member's
       latest reported iteration when it was made, by global rank (how far behind the others were).
-    * ``hparams``: hyper-parameters changed by exploration, ``{name: [old, new]}``.
+    * ``hparams``: a replaced agent's explored hyper-parameters, ``{name: [old, new]}``: train at the
+      new values from now on (param-group fields are already set in the optimizer). ``inherited``:
+      the donor's values before the explore step (``decide="latest"``).
     * ``timings``: seconds spent in each phase of this call on this rank.
     """
 
@@ -52,7 +54,13 @@ class PolicyInfo:
     metrics: dict[int, float] = field(default_factory=dict)
     report_iterations: dict[int, int] = field(default_factory=dict)
     hparams: dict[str, list[Any]] = field(default_factory=dict)
+    inherited: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def hparams_now(self) -> dict[str, Any]:
+        """The values to train at after a replacement, ``{name: new}`` (empty when nothing changed)."""
+        return {name: pair[1] for name, pair in self.hparams.items()}
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict (non-finite metrics become None, rank keys strings)."""

@@ -27,7 +27,7 @@ from popmesh.population.state.model_state import (
     to_numpy,
 )
 
-__all__ = ["Applied", "fresh_weights", "install_weights", "reset_optimizer", "apply_replacement"]
+__all__ = ["Applied", "fresh_weights", "install_weights", "reset_optimizer", "set_hparams", "apply_replacement"]
 
 
 @dataclass
@@ -86,18 +86,33 @@ def _optimizer(opts: SelectiveOptions, model: Any, optimizer: Any, donor_state: 
     return reset_optimizer(model, optimizer, opts.optimizer_builder)
 
 
+def set_hparams(optimizer: Any, values: Mapping[str, Any]) -> None:
+    """Write ``values`` into every param group of ``optimizer`` that has the key (the others are the
+    training loop's to adopt, from :attr:`PolicyInfo.hparams`)."""
+    for group in getattr(optimizer, "param_groups", ()):
+        for key, value in values.items():
+            if key in group:
+                group[key] = value
+
+
 def apply_replacement(opts: SelectiveOptions, model: Any, optimizer: Any,
                       combined: Mapping[str, np.ndarray] | None, *, iteration: int, rank: int,
-                      donor_state: Mapping[str, Any] | None = None, source: int | None = None) -> Applied:
+                      donor_state: Mapping[str, Any] | None = None, source: int | None = None,
+                      assigned: Mapping[str, Any] | None = None, previous: Mapping[str, Any] | None = None) -> Applied:
     """Replace this rank's agent: ``combined`` weights (None: fresh ones from ``model_builder``),
     then the optimizer per ``opts.optimizer_policy`` (``source``: donor whose state to copy), then
-    exploration of hyper-parameters if configured."""
+    the hyper-parameters: the ``assigned`` values (the coordinator's exploit and explore; ``previous``:
+    this agent's values before), else this rank's own explore step if configured."""
     tensors = model_tensors(model, opts.include_buffers)
     layout = layout_of(tensors)
     if combined is None:
         combined = fresh_weights(opts.model_builder, opts.include_buffers, layout)
     install_weights(tensors, layout, combined, opts.momentum)
     new_opt, text = _optimizer(opts, model, optimizer, donor_state, source)
+    if assigned is not None:
+        set_hparams(new_opt, assigned)
+        before = {} if previous is None else previous
+        return Applied(new_opt, text, {k: [before.get(k), v] for k, v in assigned.items()})
     hparams = {} if opts.explore is None or new_opt is None else opts.explore.apply(new_opt, opts.seed,
                                                                                   iteration, rank)
     return Applied(new_opt, text, hparams)

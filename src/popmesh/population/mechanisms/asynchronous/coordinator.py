@@ -65,8 +65,9 @@ class CoordinatorLink:
     def _dispatch(self, dispatch: Dispatch) -> None:
         for g, message in dispatch.messages.items():
             self._tell(message, self.ranks[g])
-        self._dispatched_at = time.monotonic()
-        self.decisions += 1
+        if dispatch.replaced:  # not a round's notice
+            self._dispatched_at = time.monotonic()
+            self.decisions += 1
 
     def _tell(self, message: dict[str, Any], dst: int) -> None:
         """Send ``message`` down to global rank ``dst``, or hand it over when that is this rank."""

@@ -52,6 +52,8 @@ class Pending:
     metrics: dict[int, float]
     snapshot_iterations: tuple[int, ...] = ()
     report_iterations: dict[int, int] = field(default_factory=dict)  # global rank -> its report's iteration
+    hparams: list[float] | None = None  # encoded values to train at (decide="latest" with explored keys)
+    inherited: list[float] | None = None  # encoded: the donor's values, before the explore step
 
 
 _FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
@@ -144,6 +146,8 @@ class Job:
     seen: dict[int, int] = field(default_factory=dict)  # donor -> iteration of its snapshot
     state: dict[str, Any] | None = None  # optimizer state of the source donor
     iterations: dict[int, int] = field(default_factory=dict)  # global rank -> iteration of the report read
+    hparams: list[float] | None = None  # encoded values assigned by the coordinator (Pending.hparams)
+    inherited: list[float] | None = None
 
     @property
     def iteration(self) -> int:
@@ -228,4 +232,4 @@ class Inbox:
         self.job = None
         return Pending(job.iteration, tuple(job.donors), d.weights[me], combined, job.state, job.source,
                        d.strategy, d.summary_in(job.ranks), d.reasons.get(me, ""), job.metrics,
-                       tuple(job.seen[g] for g in job.donors), job.iterations)
+                       tuple(job.seen[g] for g in job.donors), job.iterations, job.hparams, job.inherited)

@@ -2,23 +2,26 @@
 
 Three channels per policy instance, on popmesh-internal tags (:data:`popmesh.comm.messages.POPULATION_TAGS`):
 
-* **up** (trainer → coordinator), one float64 row :class:`Up`
-  ``[kind, iteration, metric, fingerprint, acked, steps, generation]`` where kind is METRIC, ACK (a
+* **up** (trainer → coordinator), one float64 row :class:`Up` ``[kind, iteration, metric,
+  fingerprint, acked, steps, generation, objective, hparams...]`` where kind is METRIC, ACK (a
   replaced rank has combined its donors' weights for a decision) or BYE (the rank is shutting down:
   it sends nothing more but keeps serving until FIN), ``acked`` the newest decision iteration this
   rank has combined (-1: none), ``steps`` its experience and ``generation`` how many replacements
-  its main thread has applied (a report of older weights is then told apart). A replaced rank's
-  acknowledgement usually rides in its next METRIC row; it sends an ACK row of its own only when
-  it finished combining after it had already reported a newer iteration (the coordinator may then
-  be waiting for it).
-* **down** (coordinator → trainer), JSON: a decision, ``fin`` (everyone said BYE: stop) or
-  ``abort`` (the coordinator failed: the reason). The coordinator makes each decision once and
-  sends every rank it involves (:func:`involved`: donors and replaced ranks), nobody else, its own
-  part (:func:`decision_messages`): ``Decision.part(rank).to_dict()`` over group ranks (its own
-  donors and weights if it is replaced), ``recipients`` (the group ranks it streams its weights
-  to) and the metrics (for ``PolicyInfo.metrics``); both sides map group ranks to global ranks
-  with the group they were built with. A message is O(n + donors + recipients) bytes, not the
-  whole decision: averaging all others at 1,024 ranks would be O(n²) per message.
+  its main thread has applied (a report of older weights is then told apart), ``objective`` what
+  selection ranks by (NaN: the metric) and ``hparams`` the explored hyper-parameters' values, two
+  floats each (:mod:`~popmesh.population.decisions.hparams`). A replaced rank's acknowledgement
+  usually rides in its next METRIC row; it sends an ACK row of its own only when it finished
+  combining after it had already reported a newer iteration (the coordinator may then be waiting for
+  it).
+* **down** (coordinator → trainer), JSON: a decision, ``fin`` (everyone said BYE: stop) or ``abort``
+  (the coordinator failed: the reason). The coordinator makes each decision once and sends every
+  rank it involves (:func:`involved`: donors and replaced ranks), nobody else, its own part
+  (:func:`decision_messages`): ``Decision.part(rank).to_dict()`` over group ranks (its own donors
+  and weights if it is replaced), ``recipients`` (the group ranks it streams its weights to) and the
+  metrics (for ``PolicyInfo.metrics``), with, for a replaced rank whose policy explores, ``hparams``
+  (the values to train at) and ``inherited`` (its donor's), encoded; both sides map group ranks to
+  global ranks with the group they were built with. A message is O(n + donors + recipients) bytes,
+  not the whole decision: averaging all others at 1,024 ranks would be O(n²) per message.
 * **data** (donor → replaced), a dict of arrays: ``meta`` ``[snapshot iteration, decision
   iteration]``, ``p/<dtype>`` flat weights, ``o/<index>/<key>`` optimizer state. A stream names
   its decision only by iteration: a replaced rank whose donors' streams arrive before the
@@ -87,23 +90,29 @@ class Up(NamedTuple):
     acked: int
     steps: int
     generation: int
+    objective: float = math.nan
+    hparams: tuple[float, ...] = ()
 
 
-_UP_SIZE = len(Up._fields)
+_UP_SIZE = len(Up._fields) - 1  # the fixed fields; the encoded hyper-parameters follow
 
 
 def up_row(kind: int, iteration: int, metric: float = math.nan, fingerprint: int = 0, acked: int = -1,
-           steps: int = -1, generation: int = 0) -> np.ndarray:
-    """The float64 row a trainer sends up (fingerprints are 52-bit and steps below 2**53: exact in float64)."""
-    return np.array([kind, iteration, metric, fingerprint, acked, steps, generation], dtype=np.float64)
+           steps: int = -1, generation: int = 0, objective: float = math.nan,
+           hparams: Any = ()) -> np.ndarray:
+    """The float64 row a trainer sends up (fingerprints are 52-bit and steps below 2**53: exact in
+    float64); ``hparams``: the encoded values (:func:`~popmesh.population.decisions.hparams.encode`)."""
+    head = np.array([kind, iteration, metric, fingerprint, acked, steps, generation, objective], dtype=np.float64)
+    return np.concatenate([head, np.asarray(hparams, dtype=np.float64).reshape(-1)]) if len(hparams) else head
 
 
 def parse_up(row: Any) -> Up:
     """The :class:`Up` of an up row; ConfigError for anything else."""
     a = np.asarray(row, dtype=np.float64).reshape(-1)
-    if a.size != _UP_SIZE or int(a[0]) not in (METRIC, ACK, BYE):
+    if a.size < _UP_SIZE or (a.size - _UP_SIZE) % 2 or int(a[0]) not in (METRIC, ACK, BYE):
         raise ConfigError(f"not an asynchronous-policy message (mixed popmesh versions?): {a[:8].tolist()}")
-    return Up(int(a[0]), int(a[1]), float(a[2]), int(a[3]), int(a[4]), int(a[5]), int(a[6]))
+    return Up(int(a[0]), int(a[1]), float(a[2]), int(a[3]), int(a[4]), int(a[5]), int(a[6]), float(a[7]),
+              tuple(float(x) for x in a[_UP_SIZE:]))
 
 
 def check_fingerprint(fingerprints: dict[int, int], rank: int, fingerprint: int) -> None:

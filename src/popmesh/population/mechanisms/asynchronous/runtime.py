@@ -19,6 +19,7 @@ does not: it creates no follow-up work), so a completed send does not restart th
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -65,12 +66,15 @@ class Runtime:
         self._thread.start()
 
     # ---- main thread ---------------------------------------------------------------------------
-    def post(self, snapshot: Snapshot, metric: float, fingerprint: int, steps: int, generation: int) -> None:
+    def post(self, snapshot: Snapshot, metric: float, fingerprint: int, steps: int, generation: int,
+             objective: float = math.nan, hparams: Any = ()) -> None:
         """Hand over this cadence's snapshot, then send its report row (main thread): its metric, its
-        experience (``steps``) and how many replacements it applied (``generation``)."""
+        experience (``steps``), how many replacements it applied (``generation``), the objective
+        selection ranks by (NaN: the metric) and its encoded explored hyper-parameters."""
         with self._lock:
             self._snapshot = snapshot
-        handle = self.trainer.isend_up(METRIC, snapshot.iteration, metric, fingerprint, steps, generation)
+        handle = self.trainer.isend_up(METRIC, snapshot.iteration, metric, fingerprint, steps, generation, objective,
+                                       hparams)
         self._main_sends = reap(self._main_sends, self.timeout) + [handle]
 
     def quiet(self) -> bool:
@@ -83,6 +87,22 @@ class Runtime:
         with self._lock:
             pending, self._pending = self._pending, None
         return pending
+
+    def wait_round(self, iteration: int, timeout: float) -> None:
+        """Block (main thread) until round ``iteration`` is resolved for this rank (the declared lag's
+        wait); a background error is raised, and CommTimeout after ``timeout`` seconds."""
+        deadline, pause = time.monotonic() + timeout, 2e-4
+        while not self.trainer.round_resolved(iteration):
+            surface(self.error)
+            if self.done.is_set():
+                raise PopmeshError("the asynchronous population policy stopped before its round "
+                                   f"{iteration} was resolved")
+            if time.monotonic() > deadline:
+                raise CommTimeout(f"round {iteration} was not resolved within {timeout:g} s: waiting for "
+                                  f"{self.trainer.waiting_for()} (the coordinator decides a round once every member "
+                                  "reported it)", (self.trainer.coordinator,))
+            time.sleep(pause)
+            pause = min(pause * 2, 5e-3)
 
     def request_shutdown(self, timeout: float) -> None:
         """Say BYE (after every queued metric) and keep serving until the coordinator's FIN; the

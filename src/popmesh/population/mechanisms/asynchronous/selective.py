@@ -24,17 +24,28 @@ import math
 import numbers
 import warnings
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from popmesh.comm.world import Comm, resolve_group
 from popmesh.core.errors import ConfigError, PeerFailure, PopmeshError
 from popmesh.population.decisions.combine import OptimizerPolicy
+from popmesh.population.decisions.hparams import current_values, decode, encode
 from popmesh.population.decisions.latest import LatestRules
 from popmesh.population.decisions.options import SelectiveOptions, check_metric
-from popmesh.population.decisions.selection import DonorRule, ReplacementRule
+from popmesh.population.mechanisms.asynchronous.configure import (
+    check_lag,
+    check_latest_only,
+    latest_rules,
+    reference_in,
+)
 from popmesh.population.mechanisms.asynchronous.coordinator import CoordinatorLink
-from popmesh.population.mechanisms.asynchronous.deciders import CompleteDecider, Decider, LatestDecider
+from popmesh.population.mechanisms.asynchronous.deciders import (
+    CompleteDecider,
+    Decider,
+    LatestDecider,
+    ReproducibleDecider,
+)
 from popmesh.population.mechanisms.asynchronous.protocol import Channels, channels
 from popmesh.population.mechanisms.asynchronous.runtime import Runtime, surface
 from popmesh.population.mechanisms.asynchronous.trainer import Pending, Snapshot
@@ -69,6 +80,23 @@ class AsyncSelectiveAveraging(PopulationPolicy):
       take channels in creation order, so create policies in the same order on every rank.
     * ``poll_interval``: the background thread's longest idle sleep (seconds) on engines that do not
       report arrivals (MPI); on gloo it sleeps until a message arrives.
+    * ``lag``: the reproducible mode (``decide="latest"``): decisions in rounds keyed to decision
+      iterations, each member judged against every member's report of the round, and applied at
+      the replaced rank's call of iteration ``t + lag`` (1 <= lag <= every), which waits for the
+      round if it is not resolved yet. Two runs with the same seeds on the same engine then give
+      bit-identical decisions, events and weights. Default None: the fast mode, which never waits
+      and whose decisions depend on the order reports arrive in (not reproducible).
+    * ``reference``: a global rank of the group whose agent is never replaced, compared or a donor
+      (``decide="latest"``): it trains alone beside the population, so a run shows what the
+      population bought.
+
+    With ``decide="latest"`` and ``explore=Explore(keys=...)``, every report carries the keys'
+    values (the optimizer's param-group fields, and the training loop's own passed as ``hparams=``),
+    and a replaced agent gets its best donor's values moved by the explore step (Ray PBT's
+    perturbation, or PB2's model with ``Explore(pb2=PB2())``), chosen by the coordinator:
+    ``info.hparams`` (``{name: [old, new]}``) says what to train at; param-group fields are set.
+    A call may pass ``objective=``, what selection ranks by when it is not the training metric
+    (an evaluation return, the modes found); ``local_metric`` is then the training metric.
 
     A replacement decided at iteration ``t`` is applied at a later call of the replaced rank;
     ``info.decision_iteration`` says which. A call may pass ``steps=`` (the experience collected,
@@ -84,7 +112,7 @@ class AsyncSelectiveAveraging(PopulationPolicy):
 
     def __init__(self, every: int, *, decide: str = "latest", latest: LatestRules | Mapping[str, Any] | None = None,
                  coordinator: int | None = None, channel: int | None = None, poll_interval: float = 0.05,
-                 **options: Any) -> None:
+                 reference: int | None = None, lag: int | None = None, **options: Any) -> None:
         self.options = SelectiveOptions.build(every, options, "AsyncSelectiveAveraging")
         if decide not in DECIDE:
             raise ConfigError(f"decide={decide!r}: choose 'latest' (judge each report against the others' latest) "
@@ -93,6 +121,13 @@ class AsyncSelectiveAveraging(PopulationPolicy):
         self.latest = latest_rules(self.options, latest, set(options)) if decide == "latest" else None
         if decide == "complete" and latest is not None:
             warnings.warn("AsyncSelectiveAveraging: latest= has no effect with decide='complete'", stacklevel=2)
+        check_latest_only(decide, reference, self.options.explore)
+        self.lag = check_lag(lag, decide, self.options.every)
+        self._rounds: list[int] = []  # decision iterations reported, not yet applied (with a lag)
+        self._iteration = 0
+        self.reference = reference
+        self._reference_group: frozenset[int] = frozenset()
+        self._hparams_now: dict[str, Any] = {}  # this rank's explored values at its last report
         if coordinator is not None and (isinstance(coordinator, bool) or not isinstance(coordinator, int)
                                         or coordinator < 0):
             raise ConfigError(f"coordinator must be a global rank (int >= 0) or None, got {coordinator!r}")
@@ -107,26 +142,40 @@ class AsyncSelectiveAveraging(PopulationPolicy):
         self._resumed: dict[str, Any] = {}  # the coordinator's state from a checkpoint
         self._generation = 0  # replacements applied on this rank, reported with every metric
         self._steps: int | None = None
+        self._objective: float | None = None
+        self._hparams_given: Mapping[str, Any] | None = None
         self._finalizer = weakref.finalize(self, _shutdown_at_exit, self._slot)
 
     def __call__(self, iteration: int, model: Any, optimizer: Any = None, local_metric: float | None = None,
-                 group: Comm | None = None, *, steps: int | None = None) -> tuple[Any, Any, PolicyInfo]:
+                 group: Comm | None = None, *, steps: int | None = None, objective: float | None = None,
+                 hparams: Mapping[str, Any] | None = None) -> tuple[Any, Any, PolicyInfo]:
         """As every policy's call; ``steps``: this agent's experience so far (env steps; default the
-        iteration), reported at decision points for the latest rules' experience matching."""
+        iteration), reported at decision points for the latest rules' experience matching;
+        ``objective``: what selection ranks by (default ``local_metric``); ``hparams``: the current
+        values of explored keys that are not optimizer param-group fields (``decide="latest"``)."""
         self._steps = None if steps is None else _count(steps)
+        if self.latest is None and (objective is not None or hparams):
+            raise ConfigError("objective= and hparams= are read by decide='latest' only; with decide='complete' pass "
+                              "what selection ranks by as local_metric, and explore optimizer fields only")
+        self._objective, self._hparams_given, self._iteration = objective, hparams, iteration
         return super().__call__(iteration, model, optimizer, local_metric, group)
 
     def _decider(self, n: int) -> Decider:
         """The coordinator's decision protocol for a group of ``n``."""
         if self.latest is None:
             return CompleteDecider(n, self.options)
-        return LatestDecider(n, self.options, self.latest)
+        if self.lag is not None:
+            return ReproducibleDecider(n, self.options, self.latest, self._reference_group)
+        return LatestDecider(n, self.options, self.latest, self._reference_group)
 
     def _idle(self, group: Comm | None) -> bool:
         """Most calls: nothing to report or swap in. Kept to a few attribute reads, since such a
         call runs cold between training steps (a full call measured ~80 us of CPU there)."""
         runtime = self._slot["runtime"]
-        return runtime is not None and group is self._last_group and runtime.quiet() and not self._closed
+        if self._rounds and self._rounds[0] + self.lag <= self._iteration:  # type: ignore[operator]
+            return False  # a round is due: apply what it decided, waiting for it if need be
+        quiet = runtime is not None and (runtime.quiet() if self.lag is None else runtime.error is None)
+        return quiet and group is self._last_group and not self._closed
 
     def _step(self, comm: Comm, iteration: int, is_due: bool, model: Any, optimizer: Any,
               local_metric: float | None) -> tuple[Any, Any, PolicyInfo]:
@@ -136,13 +185,14 @@ class AsyncSelectiveAveraging(PopulationPolicy):
         runtime = self._runtime(comm)
         surface(runtime.error)
         clock = Clock()
-        pending = runtime.take_pending()
-        if pending is not None:
+        for pending in self._due(runtime, iteration):
             optimizer = self._apply(comm, pending, model, optimizer, info)
             clock.lap("apply")
         if is_due:
+            if self.lag is not None:
+                self._rounds.append(iteration)
             steps = iteration if self._steps is None else self._steps
-            self._report(runtime, iteration, model, optimizer, metric, steps)
+            self._report(runtime, iteration, model, optimizer, metric, steps, self._objective_of(comm, iteration))
             clock.lap("report")
         info.timings = clock.laps
         return model, optimizer, info
@@ -156,6 +206,30 @@ class AsyncSelectiveAveraging(PopulationPolicy):
                               "diverged agent, or use decide='complete', where non-finite means replace first)")
         return metric
 
+    def _due(self, runtime: Runtime, iteration: int) -> list[Pending]:
+        """The replacements to apply at this call: any that finished (the fast mode), or what each
+        round due by now decided for this rank, waiting for the round to be resolved (a lag)."""
+        if self.lag is None:
+            pending = runtime.take_pending()
+            return [] if pending is None else [pending]
+        out = []
+        while self._rounds and self._rounds[0] + self.lag <= iteration:
+            runtime.wait_round(self._rounds.pop(0), runtime.timeout)
+            pending = runtime.take_pending()
+            if pending is not None:
+                out.append(pending)
+        return out
+
+    def _objective_of(self, comm: Comm, iteration: int) -> float:
+        """The call's ``objective=`` checked (finite), NaN when not given (selection then ranks by the metric)."""
+        if self._objective is None:
+            return math.nan
+        value = check_metric(self._objective, iteration)
+        if not math.isfinite(value):
+            raise ConfigError(f"rank {comm.rank} reported the objective {value} at iteration {iteration}: it must be "
+                              "finite (pass a diverged agent's last finite value)")
+        return value
+
     def _runtime(self, comm: Comm) -> Runtime:
         if self._closed:
             raise PopmeshError("this AsyncSelectiveAveraging was shut down; create a new policy")
@@ -168,6 +242,7 @@ class AsyncSelectiveAveraging(PopulationPolicy):
         coordinator = comm.ranks[0] if self.coordinator is None else self.coordinator
         if not 0 <= coordinator < comm.world.size:
             raise ConfigError(f"coordinator={coordinator} is not a rank of this world of {comm.world.size}")
+        self._reference_group = reference_in(self.reference, comm.ranks)
         timeout = comm.timeout if self.options.timeout is None else float(self.options.timeout)
         runtime = Runtime(comm.world, comm.ranks, coordinator, self.tags, self._decider, timeout, self.poll_interval)
         if runtime.coordinator is not None:
@@ -190,19 +265,30 @@ class AsyncSelectiveAveraging(PopulationPolicy):
             raise ConfigError("load_state_dict() must come before the policy's first call")
         self._resumed = {k: v for k, v in state.items() if v is not None}
 
-    def _report(self, runtime: Runtime, iteration: int, model: Any, optimizer: Any, metric: float, steps: int) -> None:
+    def _report(self, runtime: Runtime, iteration: int, model: Any, optimizer: Any, metric: float, steps: int,
+                objective: float) -> None:
+        explore = self.options.explore
+        encoded: Any = ()
+        if self.latest is not None and explore is not None:
+            self._hparams_now = current_values(explore, optimizer, self._hparams_given)
+            encoded = encode(explore, self._hparams_now)
         tensors = model_tensors(model, self.options.include_buffers)
         layout = layout_of(tensors)
         state = optimizer_tensors(optimizer) if self._copies_optimizer(optimizer) else {}
         snap = Snapshot(iteration, snapshot(tensors, layout).buffers, state)
-        runtime.post(snap, metric, layout.fingerprint(), steps, self._generation)
+        runtime.post(snap, metric, layout.fingerprint(), steps, self._generation, objective, encoded)
 
     def _copies_optimizer(self, optimizer: Any) -> bool:
         return self.options.optimizer_policy is OptimizerPolicy.COPY and optimizer is not None
 
     def _apply(self, comm: Comm, pending: Pending, model: Any, optimizer: Any, info: PolicyInfo) -> Any:
+        explore = self.options.explore
+        assigned = decode(explore, pending.hparams) if explore is not None and pending.hparams else None
         applied = apply_replacement(self.options, model, optimizer, pending.combined, iteration=info.iteration,
-                                    rank=comm.rank, donor_state=pending.donor_state, source=pending.source)
+                                    rank=comm.rank, donor_state=pending.donor_state, source=pending.source,
+                                    assigned=assigned, previous=self._hparams_now)
+        if explore is not None and pending.inherited:
+            info.inherited = decode(explore, pending.inherited)
         self._generation += 1
         info.replaced, info.donors, info.weights = True, pending.donors, pending.weights
         info.strategy, info.summary, info.metrics = pending.strategy, pending.summary, pending.metrics
@@ -240,6 +326,7 @@ class AsyncSelectiveAveraging(PopulationPolicy):
             raise ConfigError(f"coordinate() runs on the dedicated coordinator rank {self.coordinator}, outside "
                               f"the training group {list(comm.ranks)}; rank {me} should train instead")
         seconds = comm.timeout if timeout is None else float(timeout)
+        self._reference_group = reference_in(self.reference, comm.ranks)
         link = CoordinatorLink(comm.world, comm.ranks, self.tags, self._decider(len(comm.ranks)), seconds)
         try:
             _serve(link, self.poll_interval)
@@ -256,52 +343,6 @@ def _count(steps: Any) -> int:
     if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 0:
         raise ConfigError(f"steps must be a non-negative int (the experience collected), got {steps!r}")
     return int(steps)
-
-
-def latest_rules(options: SelectiveOptions, latest: LatestRules | Mapping[str, Any] | None,
-                 given: set[str]) -> LatestRules:
-    """The judge's rules: ``latest`` (a LatestRules, or its fields over the defaults), with the quantile
-    fraction and the most donors that ``rule`` and ``donor_rule`` say unless ``latest`` sets them;
-    ConfigError naming a field that cannot hold, or that both set differently."""
-    if latest is not None and not isinstance(latest, (LatestRules, Mapping)):
-        raise ConfigError(f"latest must be a LatestRules or a mapping of its fields, got {type(latest).__name__}")
-    def quantile() -> float:
-        return _quantile_of(options.rule)
-
-    def donors() -> int | None:
-        return _max_donors_of(options.donor_rule)
-
-    fields: dict[str, tuple[str, Callable[[], Any]]] = {"quantile_fraction": ("rule", quantile),
-                                                        "max_donors": ("donor_rule", donors)}
-    explicit = latest if isinstance(latest, LatestRules) else None
-    mapping = dict(latest) if isinstance(latest, Mapping) else {}
-    derived: dict[str, Any] = {}
-    for name, (option, value_of) in fields.items():
-        if (explicit is None and name not in mapping) or option in given:
-            derived[name] = value_of()
-        set_here = getattr(explicit, name) if explicit is not None else mapping.get(name, derived.get(name))
-        if option in given and set_here != derived[name]:
-            raise ConfigError(f"latest's {name}={set_here!r} disagrees with the {derived[name]!r} that {option}= "
-                              "sets: set it in one place")
-    return explicit if explicit is not None else LatestRules.build({**derived, **mapping})
-
-
-def _quantile_of(rule: ReplacementRule) -> float:
-    if rule.threshold is not None or rule.age_range is not None or rule.ratio is None:
-        raise ConfigError("decide='latest' replaces the bottom quantile of the members' latest reports: rule= may "
-                          f"hold only a ratio, got {rule}; use latest={{'cooldown': ...}} for a cap on replacements "
-                          "or decide='complete' for threshold and age rules")
-    if rule.ratio > 0.5:
-        raise ConfigError(f"rule.ratio={rule.ratio} with decide='latest': the bottom and top quantiles would overlap; "
-                          "give a ratio of at most 0.5")
-    return float(rule.ratio)
-
-
-def _max_donors_of(donor_rule: DonorRule) -> int | None:
-    if donor_rule.kind == "random":
-        raise ConfigError("donor_rule=DonorRule('random', ...) with decide='latest': donors are the members that lead "
-                          "the judged rank; use DonorRule('best_k', k) or decide='complete'")
-    return donor_rule.k if donor_rule.kind == "best_k" else None
 
 
 def _serve(link: CoordinatorLink, poll_interval: float) -> None:

@@ -62,15 +62,17 @@ class TrainerLink:
         self._up_lock = threading.Lock()  # rows go up from the main thread (METRIC) and this one
         self._acked = -1  # newest decision iteration combined and handed over
         self._reported: float = -1  # newest iteration reported up (BYE: infinity)
+        self.rounds: set[int] = set()  # rounds the coordinator resolved (decide="latest" with a lag)
         self.finished = False
 
     # ---- up rows (main thread and background thread) ------------------------------------------
     def isend_up(self, kind: int, iteration: int, metric: float = math.nan, fingerprint: int = 0, steps: int = -1,
-                 generation: int = 0) -> Any:
+                 generation: int = 0, objective: float = math.nan, hparams: Any = ()) -> Any:
         """Start sending one up row carrying the newest acknowledgement; the caller reaps the handle."""
         with self._up_lock:
             self._reported = max(self._reported, math.inf if kind == BYE else iteration)
-            return self._send_row(up_row(kind, iteration, metric, fingerprint, self._acked, steps, generation))
+            return self._send_row(up_row(kind, iteration, metric, fingerprint, self._acked, steps, generation,
+                                         objective, hparams))
 
     def _send_row(self, row: np.ndarray) -> Any:
         return isend(row, self.coordinator, self.tags.up, group=self.world, timeout=self.timeout)
@@ -140,6 +142,8 @@ class TrainerLink:
                               lost)
         elif kind == "decision":
             self._decision(message)
+        elif kind == "round":
+            self.rounds.add(int(message["iteration"]))
         else:
             raise PopmeshError(f"unknown message {kind!r} from the population coordinator: mixed popmesh versions?")
 
@@ -153,7 +157,7 @@ class TrainerLink:
         iterations = {ranks[g]: int(i) for g, i in enumerate(message.get("iterations") or ()) if i is not None}
         return Job(decision, ranks, metrics_by_rank(ranks, message["metrics"]), donors,
                    None if source is None else ranks[source], time.monotonic() + self.timeout,
-                   iterations=iterations), me
+                   iterations=iterations, hparams=message.get("hparams"), inherited=message.get("inherited")), me
 
     def _decision(self, message: dict[str, Any]) -> None:
         """The coordinator's decision: stream to its recipients as a donor, open the job as a replaced rank."""
@@ -186,6 +190,12 @@ class TrainerLink:
             raise type(e)(f"rank {self.me} was replaced at iteration {job.iteration} but donor(s) {job.missing()} "
                           f"sent nothing within {self.timeout:g} s: {e}", (donor,)) from e
         self._finish(self._inbox.stream(src, payload))  # it arrived just now
+
+    def round_resolved(self, iteration: int) -> bool:
+        """Whether round ``iteration`` is resolved for this rank: the coordinator's notice is here and a
+        replacement it decided for this rank has been combined (delivered). Read by the main thread."""
+        job = self._inbox.job
+        return self.finished or (iteration in self.rounds and (job is None or job.iteration != iteration))
 
     def waiting_for(self) -> str:
         """What this side still waits for, for timeout messages."""
