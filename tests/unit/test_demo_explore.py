@@ -152,3 +152,18 @@ def test_returns_png_marks_exploits_and_explores(tmp_path):
     # filled where the explore step moved the values; hollow where it kept them, on the curve (no metric_before)
     assert marks == [(2560, -320.0, "C1"), (4608, -500.0 + 40 * 8 + 20, "white")]
     assert [t.get_text() for t in ax.texts] == ["lr↑ ent↓"]
+
+
+def test_pb2_and_a_reference_agent_need_the_latest_decisions():
+    from popmesh.demo.config import DemoConfig
+
+    assert DemoConfig().library_explores and not DemoConfig(decide="complete").library_explores
+    with pytest.raises(ConfigError, match="--explore-method pb2"):
+        DemoConfig(explore_method="pb2", decide="complete")
+    with pytest.raises(ConfigError, match="--explore-method pb2"):
+        DemoConfig(explore_method="pb2", explore=())
+    with pytest.raises(ConfigError, match="--reference needs"):
+        DemoConfig(reference=True, ranks=2)
+    with pytest.raises(ConfigError, match="choose perturb"):
+        DemoConfig(explore_method="bayes")
+    assert DemoConfig(reference=True, explore_method="pb2").reference

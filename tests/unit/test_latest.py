@@ -327,3 +327,19 @@ def test_every_donor_leads_by_both_gaps_under_every_rule(rounds, interval, data)
         for d in v.donors:
             lead = v.objectives[d] - v.objectives[v.rank]
             assert lead > rules.absolute_gap and lead > rules.relative_gap * abs(v.objectives[d])
+
+
+def test_the_state_goes_through_json_for_a_checkpoint():
+    import json
+
+    from popmesh.population.decisions.latest import latest_from_json, latest_to_json
+
+    rules = LatestRules(relative_gap=0.0, absolute_gap=0.0, cooldown=2000)
+    v, state = judge(0, reports([0, 10], steps=1000), init_latest(2), rules)
+    assert v.replace
+    back = latest_from_json(json.loads(json.dumps(latest_to_json(state))), 2)
+    assert back.history == state.history and back.last_replaced == state.last_replaced and back.generations == (0, 0)
+    again, _ = judge(0, reports([0, 10], steps=2000), back, rules)
+    assert "cooldown" in again.reason, "the cap holds across a resume"
+    with pytest.raises(ConfigError, match="holds 2 members, this population has 3"):
+        latest_from_json(latest_to_json(state), 3)

@@ -141,6 +141,23 @@ def test_demo_on_acrobot_explores_the_entropy_coefficient_alone(tmp_path):
                                                          for line in explored), done.stdout[-3000:]
 
 
+def test_demo_with_pb2_and_a_reference_agent(tmp_path):
+    """--explore-method pb2 --reference: rank 0 is never replaced nor a donor, and the replaced agents
+    train at values within the declared ranges that PB2's model (or, before it has data, the
+    perturbation) picked from their donors'."""
+    cmd = [sys.executable, "-m", "popmesh", "demo", "--ranks", "3", "--steps", "10000", "--every", "1",
+           "--warmup", "0", "--explore-method", "pb2", "--reference", "--no-live", "--out", str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run = next(tmp_path.iterdir())
+    events = _rows(run, "events")
+    assert events, done.stdout[-3000:]
+    assert all(e["rank"] != 0 and 0 not in e["donors"] for e in events), events
+    for e in events:
+        assert 1e-5 <= e["lr"] <= 1e-1 * (1 + 1e-6) and 1e-4 <= e["ent_coef"] <= 1e-1 * (1 + 1e-6), e
+    assert "rank 0 (reference)" in done.stdout
+
+
 def _rows(run, name="history"):
     return [json.loads(line) for line in (run / f"{name}.jsonl").read_text().splitlines()]
 

@@ -473,9 +473,11 @@ def _finish(world: Any, config: DemoConfig, learner: PPOLearner, reporter: Repor
 
 def _print_summary(summary: dict[str, Any], times: Any, imbalance: Any, out: Any) -> None:
     print("\nagents at the end:")
+    reference = summary["config"].get("reference")
     for agent in summary["agents"]:
         ret = "—" if agent["mean_return"] is None else f"{agent['mean_return']:.1f}"
-        print(f"  rank {agent['rank']}: lr {agent['lr']:.1e}  ent_coef {agent['ent_coef']:.1e}  "
+        who = f"rank {agent['rank']}" + (" (reference)" if reference and agent["rank"] == 0 else "")
+        print(f"  {who}: lr {agent['lr']:.1e}  ent_coef {agent['ent_coef']:.1e}  "
               f"steps {agent['steps']:,}  return (last 20) {ret}")
     reached = summary["reached_target"]
     print(f"replacements: {summary['replacements']};  target: "

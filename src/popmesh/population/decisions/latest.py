@@ -39,7 +39,8 @@ from popmesh.population.decisions.combine import OptimizerPolicy, Strategy, aver
 from popmesh.population.decisions.decision import Decision, _summary
 from popmesh.population.decisions.selection import _is_real
 
-__all__ = ["Report", "LatestRules", "LatestState", "Verdict", "init_latest", "judge", "verdict_decision"]
+__all__ = ["Report", "LatestRules", "LatestState", "Verdict", "init_latest", "judge", "verdict_decision",
+           "latest_to_json", "latest_from_json"]
 
 _SLACK = 1e-9  # so that ceil(10 * 0.3) is 3, not 4
 
@@ -168,6 +169,24 @@ def init_latest(n: int) -> LatestState:
     if not _count(n) or n < 1:
         raise ConfigError(f"init_latest needs a positive number of members, got {n!r}")
     return LatestState(((),) * int(n), (0,) * int(n), (None,) * int(n))
+
+
+def latest_to_json(state: LatestState) -> dict[str, Any]:
+    """``state`` as JSON values, for a checkpoint: each member's entries and last replacement."""
+    return {"history": [[list(e) for e in entries] for entries in state.history],
+            "last_replaced": list(state.last_replaced)}
+
+
+def latest_from_json(data: Mapping[str, Any], n: int) -> LatestState:
+    """The state :func:`latest_to_json` wrote, for a population of ``n``; generations start at 0 (they
+    count replacements within one run of the policy). ConfigError for a checkpoint of another size."""
+    history, last = data.get("history"), data.get("last_replaced")
+    if not isinstance(history, list) or not isinstance(last, list) or not len(history) == len(last) == n:
+        size = len(history) if isinstance(history, list) else "?"
+        raise ConfigError(f"the latest rules' checkpoint holds {size} members, this population has {n}: resume "
+                          "a checkpoint of the same population")
+    entries = tuple(tuple((float(c), float(v)) for c, v in member) for member in history)
+    return LatestState(entries, (0,) * n, tuple(None if t is None else float(t) for t in last))
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,8 @@ from popmesh.population.decisions.latest import (
     Verdict,
     init_latest,
     judge,
+    latest_from_json,
+    latest_to_json,
     verdict_decision,
 )
 from popmesh.population.decisions.options import Explore, SelectiveOptions
@@ -231,10 +233,13 @@ class LatestDecider:
         return self.book.missing_acks()
 
     def state_dict(self) -> dict[str, Any]:
-        return {}  # the history refills from the next reports; generations start afresh with the policy
+        """Each member's recent entries and last replacement (cooldown, interval best and experience
+        matching go on after a resume); generations start afresh with the policy."""
+        return {"latest": latest_to_json(self.book.state)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        pass
+        if state.get("latest") is not None:
+            self.book.state = latest_from_json(state["latest"], self.book.n)
 
 
 class ReproducibleDecider(LatestDecider):

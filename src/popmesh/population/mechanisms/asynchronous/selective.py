@@ -253,7 +253,8 @@ class AsyncSelectiveAveraging(PopulationPolicy):
     def state_dict(self) -> dict[str, Any]:
         """What the coordinator's replacement rules remember, as JSON values (on the coordinator's rank;
         empty elsewhere): for a checkpoint. ``decide="complete"`` keeps its selection state (cooldowns,
-        ages); ``"latest"`` keeps nothing (its history refills from the next reports)."""
+        ages); ``"latest"`` each member's recent (experience, objective) entries and last replacement,
+        so that cooldowns, interval bests and experience matching go on after a resume."""
         runtime = self._slot["runtime"]
         if runtime is not None and runtime.coordinator is not None:
             return runtime.coordinator.decider.state_dict()
