@@ -167,3 +167,11 @@ def test_pb2_and_a_reference_agent_need_the_latest_decisions():
     with pytest.raises(ConfigError, match="choose perturb"):
         DemoConfig(explore_method="bayes")
     assert DemoConfig(reference=True, explore_method="pb2").reference
+
+
+def test_the_optimizer_start_of_a_replaced_agent_is_one_of_three():
+    from popmesh.demo.config import OPTIMIZER_STATES, DemoConfig
+
+    assert OPTIMIZER_STATES == ("reset", "keep", "copy") and DemoConfig().optimizer == "reset"
+    with pytest.raises(ConfigError, match="--optimizer 'adam'"):
+        DemoConfig(optimizer="adam")

@@ -9,7 +9,16 @@ import argparse
 import json
 import sys
 
-from popmesh.demo.config import ENVS, EXPLORABLE, POLICIES, STRATEGIES, DemoConfig, parse_explore, parse_range
+from popmesh.demo.config import (
+    ENVS,
+    EXPLORABLE,
+    OPTIMIZER_STATES,
+    POLICIES,
+    STRATEGIES,
+    DemoConfig,
+    parse_explore,
+    parse_range,
+)
 from popmesh.launch.cli import Command
 
 __all__ = ["COMMAND", "configure", "run_command", "shared_cores_note"]
@@ -32,6 +41,9 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "or wait for every rank's report of one iteration")
     p.add_argument("--strategy", choices=STRATEGIES, default=defaults.strategy,
                    help="how donors combine into a replaced agent (default mean)")
+    p.add_argument("--optimizer", choices=OPTIMIZER_STATES, default=defaults.optimizer,
+                   help="what a replaced agent's Adam state starts from: reset (a fresh Adam, default), keep (its "
+                        "own), copy (its best donor's, streamed with the weights)")
     p.add_argument("--donors", type=int, default=defaults.donors, help="best agents that donate (default 2)")
     p.add_argument("--warmup", type=int, default=defaults.warmup, help="iterations before the first decision")
     p.add_argument("--out", default=defaults.out_dir, help="where runs/<timestamp>/ goes (default ./runs)")
@@ -100,7 +112,7 @@ def run_command(ns: argparse.Namespace) -> int:
               file=sys.stderr)
     config = DemoConfig(ranks=ns.ranks, engine=ns.engine, policy=ns.policy, env=ns.env, seed=ns.seed, steps=ns.steps,
                         every=ns.every, strategy=ns.strategy, decide=ns.decide, explore_method=ns.explore_method,
-                        reference=ns.reference, donors=ns.donors, warmup=ns.warmup,
+                        reference=ns.reference, optimizer=ns.optimizer, donors=ns.donors, warmup=ns.warmup,
                         out_dir=ns.out,
                         live=not ns.no_live, stop_at_target=ns.stop_at_target,
                         checkpoint_every=ns.checkpoint_every,

@@ -14,11 +14,12 @@ from popmesh.demo.outputs import history_file
 from popmesh.population import Continuous, sample_hparams
 from popmesh.population import explore as pbt_explore
 
-__all__ = ["POLICIES", "STRATEGIES", "ENVS", "EXPLORABLE", "LR_RANGE", "ENT_RANGE", "DemoConfig", "declarations",
-           "explore_hyper", "initial_hyper", "parse_explore", "parse_range", "rank_hyper", "rank_seed"]
+__all__ = ["POLICIES", "STRATEGIES", "OPTIMIZER_STATES", "ENVS", "EXPLORABLE", "LR_RANGE", "ENT_RANGE", "DemoConfig",
+           "declarations", "explore_hyper", "initial_hyper", "parse_explore", "parse_range", "rank_hyper", "rank_seed"]
 
 POLICIES = ("none", "average-all", "selective", "async")
 STRATEGIES = ("mean", "weighted_mean", "best_only")
+OPTIMIZER_STATES = ("reset", "keep", "copy")  # what a replaced agent's optimizer starts from
 ENVS = {"CartPole-v1": 475.0, "Acrobot-v1": -100.0}  # each task's target: mean return over the last 20 episodes
 EXPLORABLE = EXPLORED  # what --explore may name: the hyper-parameters the model carries with its weights
 LR_RANGE = (1e-5, 1e-1)  # where each rank draws its learning rate (log-uniform); explore stays within it
@@ -41,6 +42,7 @@ class DemoConfig:
     decide: str = "latest"  # the async policy judges a rank against every member's latest report
     explore_method: str = "perturb"  # how the explore step moves values: Ray PBT's perturbation, or PB2's model
     reference: bool = False  # rank 0 trains as a reference agent: never replaced, compared or a donor
+    optimizer: str = "reset"  # a replaced agent's Adam state: a fresh one, its own kept, or its best donor's
     donors: int = 2
     warmup: int = 20
     out_dir: str = "runs"
@@ -89,6 +91,8 @@ class DemoConfig:
             raise ConfigError(f"--decide {self.decide!r}: choose latest (never wait) or complete (every rank's "
                               "report of one iteration)")
         self._check_latest_only()
+        if self.optimizer not in OPTIMIZER_STATES:
+            raise ConfigError(f"--optimizer {self.optimizer!r}: choose one of {', '.join(OPTIMIZER_STATES)}")
         if self.donors < 1 or self.warmup < 0:
             raise ConfigError("--donors must be at least 1 and --warmup not negative")
         if self.checkpoint_every < 0:

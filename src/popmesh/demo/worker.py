@@ -50,7 +50,8 @@ def make_policy(config: DemoConfig, learner: PPOLearner, channel: int = 0) -> An
     policy's tag set (the survivors of a lost rank run theirs on another, see ``_regroup``)."""
     selective: dict[str, Any] = dict(  # keyword options shared by both selective policies
         rule=ReplacementRule(ratio=config.ratio), donor_rule=DonorRule(kind="best_k", k=config.donors),
-        strategy=config.strategy, optimizer_builder=learner.make_optimizer, include_buffers=True, seed=config.seed)
+        strategy=config.strategy, optimizer_policy=config.optimizer, include_buffers=True, seed=config.seed,
+        optimizer_builder=learner.make_optimizer if config.optimizer == "reset" else None)
     if config.policy == "average-all":
         return AverageAll(config.every, include_buffers=True)
     if config.policy == "selective":
