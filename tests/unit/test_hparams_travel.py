@@ -109,3 +109,14 @@ def test_the_policy_refuses_what_only_the_latest_decisions_do():
     policy = AsyncSelectiveAveraging(10, decide="complete", explore=pb2_free)
     with pytest.raises(ConfigError, match="decide='latest' only"):
         policy(0, torch.nn.Linear(2, 2), None, 1.0, objective=2.0)
+
+
+def test_the_events_line_keeps_the_explored_values():
+    from popmesh.population.mechanisms.events import replacement_event
+
+    record = replacement_event("async_selective", 12, 10, 3, [0], [1.0], {0: 9.0, 3: 1.0}, "mean", "reset",
+                               hparams={"lr": [1e-3, 2.4e-2], "act": ["tanh", ("gelu", 1)]},
+                               inherited={"lr": 2e-2, "act": "relu"})
+    assert json.loads(json.dumps(record))["hparams"] == {"lr": [1e-3, 2.4e-2], "act": ["tanh", ["gelu", 1]]}
+    assert record["inherited"] == {"lr": 2e-2, "act": "relu"}
+    assert "hparams" not in replacement_event("selective", 1, 1, 0, [1], [1.0], {}, "mean", "reset")

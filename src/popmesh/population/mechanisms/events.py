@@ -60,9 +60,12 @@ class EventLog:
 def replacement_event(policy: str, iteration: int, decision_iteration: int | None, rank: int,
                       donors: Sequence[int], weights: Sequence[float], metrics: Mapping[int, float],
                       strategy: str | None, optimizer: str | None, reason: str = "",
-                      report_iterations: Mapping[int, int] | None = None) -> dict[str, Any]:
+                      report_iterations: Mapping[int, int] | None = None,
+                      hparams: Mapping[str, Any] | None = None,
+                      inherited: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The record of one replaced agent (global ranks; non-finite metrics as null); with
-    ``report_iterations``, each compared member's reported iteration when it was decided."""
+    ``report_iterations``, each compared member's reported iteration when it was decided; with
+    ``hparams`` (``{name: [old, new]}``) and ``inherited``, the explored values (JSON values)."""
     record = {
         "event": "replace", "policy": policy, "iteration": int(iteration),
         "decision_iteration": decision_iteration, "rank": int(rank), "donors": [int(d) for d in donors],
@@ -71,4 +74,17 @@ def replacement_event(policy: str, iteration: int, decision_iteration: int | Non
     }
     if report_iterations:
         record["report_iterations"] = {str(r): int(i) for r, i in sorted(report_iterations.items())}
+    if hparams:
+        record["hparams"] = {k: [_jsonable(v) for v in pair] for k, pair in hparams.items()}
+    if inherited:
+        record["inherited"] = {k: _jsonable(v) for k, v in inherited.items()}
     return record
+
+
+def _jsonable(value: Any) -> Any:
+    """A hyper-parameter value as JSON keeps it: numbers and strings as they are, the rest as text."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return json_number(value)
+    return list(value) if isinstance(value, tuple) else str(value)

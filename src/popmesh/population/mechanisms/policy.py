@@ -81,4 +81,5 @@ class PopulationPolicy(ABC):
         if self.events_path is not None:
             self._log(comm, replacement_event(self.name, info.iteration, info.decision_iteration, comm.rank,
                                               info.donors, info.weights, info.metrics, info.strategy,
-                                              info.optimizer, reason, info.report_iterations))
+                                              info.optimizer, reason, info.report_iterations, info.hparams,
+                                              info.inherited))
