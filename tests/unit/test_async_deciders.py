@@ -102,7 +102,8 @@ def test_latest_decider_sends_one_rank_its_plan_and_the_donors_whom_to_stream_to
     assert part.donors[0] == (1, 2) and part.copy_optimizer_from[0] == 1 and part.weights[0][0] > part.weights[0][1]
     assert mine["iterations"] == [40, 40, 40, 10] and mine["metrics"] == [1.0, 4.0, 3.0, 2.0]
     assert dispatch.messages[1]["recipients"] == [0] and "iterations" not in dispatch.messages[1]
-    assert decider.stalled(1e9, 1.0) is None and decider.state_dict()["latest"]["last_replaced"] == [40.0, None, None, None]
+    assert decider.stalled(1e9, 1.0) is None
+    assert decider.state_dict()["latest"]["last_replaced"] == [40.0, None, None, None]
 
 
 def test_complete_decider_waits_for_every_rank_as_before():
