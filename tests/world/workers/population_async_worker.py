@@ -254,6 +254,20 @@ def latest_hands_over_the_donors_hyper_parameters_explored(w):
 
 
 @check
+def a_rank_that_never_called_the_policy_still_shakes_hands_at_shutdown(w):
+    """A rank that stopped before its first decision point (the demo's --stop-at-target can do that)
+    calls only shutdown: nobody waits for its goodbye, whether it is a trainer or the coordinator."""
+    need_ranks(w, 2)
+    for silent in (w.size - 1, 0):
+        policy = AsyncSelectiveAveraging(every=10)
+        if w.rank != silent:
+            policy(0, make_agent(w.rank + 1), None, float(w.rank))
+        started = time.monotonic()
+        policy.shutdown(timeout=WAIT_S)
+        assert time.monotonic() - started < 10.0, f"shutdown took {time.monotonic() - started:.1f} s"
+
+
+@check
 def a_reference_agent_is_never_compared_or_a_donor(w):
     need_ranks(w, 3)
     model, _, info, _donor = latest_round(w, reference=0)

@@ -299,24 +299,39 @@ class AsyncSelectiveAveraging(PopulationPolicy):
         self._log_replacement(comm, info, pending.reason)
         return applied.optimizer
 
-    def shutdown(self, timeout: float | None = None) -> None:
+    def shutdown(self, timeout: float | None = None, group: Comm | None = None) -> None:
         """Stop the background thread after a handshake with the coordinator; idempotent.
 
-        Every training rank must call it (or exit, which calls it). Raises CommTimeout naming what
-        it still waited for after ``timeout`` seconds (default: the policy's, else the world's), and
-        any error the background thread met (PeerFailure for a dead peer).
+        Every training rank must call it (or exit, which calls it), also one that never called the
+        policy (it stopped before its first decision point): it then takes part in the handshake on
+        ``group`` (the group its calls would have used; default the world), so that nobody waits for
+        its goodbye. Raises CommTimeout naming what it still waited for after ``timeout`` seconds
+        (default: the policy's, else the world's), and any error the background thread met
+        (PeerFailure for a dead peer).
         """
         if self._closed:
             return
+        runtime = self._slot["runtime"] if self._slot["runtime"] is not None else self._late_runtime(group)
         self._closed = True
         self._finalizer.detach()
-        runtime = self._slot["runtime"]
         if runtime is None:
             return
         seconds = runtime.timeout if timeout is None else float(timeout)
         runtime.request_shutdown(seconds)
         runtime.join(seconds)
         surface(runtime.error)
+
+    def _late_runtime(self, group: Comm | None) -> Runtime | None:
+        """The runtime of a rank that never called the policy, for the shutdown handshake only: None
+        where there is nobody to shake hands with (no world, a group of one, this rank outside the
+        group, or a member already lost)."""
+        try:
+            comm = resolve_group(group)
+        except PopmeshError:  # no world was formed: nobody to shake hands with
+            return None
+        if comm.size < 2 or comm.world.rank not in comm.ranks or comm.world.failure(comm.ranks) is not None:
+            return None
+        return self._runtime(comm)
 
     def coordinate(self, group: Comm | None = None, timeout: float | None = None) -> int:
         """Run the coordinator for the training ``group`` on this dedicated rank until every training
