@@ -3,6 +3,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.popmesh-installed
+TORCHGFN := torchgfn==2.4.1
 
 .PHONY: demo lint test test-fast bench docs clean
 
@@ -11,7 +12,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# The CPU build of torch 2.13.0 lies on disk here; any other version downloads gigabytes.
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e ".[mpi,jax,demo,pb2,docs,dev,package]"
+	$(BIN)/python -m pip install --quiet -e ".[mpi,jax,demo,pb2,docs,dev,package,gfn]" torch==2.13.0
+	# torchgfn pins numpy<2, which popmesh (numpy 2) cannot honour, and runs on numpy 2: it goes in without its
+	# dependencies, which the gfn extra above brought (torch stays at 2.13.0).
+	$(BIN)/python -m pip install --quiet --no-deps $(TORCHGFN)
 	touch $(STAMP)
 
 # Every rank process imports popmesh: compile it once here, since an import writes no .pyc where

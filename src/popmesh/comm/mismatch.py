@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from popmesh.comm.agreement import device_advice
 from popmesh.comm.messages import GUARD_TAGS, INTERNAL_TAG_BASE, SendHandle, internal_tag, isend, recv
 from popmesh.comm.signature import rest_predicted
 from popmesh.core.errors import CollectiveMismatch, PopmeshError
@@ -84,16 +85,19 @@ def _next(call: Mismatched, unheard: set[int], deadline: float) -> tuple[int, tu
 
 def mismatch_error(what: str, per_rank: dict[int, str], *, overwritten: bool, later: int = 0,
                    since: int = 0) -> CollectiveMismatch:
-    """The error every rank raises. ``overwritten``: this rank's in-place payload ran; ``later``: calls
-    this rank started on the group after this one; ``since``: how many calls before this one the
-    group's previous mismatch was (0: none)."""
+    """The error every rank raises. ``per_rank``: each rank's description of its call (global rank:
+    text); where they name different device types (``float32[4]@cpu``, ``float32[4]@cuda:0``) the
+    message says how to put the tensors on one kind. ``overwritten``: this rank's in-place payload
+    ran; ``later``: calls this rank started on the group after this one; ``since``: how many calls
+    before this one the group's previous mismatch was (0: none)."""
     listing = "; ".join(f"rank {r}: {t}" for r, t in per_rank.items())
     kept = ("this rank's input was overwritten: its in-place call had reduced it before the mismatch was found"
             if overwritten else "no input was written")
-    text = (f"{what}: ranks called different collectives or passed different shapes or dtypes ({listing}); "
-            f"nothing was returned, and {kept}. Every rank of the group must call the same collective with the "
-            "same structure, shapes and dtypes. The group stays usable: this call counts as made on every rank, "
-            "so every rank goes on with the call after it (do not repeat or skip it on some ranks only).")
+    text = (f"{what}: ranks called different collectives or passed different shapes, dtypes or devices "
+            f"({listing}); nothing was returned, and {kept}. Every rank of the group must call the same collective "
+            "with the same structure, shapes and dtypes, on the same kind of device."
+            f"{device_advice(list(per_rank.values()))} The group stays usable: this call counts as made on every "
+            "rank, so every rank goes on with the call after it (do not repeat or skip it on some ranks only).")
     if later:
         text += (f" The {later} call(s) this rank started on the group after it are not affected: each is "
                  "checked on its own.")

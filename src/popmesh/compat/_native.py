@@ -8,7 +8,7 @@ from typing import Any
 
 from popmesh.comm.world import Comm, current_world
 
-__all__ = ["native_of", "comm_of"]
+__all__ = ["native_of", "comm_of", "remember", "forget"]
 
 _BY_ID: dict[int, tuple[Any, Comm]] = {}  # id(native) -> (native, its popmesh group); keeps both alive
 
@@ -20,6 +20,17 @@ def native_of(comm: Comm) -> Any:
         return comm
     _BY_ID[id(native)] = (native, comm)
     return native
+
+
+def remember(native: Any, comm: Comm) -> None:
+    """Take ``native`` (an engine object beside the world's own, such as an mpi4py communicator over
+    a torch group's ranks) back as ``comm`` from now on."""
+    _BY_ID[id(native)] = (native, comm)
+
+
+def forget(native: Any) -> None:
+    """Stop taking ``native`` back (it was freed)."""
+    _BY_ID.pop(id(native), None)
 
 
 def comm_of(group: Any) -> Comm | None:

@@ -3,25 +3,45 @@
 torchgfn's ``...mpi4pyGeneral``/``...mpi4pyFast`` expose every rank's parameters in MPI windows and
 let a dying rank read random donors' parameters without the donors taking part. Here each rank
 publishes one tear-free snapshot (its parameters and its latest metric) into the engine's
-:class:`~popmesh.engines.base.SnapshotWindow`; the decisions stay in the facade, as in torchgfn.
+:class:`~popmesh.engines.base.SnapshotWindow`, or, on a torch world that mpiexec started, into one on
+the world's MPI side (:mod:`popmesh.compat._mpi_side`); the decisions stay in the facade, as in torchgfn.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from popmesh.comm.collectives import all_gather, barrier
 from popmesh.comm.world import Comm
+from popmesh.compat._mpi_side import window_opener as side_window_opener
+from popmesh.compat._mpi_side import without_mpi
 from popmesh.core.errors import ConfigError
+from popmesh.engines.base import SnapshotWindow
+from popmesh.engines.mpi.devices import require_host
 from popmesh.population import SelectiveOptions, Strategy, averaging_weights, combine
 from popmesh.population.mechanisms.info import Clock
 from popmesh.population.state.model_state import layout_of, model_tensors, pack_bytes, refresh_, snapshot, unpack_bytes
 from popmesh.population.state.replace import apply_replacement
 
-__all__ = ["Exposure", "donor_weights", "replace_from"]
+__all__ = ["Exposure", "window_opener", "donor_weights", "replace_from"]
+
+
+def window_opener(comm: Comm) -> Callable[[int], SnapshotWindow]:
+    """How to open a snapshot window of ``nbytes`` per member over ``comm``: the engine's own (MPI), or
+    one on the MPI side of a torch world that mpiexec started; ConfigError saying how to launch
+    where neither exists."""
+    engine = comm.world.engine
+    if engine.one_sided:
+        return lambda nbytes: engine.snapshot_window(comm.handle, nbytes)
+    side = side_window_opener(comm)
+    if side is None:
+        raise ConfigError(without_mpi(comm.world, "the MPI one-sided spawn policies (AsyncSelectiveAveraging"
+                                      "Policympi4pyFast/General)")
+                          + "; or use AsyncSelectiveAveragingPolicy, which runs on every engine")
+    return side
 
 
 class Exposure:
@@ -29,16 +49,16 @@ class Exposure:
 
     Creating it is collective over ``comm`` (every member with a model of the same layout); it
     publishes the first snapshot and waits for every member to have done the same, so a read never
-    finds an empty window. Later :meth:`publish` and :meth:`read` calls are local.
+    finds an empty window. Later :meth:`publish` and :meth:`read` calls are local. A model on a
+    GPU is refused (ConfigError) before the window is made: MPICH from PyPI is not CUDA-aware.
     """
 
     def __init__(self, comm: Comm, model: Any, iteration: int, metric: float) -> None:
-        engine = comm.world.engine
-        if not engine.one_sided:
-            raise ConfigError(f"the MPI one-sided spawn policies need one-sided windows, which the mpi engine has; "
-                              f"this world runs on {engine.name!r}: launch under mpiexec (or popmesh launch "
-                              "--engine mpi), or use AsyncSelectiveAveragingPolicy, which runs on every engine")
+        open_window = window_opener(comm)
         tensors = model_tensors(model)
+        # MPI windows (the engine's or the MPI side's) hold host memory: a GPU model is refused before they are made
+        require_host(next(iter(tensors.values())), "the MPI one-sided spawn policies (on the torch engine: "
+                     "AsyncSelectiveAveragingPolicy)")
         self.flat = snapshot(tensors, layout_of(tensors))
         layout = self.flat.layout
         mine = np.array([layout.fingerprint(), layout.nbytes], dtype=np.int64)
@@ -48,7 +68,7 @@ class Exposure:
             raise ConfigError(f"the models' parameters differ across the group ([layout hash, bytes] {listing}); "
                               f"this rank has {layout.describe()}: every rank must build the same architecture")
         self.comm = comm
-        self.window = engine.snapshot_window(comm.handle, layout.nbytes)
+        self.window = open_window(layout.nbytes)
         self.staging = np.zeros(layout.nbytes, dtype=np.uint8)
         self.publish(model, iteration, metric)
         barrier(group=comm)

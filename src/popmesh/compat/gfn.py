@@ -35,18 +35,22 @@ Where popmesh deliberately behaves differently from torchgfn:
 * ``get_rank`` returns the rank within ``group`` (-1 for non-members, as torch did) on both backends.
 * ``report_time_info``/``report_load_imbalance`` tolerate ranks with fewer iterations (torchgfn
   raised IndexError) and log to ``logger``.
-* ``initialize_distributed_compute*`` build one :class:`~popmesh.Roles` (:func:`popmesh.assign_roles`); no
-  second mpi4py world is created, ``dc_mpi4py`` is a view of the same groups on an MPI world
-  (None on torch), ``dist_backend="ccl"`` is not supported, and ``cleanup()`` does not finalize MPI
-  behind other users' backs (torchgfn called ``MPI.Finalize``).
+* ``initialize_distributed_compute*`` build one :class:`~popmesh.Roles` (:func:`popmesh.assign_roles`).
+  ``dc_mpi4py`` is a view of the same groups on an MPI world; on a torch world that an MPI launcher
+  started, mpi4py communicators over the torch groups' ranks (:mod:`popmesh.compat._mpi_side`),
+  which the facades and the MPI spawn policies take back (``backend="mpi"`` too); elsewhere reading
+  it raises a ConfigError that says how to launch, not a None that fails later. Under an MPI
+  launcher ``"gloo"`` takes ``RANK``, ``WORLD_SIZE`` and the rendezvous from MPI (torchgfn took the
+  first two, and needed ``MASTER_ADDR``/``MASTER_PORT``). ``dist_backend="ccl"`` is not supported;
+  ``cleanup()`` does not finalize MPI behind other users' backs (torchgfn called ``MPI.Finalize``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass, field, fields
+from typing import Any, cast
 
 import torch
 
@@ -60,8 +64,18 @@ import popmesh.torch as _pt
 from popmesh.comm.world import Comm, World
 from popmesh.comm.world import current_world as _current_world
 from popmesh.comm.world import init as _init
+from popmesh.compat._mpi_side import (
+    SideField,
+    Unavailable,
+    fields_beside,
+    release,
+    side_of,
+    torch_env_under_mpi,
+    without_mpi,
+)
 from popmesh.compat._native import comm_of, native_of
 from popmesh.core.errors import ConfigError
+from popmesh.engines.mpi.beside import launched_by_mpi
 from popmesh.observe.reports import format_report
 from popmesh.observe.timing import report_imbalance as _report_imbalance
 from popmesh.observe.timing import report_timings as _report_timings
@@ -159,7 +173,8 @@ def _comm(backend: str, group: Any, what: str, *, strict: bool = True) -> Comm:
     engine = _engine(backend)
     comm = _group_of(group, what)
     running = comm.world.engine_name
-    if strict and running != engine and comm.world.size > 1:
+    beside = engine == "mpi" and side_of(comm.world) is not None  # a torch world with its mpi4py side
+    if strict and running != engine and comm.world.size > 1 and not beside:
         other = "torch" if running == "torch" else "mpi"
         raise ConfigError(f"{what}(backend={backend!r}) on a world running the {running} engine: pass "
                           f"backend={other!r}, or launch under {'mpiexec' if engine == 'mpi' else 'torchrun'}")
@@ -302,20 +317,31 @@ class DistributedContextMPI4Py(_roles.Roles):
     """Holds all distributed training/replay buffer groups and ranks (on an MPI world)."""
 
 
+_DC_MPI4PY = SideField("dc_mpi4py")
+
+
 @dataclass(eq=False)
 class DistributedContext(_roles.Roles):
     """Holds all distributed training/replay buffer groups and ranks."""
 
-    dc_mpi4py: DistributedContextMPI4Py | None = None
+    dc_mpi4py: DistributedContextMPI4Py | None = field(default=cast(Any, _DC_MPI4PY), repr=False)
 
     def get_train_group(self, backend: str = "mpi") -> Any:
-        """The training group (a torch ProcessGroup, or an MPI communicator on the MPI engine);
-        ``backend`` must name the world's engine."""
+        """The training group: ``"torch"`` the torch ProcessGroup, ``"mpi"`` the mpi4py communicator (the
+        MPI engine's, or the one beside the torch group under an MPI launcher)."""
+        side = _DC_MPI4PY.stored(self)
+        if _engine(backend) == "mpi" and self.world.engine_name == "torch" and isinstance(side, _roles.Roles):
+            return side.train_global_group
         _comm(backend, self.train_global_group, "get_train_group")
         return self.train_global_group
 
     def cleanup(self) -> None:
-        """Cleans up the distributed groups (the world stays up: finalize it with ``popmesh.finalize()``)."""
+        """Cleans up the distributed groups and frees the mpi4py communicators made beside torch ones
+        (the world and MPI stay up: finalize with ``popmesh.finalize()``)."""
+        side, mpi = side_of(self.world), _DC_MPI4PY.stored(self)
+        if side is not None and isinstance(mpi, DistributedContextMPI4Py) and not self._closed:
+            release(side, [*mpi.agent_groups, mpi.train_global_group, mpi.buffer_group])
+            mpi.cleanup()
         super().cleanup()
 
 
@@ -338,25 +364,37 @@ def initialize_distributed_compute(dist_backend: str, num_remote_buffers: int, n
     """
     if dist_backend not in _DIST_BACKENDS:
         raise ConfigError(f"dist_backend={dist_backend!r}: use 'gloo' (torch engine) or 'mpi' (MPI engine)")
+    if dist_backend == "gloo":
+        torch_env_under_mpi()
     world = _world(_DIST_BACKENDS[dist_backend], **_world_options(dist_backend))
     _comm(_DIST_BACKENDS[dist_backend], world, "initialize_distributed_compute")
     _check_buffer_backend(world, num_remote_buffers)
     ctx = _roles.assign_roles(world, num_buffers=num_remote_buffers, num_agent_groups=num_agent_groups,
                                 use_coordinator=use_coordinator)
-    view = DistributedContextMPI4Py(**_fields_of(ctx)) if world.engine_name == "mpi" else None
-    return DistributedContext(**_fields_of(ctx), dc_mpi4py=view)
+    if world.engine_name == "mpi":
+        mpi: Any = DistributedContextMPI4Py(**_fields_of(ctx))
+    elif launched_by_mpi():
+        mpi = DistributedContextMPI4Py(**fields_beside(ctx))
+    else:
+        mpi = None if world.size == 1 else Unavailable(
+            without_mpi(world, "dc_mpi4py (the mpi4py communicators)") + "; without MPI, use the torch groups "
+            "(ctx.train_global_group) and the torch spawn policies (AverageAllPolicy, AsyncSelectiveAveragingPolicy)")
+    return DistributedContext(**_fields_of(ctx), dc_mpi4py=mpi)
 
 
 def initialize_distributed_compute_mpi4py(num_remote_buffers: int, num_agent_groups: int,
                                           num_coordinators: int = 0) -> DistributedContextMPI4Py:
-    """Initializes distributed compute on the MPI engine (no torch process group needed).
+    """Initializes distributed compute on the MPI engine (no torch process group needed); on a torch
+    world that an MPI launcher started, the mpi4py communicators beside its torch groups.
 
     ``num_coordinators`` is 0 or 1 (the last rank). Collective over the world.
     """
     if num_coordinators not in (0, 1):
         raise ConfigError(f"num_coordinators={num_coordinators}: use 0 or 1")
     world = _world("mpi")
-    _comm("mpi", world, "initialize_distributed_compute_mpi4py")
+    beside = world.engine_name == "torch" and launched_by_mpi()
+    if world.engine_name == "torch" and world.size > 1 and not beside:
+        raise ConfigError(without_mpi(world, "initialize_distributed_compute_mpi4py"))
     ctx = _roles.assign_roles(world, num_buffers=num_remote_buffers, num_agent_groups=num_agent_groups,
                                 use_coordinator=bool(num_coordinators))
-    return DistributedContextMPI4Py(**_fields_of(ctx))
+    return DistributedContextMPI4Py(**(fields_beside(ctx) if beside else _fields_of(ctx)))

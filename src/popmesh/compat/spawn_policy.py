@@ -10,7 +10,8 @@ world", started on first use under a launcher (importing this module starts noth
 ``...mpi4pyFast``/``General`` decide as torchgfn does (per-rank ages and lifetimes from Python's
 ``random``, the metric threshold, a blocking gather of metrics every ``average_every`` iterations
 for ``worst_ratio``; ``max(1, int(n * 0.5))`` random donors among the other ranks) and move the
-weights through popmesh's snapshot windows (the MPI engine only).
+weights through popmesh's snapshot windows: the MPI engine's, or those of a torch world's mpi4py side
+under mpiexec (``ctx.dc_mpi4py``); without MPI the constructor's ConfigError says how to launch.
 
 Where popmesh deliberately behaves differently from torchgfn (its bugs fixed; docs/migrating.md):
 
@@ -47,8 +48,9 @@ import numpy as np
 
 from popmesh.comm.collectives import all_gather
 from popmesh.comm.world import Comm, current_world, init, resolve_group
+from popmesh.compat._mpi_side import side_comm
 from popmesh.compat._native import comm_of, native_of
-from popmesh.compat._windows import Exposure, replace_from
+from popmesh.compat._windows import Exposure, replace_from, window_opener
 from popmesh.core.errors import ConfigError
 from popmesh.population import (
     AsyncSelectiveAveraging,
@@ -224,7 +226,9 @@ class _OneSided(SpawnPolicy):
             raise ConfigError(f"Unknown replacement_mode: {replacement_mode}. Expected one of: age, threshold, "
                               "worst_ratio.")
         self._comm = resolve_group(_group(group))
-        self.train_comm_group = native_of(self._comm)
+        if self._comm.size > 1:
+            window_opener(self._comm)  # no MPI windows here: the ConfigError that says how to launch, now
+        self.train_comm_group = side_comm(self._comm) or native_of(self._comm)
         self.myrank, self.comm_size = self._comm.group_rank, self._comm.size
         self.threshold_metric, self.replacement_ratio = float(threshold_metric), float(replacement_ratio)
         self.averaging_strategy, self.momentum = str(averaging_strategy), float(momentum)

@@ -8,6 +8,7 @@ from typing import Any
 
 from popmesh.core.errors import ConfigError, EngineUnavailable
 from popmesh.core.launch_env import launcher_world_size, read_torch_env
+from popmesh.engines import failing
 from popmesh.engines.base import Engine, GroupSpec
 
 __all__ = ["Engine", "GroupSpec", "create_engine", "available_engines", "mpi_module", "mpi_library_version",
@@ -22,7 +23,15 @@ def available_engines() -> list[str]:
 
 
 def create_engine(name: str, timeout: float, **options: Any) -> Engine:
-    """Start the named engine (``local``, ``torch`` or ``mpi``) from the environment."""
+    """Start the named engine (``local``, ``torch`` or ``mpi``) from the environment. In a world of two
+    or more, an uncaught exception then takes the world down (:mod:`popmesh.engines.failing`)."""
+    engine = _start(name, timeout, **options)
+    if engine.size > 1:
+        failing.install()
+    return engine
+
+
+def _start(name: str, timeout: float, **options: Any) -> Engine:
     if name == "local":
         from popmesh.engines.local import LocalEngine
 

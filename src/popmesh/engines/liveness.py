@@ -17,6 +17,11 @@ nearest live rank), so survivors that go on without a lost rank (``world.survivo
 a second loss among them. ``POPMESH_HEARTBEAT_TIMEOUT`` sets the timeout (0 turns heartbeats off, for example
 while a debugger holds a rank).
 
+A rank that dies of an uncaught exception does not wait to be found: it sends every peer a *failing*
+note with its error (:mod:`popmesh.engines.failing`), and each peer hands the failure to its engine
+at once and is taken down with it (:func:`~popmesh.engines.failing.take_down`) unless it ends by
+itself within :data:`TAKE_DOWN_S` seconds (or the heartbeat's timeout, if shorter).
+
 The watch itself (:class:`RingWatch`) is pure: it is fed arrivals and the clock.
 """
 
@@ -32,17 +37,22 @@ import numpy as np
 
 from popmesh.core.errors import ConfigError, PeerClosed, PeerFailure, PopmeshError
 from popmesh.core.launch_env import read_number
+from popmesh.engines import failing
 from popmesh.engines.p2p_base import HEARTBEAT_TAG
 
 __all__ = [
-    "HEARTBEAT_TAG", "DEFAULT_TIMEOUT_S", "RingWatch", "Heartbeat", "start_heartbeat", "heartbeat_timeout",
-    "beat_interval",
-    "encode_note", "decode_note",
+    "HEARTBEAT_TAG", "DEFAULT_TIMEOUT_S", "TAKE_DOWN_S", "RingWatch", "Heartbeat", "start_heartbeat",
+    "heartbeat_timeout", "beat_interval",
+    "encode_note", "decode_note", "failing_note", "note_text",
 ]
 
 DEFAULT_TIMEOUT_S = 20.0
-BEAT, BYE, NOTICE = 1, 2, 3
+TAKE_DOWN_S = 5.0  # how long a peer of a failing rank may take to end by itself
+ANNOUNCE_S = 2.0  # how long a failing rank waits for its failing notes to leave
+BEAT, BYE, NOTICE, FAILING = 1, 2, 3, 4
 _MAGIC = 0x504D4842  # "PMHB"
+_HEADER_NBYTES = 40
+_TEXT_NBYTES = 512
 
 
 def heartbeat_timeout() -> float:
@@ -60,15 +70,29 @@ def encode_note(kind: int, rank: int, about: int = -1, silent_s: float = 0.0) ->
     return np.array([_MAGIC, kind, rank, about, round(silent_s * 1000)], dtype=np.int64)
 
 
+def failing_note(rank: int, text: str) -> np.ndarray:
+    """The note of rank ``rank`` failing with ``text`` (its error): a header, then the text in UTF-8."""
+    body = text.encode("utf-8", errors="replace")[:_TEXT_NBYTES]
+    return np.concatenate([encode_note(FAILING, rank, rank).view(np.uint8), np.frombuffer(body, dtype=np.uint8)])
+
+
 def decode_note(frame: Any) -> tuple[int, int, int, float]:
-    """``(kind, sender, about, silent seconds)``; ConfigError for anything else."""
-    raw = np.asarray(frame, dtype=np.uint8)
-    if raw.size != 40:
+    """``(kind, sender, about, silent seconds)``; ConfigError for anything else. Only a failing note
+    carries more than the header (its text: :func:`note_text`)."""
+    raw = np.asarray(frame, dtype=np.uint8).reshape(-1)
+    if raw.size < _HEADER_NBYTES:
         raise ConfigError(f"not a heartbeat message ({raw.size} bytes): another program uses popmesh's tag")
-    note = raw.view(np.int64)
-    if int(note[0]) != _MAGIC or int(note[1]) not in (BEAT, BYE, NOTICE):
+    note = raw[:_HEADER_NBYTES].view(np.int64)
+    kind = int(note[1])
+    if int(note[0]) != _MAGIC or kind not in (BEAT, BYE, NOTICE, FAILING) or (
+            raw.size > _HEADER_NBYTES and kind != FAILING):
         raise ConfigError("not a heartbeat message: another program uses popmesh's tag")
-    return int(note[1]), int(note[2]), int(note[3]), int(note[4]) / 1000
+    return kind, int(note[2]), int(note[3]), int(note[4]) / 1000
+
+
+def note_text(frame: Any) -> str:
+    """The error text of a failing note ("" for the other kinds)."""
+    return np.asarray(frame, dtype=np.uint8).reshape(-1)[_HEADER_NBYTES:].tobytes().decode("utf-8", errors="replace")
 
 
 @dataclass
@@ -168,9 +192,30 @@ class Heartbeat:
         self._errors: dict[int, PeerFailure] = dict(known or {})
         self.watch.failed.update({rank: str(error) for rank, error in self._errors.items()})
         self._thread = threading.Thread(target=self._run, name="popmesh-heartbeat", daemon=True)
+        self._unregister: Callable[[], None] | None = None
+
+    @property
+    def rank(self) -> int:
+        """This rank."""
+        return self.watch.rank
 
     def start(self) -> None:
         self._thread.start()
+        self._unregister = failing.register(self)  # an uncaught exception here is announced to the peers
+
+    def announce_failing(self, text: str) -> None:
+        """Tell every peer not known failed that this rank fails (an uncaught exception, ``text``): each
+        is taken down with it. Waits up to :data:`ANNOUNCE_S` for the notes to leave."""
+        note = failing_note(self.watch.rank, text)
+        sent = [self._send(other, note) for other in range(self.p2p.size)
+                if other != self.watch.rank and other not in self.watch.failed]
+        deadline = time.monotonic() + ANNOUNCE_S
+        for handle in sent:
+            try:
+                if handle is not None:
+                    handle.wait(max(0.0, deadline - time.monotonic()))
+            except (PopmeshError, ConfigError, RuntimeError):
+                pass  # that peer is gone or slow: the others still hear
 
     def failure(self, ranks: Any = None) -> PeerFailure | None:
         """The failure of one of ``ranks`` (None: any rank) found so far, or None."""
@@ -195,6 +240,8 @@ class Heartbeat:
         if self._stop.is_set():
             return
         self._stop.set()
+        if self._unregister is not None:
+            self._unregister()
         if self._thread.ident is not None:
             self._thread.join(max(1.0, 3 * self.interval))
         self._send(self.watch.successor, encode_note(BYE, self.watch.rank))
@@ -248,9 +295,16 @@ class Heartbeat:
                 self.watch.beat_from(sender, time.monotonic())
             elif kind == BYE:
                 self.watch.bye_from(sender)
+            elif kind == FAILING:
+                self._failing(sender, note_text(frame))
             elif about != self.watch.rank:
                 self._failed(about, f"{silence_text(about, silent, self.timeout)} (found by rank {sender})")
         return None
+
+    def _failing(self, rank: int, text: str) -> None:
+        """``rank`` fails with ``text``: its waits end now, and this process is taken down with it."""
+        self._failed(rank, f"rank {rank} failed: {text} (an uncaught exception)")
+        failing.take_down(self.watch.rank, rank, text, min(self.timeout, TAKE_DOWN_S))
 
     def _found(self, rank: int, why: str, silent: float) -> None:
         """This rank found ``rank`` failed: tell every other rank, then act on it."""
@@ -269,8 +323,8 @@ class Heartbeat:
             self._errors[rank] = error
         self._on_failure(rank, error)
 
-    def _send(self, dst: int, note: np.ndarray) -> None:
+    def _send(self, dst: int, note: np.ndarray) -> Any:
         try:
-            self.p2p.isend(note, dst, HEARTBEAT_TAG)
+            return self.p2p.isend(note, dst, HEARTBEAT_TAG)
         except (PopmeshError, ConfigError, RuntimeError):
-            pass  # a rank that left or failed gets no more notes; its loss is found on its own
+            return None  # a rank that left or failed gets no more notes; its loss is found on its own

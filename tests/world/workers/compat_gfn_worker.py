@@ -226,7 +226,12 @@ def contexts_have_the_documented_attributes(w):
         assert raises_config_error(ctx.get_train_group, other)
     else:  # a world of one takes either name (see above)
         assert ctx.get_train_group(other) is ctx.train_global_group
-    assert (ctx.dc_mpi4py is not None) is (own == "mpi")
+    if own == "mpi":
+        assert isinstance(ctx.dc_mpi4py, gfn.DistributedContextMPI4Py)
+    elif n == 1:
+        assert ctx.dc_mpi4py is None  # a single-process context, as torchgfn's
+    else:  # no MPI launcher started this job: asking for mpi4py communicators says how to launch
+        assert "mpiexec -n" in raises_config_error(lambda: ctx.dc_mpi4py)
     ctx.cleanup()
     gfn.barrier(backend=own)  # cleanup left the world up
     if n > 1:

@@ -254,18 +254,18 @@ def one_sided_engine(w):
     """True on the MPI engine; elsewhere check what the one-sided policies do there and return False."""
     if w.engine_name == "mpi":
         return True
-    policy = sp.AsyncSelectiveAveragingPolicympi4pyFast(builder, model_of(1.0), 1, replacement_mode="worst_ratio")
     if w.size == 1:  # a world of one is the identity on every engine: nothing to read, nobody replaced
+        policy = sp.AsyncSelectiveAveragingPolicympi4pyFast(builder, model_of(1.0), 1, replacement_mode="worst_ratio")
         model = model_of(1.0)
         out, _, info = policy(0, model, None, METRIC[w.rank])
         assert out is model and info["is_replaced"] is False and weights(model) == [1.0]
         return False
-    try:
-        policy(0, model_of(1.0), None, METRIC[w.rank])
+    try:  # a torch world that no MPI launcher started: the constructor says how to launch
+        sp.AsyncSelectiveAveragingPolicympi4pyFast(builder, model_of(1.0), 1, replacement_mode="worst_ratio")
     except ConfigError as e:
-        assert "mpi" in str(e)
+        assert "mpiexec -n" in str(e) and "AsyncSelectiveAveragingPolicy" in str(e), str(e)
     else:
-        raise AssertionError("a one-sided policy ran on the torch engine")
+        raise AssertionError("a one-sided policy was made on a torch world without MPI")
     return False
 
 

@@ -3,7 +3,9 @@
 Every collective is issued non-blocking (``Iallreduce``…) and polled, so a rank that never arrives
 becomes a :class:`~popmesh.core.errors.CommTimeout` instead of a hang. Data-movement collectives move raw
 bytes, so every dtype works (bfloat16 included); reductions of float16/bfloat16 run in float32 and
-are cast back, since MPI has no half-precision reduction.
+are cast back, since MPI has no half-precision reduction. Buffers live in host memory: a CUDA tensor
+is refused with a :class:`~popmesh.core.errors.ConfigError` that names the torch engine
+(:mod:`popmesh.engines.mpi.devices`), never copied through the host behind the caller's back.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from popmesh.core.ops import ReduceOp
 from popmesh.engines.base import GroupSpec, SnapshotWindow, Tuning, poll_until, timeout_message
 from popmesh.engines.interop import numpy_bytes, torch_bytes
 from popmesh.engines.liveness import start_heartbeat
+from popmesh.engines.mpi.devices import require_host
 from popmesh.engines.mpi.shared_reduce import SHARED_FROM_BYTES, SharedArrays
 
 _NO_REFORM = (
@@ -172,7 +175,7 @@ class MpiEngine:
             else:
                 self._mpi_all_reduce_(buf, op, group, timeout)
             return
-        arr, finish = self._reducible(buf)
+        arr, finish = self._reducible(buf, "all_reduce")
         shared = self._in_window(group, arr)
         if shared is not None:
             shared.all_reduce_(arr, op, timeout)
@@ -187,7 +190,7 @@ class MpiEngine:
             np.divide(arr, group.comm.Get_size(), out=arr)
 
     def all_reduce_start(self, buf: Any, op: ReduceOp, group: _Handle) -> _MpiPending | _LazyShared:
-        arr, finish = self._reducible(buf)
+        arr, finish = self._reducible(buf, "all_reduce_async")
         if self._in_window(group, arr) is not None:
             # MPI would progress it only inside its wait anyway (no progress thread): it runs there,
             # in start order, so that its path is chosen with the other members (shared_reduce).
@@ -215,34 +218,33 @@ class MpiEngine:
     def all_gather(self, buf: Any, group: _Handle, timeout: float) -> Any:
         if group.lazy:
             self._flush(group, timeout)
-        staged, _ = _stage(buf)
-        out = _empty_like_stacked(staged, group.comm.Get_size())
-        req = group.comm.Iallgather(_raw(staged), _raw(out))
+        require_host(buf, "all_gather")
+        out = _empty_like_stacked(buf, group.comm.Get_size())
+        req = group.comm.Iallgather(_raw(buf), _raw(out))
         self._wait(req, group, timeout, "all_gather")
-        return _to_device(out, buf)
+        return out
 
     def broadcast_(self, buf: Any, root: int, group: _Handle, timeout: float) -> None:
         if group.lazy:
             self._flush(group, timeout)
-        staged, finish = _stage(buf)
-        req = group.comm.Ibcast(_raw(staged), root=root)
+        require_host(buf, "broadcast")
+        req = group.comm.Ibcast(_raw(buf), root=root)
         self._wait(req, group, timeout, "broadcast")
-        finish(staged)
 
     def gather(self, buf: Any, root: int, group: _Handle, timeout: float) -> Any:
         if group.lazy:
             self._flush(group, timeout)
-        staged, _ = _stage(buf)
+        require_host(buf, "gather")
         is_root = group.comm.Get_rank() == root
-        out = _empty_like_stacked(staged, group.comm.Get_size()) if is_root else None
-        req = group.comm.Igather(_raw(staged), _raw(out) if out is not None else None, root=root)
+        out = _empty_like_stacked(buf, group.comm.Get_size()) if is_root else None
+        req = group.comm.Igather(_raw(buf), _raw(out) if out is not None else None, root=root)
         self._wait(req, group, timeout, "gather")
-        return _to_device(out, buf) if out is not None else None
+        return out
 
     def reduce_scatter(self, buf: Any, op: ReduceOp, group: _Handle, timeout: float) -> Any:
         if group.lazy:
             self._flush(group, timeout)
-        arr, _ = self._reducible(buf)
+        arr, _ = self._reducible(buf, "reduce_scatter")
         n = group.comm.Get_size()
         out = np.empty((arr.shape[0] // n,) + arr.shape[1:], dtype=arr.dtype)
         req = group.comm.Ireduce_scatter_block(arr, out, op=self._op(op))
@@ -261,8 +263,13 @@ class MpiEngine:
         """The MPI communicator of ``group`` (``MPI.COMM_NULL`` where this rank is no member)."""
         return self._mpi.COMM_NULL if group is None else group.comm
 
+    require_host = staticmethod(require_host)
+    """``require_host(value, what)``: ConfigError where ``value`` is a tensor MPI cannot move (on a
+    GPU). Asked by the mechanisms that expose a model in :meth:`snapshot_window`'s host memory."""
+
     def snapshot_window(self, group: _Handle, nbytes: int) -> SnapshotWindow:
-        """An MPI-3 window of ``nbytes`` per member (collective over ``group``)."""
+        """An MPI-3 window of ``nbytes`` per member (collective over ``group``): host memory, so a
+        model on a GPU is refused before it is exposed (:attr:`require_host`)."""
         from popmesh.engines.mpi.window import MpiSnapshotWindow
 
         return MpiSnapshotWindow(self._mpi, group, nbytes)
@@ -315,16 +322,15 @@ class MpiEngine:
     def _op(self, op: ReduceOp) -> Any:
         return self._ops[op]
 
-    def _reducible(self, buf: Any) -> tuple[np.ndarray, Callable[[np.ndarray], None]]:
-        """A numpy array MPI can reduce, and how to write the result back into ``buf``."""
+    def _reducible(self, buf: Any, what: str) -> tuple[np.ndarray, Callable[[np.ndarray], None]]:
+        """A numpy array MPI can reduce, and how to write the result back into ``buf`` (``what``: the
+        call, named where ``buf`` is refused for living on a GPU)."""
         if type(buf) is np.ndarray and buf.dtype.itemsize != 2:
             return buf, _noop  # the common case, decided without numpy's slow dtype.name (the guard's words)
         if is_torch(buf):
+            require_host(buf, what)
             if buf.dtype.is_floating_point and buf.element_size() == 2:
-                return buf.detach().float().cpu().numpy(), lambda a: buf.copy_(_torch_from(a, buf))
-            if buf.is_cuda:
-                host = buf.cpu()
-                return host.numpy(), lambda a: buf.copy_(host)
+                return buf.detach().float().numpy(), lambda a: buf.copy_(_torch_from(a, buf))
             return buf.numpy(), _noop
         if buf.dtype == np.float16 or buf.dtype.name == "bfloat16":
             wide = buf.astype(np.float32)
@@ -436,23 +442,12 @@ def _raw(buf: Any) -> np.ndarray:
     return torch_bytes(buf) if is_torch(buf) else numpy_bytes(buf)
 
 
-def _stage(buf: Any) -> tuple[Any, Callable[[Any], None]]:
-    if is_torch(buf) and buf.is_cuda:
-        host = buf.cpu()
-        return host, lambda h: buf.copy_(h)
-    return buf, _noop
-
-
 def _empty_like_stacked(buf: Any, n: int) -> Any:
     if is_torch(buf):
         import torch
 
         return torch.empty((n,) + tuple(buf.shape), dtype=buf.dtype)
     return np.empty((n,) + buf.shape, dtype=buf.dtype)
-
-
-def _to_device(out: Any, like: Any) -> Any:
-    return out.to(like.device) if is_torch(like) and like.is_cuda else out
 
 
 def _torch_from(a: np.ndarray, like: Any) -> Any:

@@ -30,6 +30,7 @@ import numpy as np
 
 from popmesh.core.errors import CommTimeout, ConfigError, PeerFailure
 from popmesh.engines.base import Snapshot
+from popmesh.engines.mpi.devices import require_host
 
 __all__ = ["MpiSnapshotWindow"]
 
@@ -76,8 +77,10 @@ class MpiSnapshotWindow:
         return _GLOBAL + slot * self._slot_bytes
 
     def publish(self, payload: np.ndarray, iteration: int, metric: float) -> None:
-        """Make ``payload`` (``nbytes`` uint8) this rank's latest snapshot. Local: no peer takes part."""
+        """Make ``payload`` (``nbytes`` uint8, in host memory: a CUDA tensor is refused) this rank's
+        latest snapshot. Local: no peer takes part."""
         self._check_open()
+        require_host(payload, "a one-sided window's publish")
         data = np.asarray(payload).reshape(-1).view(np.uint8)
         if data.size != self.nbytes:
             raise ConfigError(f"publish got {data.size} bytes for a window of {self.nbytes}")

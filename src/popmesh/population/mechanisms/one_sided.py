@@ -88,6 +88,10 @@ class OneSidedAveraging(PopulationPolicy):
     over ``group`` and checks that every model has the same layout); later calls are local, and
     ranks may reach them at any time. :meth:`close` is collective. With ``optimizer_policy='copy'``
     the first call must come after the optimizer's first step (its state must exist).
+
+    The windows hold host memory and the MPI engine is not CUDA-aware: a model on a GPU raises
+    ConfigError at every call, before anything is exposed (the engine's ``require_host``); keep
+    the model on the CPU, or use AsyncSelectiveAveraging on the torch engine.
     """
 
     name = "one_sided"
@@ -129,6 +133,10 @@ class OneSidedAveraging(PopulationPolicy):
         comm.require_member("OneSidedAveraging")
         metric = check_metric(local_metric, iteration)
         tensors = model_tensors(model, self.options.include_buffers)
+        require_host = getattr(comm.world.engine, "require_host", None)  # windows of host memory (MPI)
+        if require_host is not None:  # a model on a GPU is refused here, before any collective
+            require_host(next(iter(tensors.values())),
+                         "OneSidedAveraging (on the torch engine: AsyncSelectiveAveraging)")
         exposure = self._exposure(comm, tensors, optimizer)
         exposure.publish(tensors, optimizer, iteration, metric)
         return exposure, metric

@@ -7,6 +7,14 @@ architecture have the same Layout and the same :meth:`Layout.fingerprint`, which
 compare before exchanging anything. Optimizer state (Adam moments, step counts) travels as a flat
 dict of named tensors (:func:`optimizer_tensors` / :func:`load_optimizer_tensors_`).
 
+Devices: :func:`snapshot`, :func:`refresh_` and :func:`load_` stay on the model's device (one
+``torch.cat`` per dtype there, and one copy per dtype where a snapshot comes from another device),
+so a model on a GPU whose engine reduces on the device (nccl) never touches host memory. Where host
+copies are needed (:func:`to_numpy`, :func:`optimizer_tensors`, and :func:`from_numpy` onto a GPU),
+a CUDA model's tensors go through pinned host memory by non-blocking copies with one
+synchronisation for all of them, never a blocking round trip per tensor. These CUDA paths are
+untested on GPU; CPU tensors take the plain path, without pinned memory or extra copies.
+
 torch is imported only when a function that needs it runs.
 """
 
@@ -170,7 +178,8 @@ def _layout(specs: tuple[tuple[str, str, tuple[int, ...]], ...]) -> Layout:
 
 
 def snapshot(tensors: Mapping[str, Any], layout: Layout | None = None) -> FlatState:
-    """A consistent copy of ``tensors``, one contiguous buffer per dtype, on their device."""
+    """A consistent copy of ``tensors``, one contiguous buffer per dtype, on their device (a GPU
+    model's snapshot stays on the GPU: no host copy; untested on GPU)."""
     torch = _torch()
     layout = layout_of(tensors) if layout is None else layout
     device = next(iter(tensors.values())).device
@@ -198,12 +207,21 @@ def refresh_(flat: FlatState, tensors: Mapping[str, Any]) -> FlatState:
 
 
 def load_(tensors: Mapping[str, Any], flat: FlatState) -> None:
-    """Write ``flat`` into ``tensors`` in place (values are cast to each tensor's dtype and device)."""
+    """Write ``flat`` into ``tensors`` in place (values are cast to each tensor's dtype and device).
+
+    A buffer on another device than its tensors moves there in one copy per dtype (non-blocking onto
+    a GPU), then is written tensor by tensor on that device: never one host round trip per tensor.
+    Buffers already on the tensors' device (the CPU path, a GPU snapshot) are written as they are.
+    Cross-device loads are untested on GPU."""
     torch = _torch()
     _check_same(flat.layout, tensors)
     with torch.no_grad():
         for dt, names in flat.layout.names_by_dtype.items():
-            copy_back(flat.buffers[dt], [tensors[n] for n in names])
+            targets = [tensors[n] for n in names]
+            source = flat.buffers[dt]
+            if source.device != targets[0].device:
+                source = source.to(targets[0].device, non_blocking=targets[0].is_cuda)
+            copy_back(source, targets)
 
 
 def tensors_of(flat: FlatState) -> dict[str, Any]:
@@ -212,24 +230,53 @@ def tensors_of(flat: FlatState) -> dict[str, Any]:
 
 
 def to_numpy(flat: FlatState) -> dict[str, np.ndarray]:
-    """CPU numpy copies of the buffers; bfloat16 (which numpy lacks) becomes float32."""
+    """CPU numpy copies of the buffers; bfloat16 (which numpy lacks) becomes float32.
+
+    Buffers on a GPU are copied into pinned host memory, each dtype's flat buffer by one
+    non-blocking copy, with one synchronisation for all of them (untested on GPU)."""
     torch = _torch()
+    buffers = flat.buffers
+    if buffers and next(iter(buffers.values())).is_cuda:
+        hosts = _pinned_copies(list(buffers.values()))
+        return {dt: (h.to(torch.float32) if dt == "bfloat16" else h).numpy() for dt, h in zip(buffers, hosts)}
     out = {}
-    for dt, buf in flat.buffers.items():
+    for dt, buf in buffers.items():
         host = buf.detach().to("cpu")
         out[dt] = (host.to(torch.float32) if dt == "bfloat16" else host).numpy().copy()
     return out
 
 
-def from_numpy(layout: Layout, arrays: Mapping[str, np.ndarray], device: Any = "cpu") -> FlatState:
-    """A FlatState of ``layout`` from per-dtype numpy arrays (cast to each dtype of the layout)."""
+def _pinned_copies(tensors: Sequence[Any]) -> list[Any]:
+    """Host copies of CUDA ``tensors`` in pinned memory: one non-blocking copy each, then one
+    synchronisation of the streams that carry them (untested on GPU)."""
     torch = _torch()
+    hosts = [torch.empty(tuple(t.shape), dtype=t.dtype, pin_memory=True) for t in tensors]
+    for host, t in zip(hosts, tensors):
+        host.copy_(t.detach(), non_blocking=True)
+    for device in {t.device for t in tensors}:
+        torch.cuda.current_stream(device).synchronize()
+    return hosts
+
+
+def from_numpy(layout: Layout, arrays: Mapping[str, np.ndarray], device: Any = "cpu") -> FlatState:
+    """A FlatState of ``layout`` from per-dtype numpy arrays (cast to each dtype of the layout).
+
+    Onto a GPU, each array is cast into pinned host memory and copied to the device without blocking
+    (the copies are ordered before later work on the current stream, :func:`load_`'s included;
+    untested on GPU)."""
+    torch = _torch()
+    to_gpu = str(device).startswith("cuda")
     buffers = {}
     for dt in layout.dtypes:
         a = np.ascontiguousarray(arrays[dt]).reshape(-1)
         if a.size != layout.numel(dt):
             raise ConfigError(f"{dt} buffer has {a.size} elements, the layout needs {layout.numel(dt)}")
-        buffers[dt] = torch.from_numpy(a).to(device=device, dtype=getattr(torch, dt))
+        if to_gpu:
+            staging = torch.empty(a.size, dtype=getattr(torch, dt), pin_memory=True)
+            staging.copy_(torch.from_numpy(a))
+            buffers[dt] = staging.to(device, non_blocking=True)
+        else:
+            buffers[dt] = torch.from_numpy(a).to(device=device, dtype=getattr(torch, dt))
     return FlatState(layout, buffers)
 
 
@@ -258,16 +305,23 @@ def optimizer_tensors(optimizer: Any) -> dict[str, Any]:
     """An optimizer's per-parameter state as ``{"<param index>/<key>": tensor}`` (CPU copies).
 
     Plain numbers in the state (some optimizers keep ``step`` as a float) become 0-d float64
-    tensors; :func:`load_optimizer_tensors_` restores tensors, which torch optimizers accept.
+    tensors; :func:`load_optimizer_tensors_` restores tensors, which torch optimizers accept. State
+    on a GPU is copied into pinned host memory without blocking, with one synchronisation for all
+    of it (untested on GPU).
     """
     torch = _torch()
     out = {}
+    on_gpu: dict[str, Any] = {}
     for index, per_param in optimizer.state_dict()["state"].items():
         for key, value in per_param.items():
-            if torch.is_tensor(value):
+            if torch.is_tensor(value) and value.is_cuda:
+                out[f"{index}/{key}"] = on_gpu[f"{index}/{key}"] = value
+            elif torch.is_tensor(value):
                 out[f"{index}/{key}"] = value.detach().to("cpu").clone()
             elif isinstance(value, (int, float)) and not isinstance(value, bool):
                 out[f"{index}/{key}"] = torch.tensor(float(value), dtype=torch.float64)
+    if on_gpu:
+        out.update(zip(on_gpu, _pinned_copies(list(on_gpu.values()))))
     return out
 
 
