@@ -259,11 +259,16 @@ def _checked(rank: int, reports: Sequence[Report], state: LatestState, rules: La
         by_rank[int(report.rank)] = report
     if not _count(rank) or int(rank) not in by_rank:
         raise ConfigError(f"rank {rank!r} is judged without its own report among reports: pass its latest one")
-    gone = frozenset(int(r) for r in excluded)
-    if any(not 0 <= r < n for r in gone):
-        raise ConfigError(f"excluded or reference names ranks {sorted(r for r in gone if not 0 <= r < n)} outside "
+    return by_rank, _ranks_of(excluded, n)
+
+
+def _ranks_of(ranks: Collection[int], n: int) -> frozenset[int]:
+    """``ranks`` (excluded or reference ones) as a set, each checked to lie in 0..n-1."""
+    out = frozenset(int(r) for r in ranks)
+    if any(not 0 <= r < n for r in out):
+        raise ConfigError(f"excluded or reference names ranks {sorted(r for r in out if not 0 <= r < n)} outside "
                           f"0..{n - 1}")
-    return by_rank, gone
+    return out
 
 
 def _hold(rank: int, clock: float, state: LatestState, rules: LatestRules, gone: frozenset[int],
@@ -304,7 +309,7 @@ def judge(rank: int, reports: Sequence[Report], state: LatestState, rules: Lates
     """
     rules = LatestRules() if rules is None else rules
     by_rank, gone = _checked(rank, reports, state, rules, excluded)
-    _, kept = _checked(rank, reports, state, rules, reference)
+    kept = _ranks_of(reference, len(state.history))
     rank = int(rank)
     state = _observe(state, by_rank, rules)
     clock = rules.clock_of(by_rank[rank])
