@@ -8,8 +8,11 @@ import pytest
 import torch
 
 from popmesh.comm.agreement import describe_leaves, device_advice, device_type, shape_row, shapes_mismatch
+from popmesh.comm.collectives import _device, describe_one
+from popmesh.comm.guard import signature_of
 from popmesh.comm.mismatch import mismatch_error
 from popmesh.core.errors import CollectiveMismatch, ConfigError
+from popmesh.core.ops import ReduceOp
 from popmesh.engines.local import LocalEngine
 from popmesh.engines.mpi.devices import CUDA_REFUSED, require_host
 from popmesh.engines.mpi.engine import MpiEngine
@@ -50,11 +53,21 @@ def test_only_the_mpi_engine_asks_mechanisms_to_keep_models_on_the_host():
     assert not hasattr(LocalEngine, "require_host")
 
 
-def test_descriptions_name_the_device_type_only_when_asked():
+def test_descriptions_name_every_device_off_the_host_and_all_when_asked():
     leaves = [torch.zeros(2, 3), torch.empty(4, device="meta"), np.zeros((), dtype=np.int64)]
-    assert describe_leaves(leaves) == "float32[2,3] float32[4] int64[]"
+    assert describe_leaves(leaves) == "float32[2,3] float32[4]@meta int64[]"
     assert describe_leaves(leaves, devices=True) == "float32[2,3]@cpu float32[4]@meta int64[]@cpu"
     assert [device_type(x) for x in leaves] == ["cpu", "meta", "cpu"]
+
+
+def test_the_always_on_guard_tells_a_call_on_another_device_from_a_host_one():
+    """The guard caches signatures by key: a tensor of the same dtype and shape on another device must
+    key (and describe) a different call, or a rank on CUDA and one on the host would pass the guard."""
+    host, other = torch.zeros(4), torch.empty(4, device="meta")
+    assert describe_one(ReduceOp.SUM, host) != describe_one(ReduceOp.SUM, other)
+    assert signature_of(("k", _device(host)), lambda: describe_one(ReduceOp.SUM, host)) != \
+        signature_of(("k", _device(other)), lambda: describe_one(ReduceOp.SUM, other))
+    assert _device(np.zeros(4)) == "cpu" and _device(host) != _device(other)
 
 
 def test_a_mismatch_lists_each_rank_s_device_and_says_what_to_do():

@@ -6,8 +6,9 @@ each rank's values (Accelerate's debug mode, torch's DETAIL checks).
 
 A leaf's device enters a description as its type (``float32[3,4]@cuda``): ``cuda:0`` on one rank
 and ``cuda:1`` on another is the usual one-GPU-per-rank layout, not a mismatch. The shape exchange
-of the ragged gathers always compares device types (one more int64 per leaf); the call
-descriptions name them with ``describe_leaves(..., devices=True)``.
+of the ragged gathers always compares device types (one more int64 per leaf); a call's description
+names the device type of every leaf that is not on the CPU, so the guard and check mode tell a CUDA
+call from a host one.
 """
 
 from __future__ import annotations
@@ -30,11 +31,15 @@ __all__ = [
 
 
 def describe_leaves(leaves: Sequence[Any], *, devices: bool = False) -> str:
-    """``float32[3,4] int64[]`` — a readable signature of the leaves; ``devices=True`` adds each
-    leaf's device type (``float32[3,4]@cuda int64[]@cpu``)."""
-    if devices:
-        return " ".join(f"{dtype_name(x)}[{','.join(map(str, leaf_shape(x)))}]@{device_type(x)}" for x in leaves)
-    return " ".join(f"{dtype_name(x)}[{','.join(map(str, leaf_shape(x)))}]" for x in leaves)
+    """``float32[3,4] int64[]`` — a readable signature of the leaves. A leaf off the CPU always names
+    its device type (``float32[3,4]@cuda``): a CUDA tensor on one rank against a host one on another
+    is a mismatch, not the same call. ``devices=True`` names every leaf's (``int64[]@cpu`` too)."""
+    def one(x: Any) -> str:
+        where = device_type(x)
+        suffix = f"@{where}" if devices or where != "cpu" else ""
+        return f"{dtype_name(x)}[{','.join(map(str, leaf_shape(x)))}]{suffix}"
+
+    return " ".join(one(x) for x in leaves)
 
 
 def device_type(x: Any) -> str:

@@ -66,7 +66,7 @@ def _start(x: Any, op: Any, group: Comm | None, timeout: float | None, *, in_pla
         agree(comm, describe_one(reduce_op, x), "all_reduce", seconds)
         pending = start([buf])
     else:
-        pending = start_checked(comm, ("all_reduce_async", reduce_op, x.dtype, x.shape),
+        pending = start_checked(comm, ("all_reduce_async", reduce_op, x.dtype, x.shape, getattr(x, "device", None)),
                                 lambda: describe_one(reduce_op, x, "all_reduce_async"), [buf], start,
                                 seconds, "all_reduce", writes_input=buf is x)
 

@@ -124,6 +124,25 @@ def different_collectives(w):
 
 
 @check
+def a_tensor_on_another_device(w):
+    """The same dtype and shape on another kind of device (meta standing in for CUDA on a CPU machine):
+    a mismatch naming the device, found by the always-on guard, also after a run of predicted host calls
+    (on MPI the off-host rank refuses before its guard, so this is the torch engine's case)."""
+    need_ranks(w, 2)
+    if w.engine_name != "torch":
+        return
+    n, r = w.size, w.rank
+    for warm_up in (0, 20):
+        for _ in range(warm_up):
+            assert torch.all(popmesh.all_reduce(torch.full((4,), r + 1.0)) == total(n))
+        x = torch.empty(4, device="meta") if odd(w) else torch.full((4,), r + 1.0)
+        expect_mismatch(lambda x=x: popmesh.all_reduce(x), "float32[4]@meta", ranks=range(n))
+        tree = {"a": x, "b": torch.ones(2)}
+        expect_mismatch(lambda tree=tree: popmesh.all_reduce(tree), "float32[4]@meta", ranks=range(n))
+        still_works(w)
+
+
+@check
 def mismatch_after_many_hits(w):
     """A long run of identical calls (each predicted, its guard beside the payload), then one rank
     changes dtype, then shape: found all the same, and the run goes on correctly."""
