@@ -28,17 +28,34 @@ step = 0
 
 
 def catch_up() -> None:
-    """Every rank takes the weights, optimizer state and step of the lowest rank that survived."""
+    """Every rank takes the weights, optimizer state and step of the lowest rank that survived; a peer
+    lost meanwhile (a second failure) re-forms the world again first."""
     global step
-    step = hand_over(model, opt, step)
+    while True:
+        try:
+            step = hand_over(model, opt, step)
+            break
+        except popmesh.PeerFailure as e:
+            print(f"rank {world.rank} lost a peer while catching up: re-forming ({e.ranks})")
+            world.reform()
     if world.rank in world.newcomers:
         print(f"rank {world.rank} rejoined at step {step} (generation {world.generation}, from rank {donor_of()})")
+
+
+def recover(e: popmesh.PeerFailure) -> None:
+    """A peer was lost: re-form the world with its restarted process and catch up."""
+    print(f"rank {world.rank} lost a peer at step {step}: re-forming ({e.ranks})")
+    world.reform()
+    catch_up()
 
 
 if world.newcomers:  # this process was restarted for a lost rank
     catch_up()
 else:
-    broadcast_params_(model, src=0)
+    try:
+        broadcast_params_(model, src=0)
+    except popmesh.PeerFailure as e:  # lost before the first step: the survivors' weights are as good
+        recover(e)
 sync = GradientSync(model)
 while step < args.steps:
     if step == args.kill_at and world.rank == 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
@@ -50,14 +67,17 @@ while step < args.steps:
     try:
         sync()
     except popmesh.PeerFailure as e:
-        print(f"rank {world.rank} lost a peer at step {step}: re-forming ({e.ranks})")
         sync.close()
-        world.reform()
-        catch_up()
+        recover(e)
         sync = GradientSync(model)
         continue
     opt.step()
     step += 1
 weights = torch.cat([p.detach().flatten() for p in model.parameters()])
-print(f"rank {world.rank} done at step {step}, generation {world.generation}, "
-      f"weights agree: {bool(popmesh.all_reduce(weights, 'max').equal(popmesh.all_reduce(weights, 'min')))}")
+while True:
+    try:
+        agree = bool(popmesh.all_reduce(weights, "max").equal(popmesh.all_reduce(weights, "min")))
+        break
+    except popmesh.PeerFailure as e:  # lost at the very end: the restarted process takes the final state
+        recover(e)
+print(f"rank {world.rank} done at step {step}, generation {world.generation}, weights agree: {agree}")

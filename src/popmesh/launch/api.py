@@ -16,12 +16,14 @@ import tempfile
 import time
 import uuid
 from collections.abc import Collection, Mapping, Sequence
+from pathlib import Path
 from typing import TextIO
 
 from popmesh.core.errors import ConfigError
 from popmesh.core.interfaces import choose_interface, list_interfaces, source_address
 from popmesh.launch import mpirun
 from popmesh.launch.hosts import Slots, hydra_hosts, parse_hosts, read_hostfile
+from popmesh.launch.inject import RECORD_FILE, FailureInjection, FailureInjector, check_injection
 from popmesh.launch.logs import LogRequest, RankLogs, log_request, make_attempt_dir, plan_routes
 from popmesh.launch.output import OutputPump
 from popmesh.launch.plan import (
@@ -82,6 +84,7 @@ def launch(
     trace: str | None = None,
     preload: Sequence[str] = (),
     oversubscription_note: str | None = None,
+    inject: FailureInjection | None = None,
     python: Sequence[str] | None = None,
     stdout: TextIO | None = None,
     stderr: TextIO | None = None,
@@ -111,7 +114,8 @@ def launch(
     uuid when the launcher picks the port, else ``"none"``), ``role`` (``ROLE_NAME``), ``max_restarts``
     (restarts per rank, torch engine), ``log_dir``/``tee``/``redirects`` (per-rank log files, values
     as torchrun's: see :mod:`popmesh.launch.logs`) and ``local_ranks_filter`` (the local ranks whose
-    output the console shows).
+    output the console shows). ``inject`` kills random ranks on purpose within the restart budget
+    (:mod:`popmesh.launch.inject`).
     """
     spec = LaunchSpec(
         nproc=nproc, engine=engine, nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
@@ -119,6 +123,8 @@ def launch(
         hosts=_hosts(hosts, hostfile, nproc), preload=tuple(preload),
     )
     validate(spec)
+    if inject is not None:
+        check_injection(inject, spec.engine, spec.max_restarts)
     _check_target(target, module)
     if grace < 0:
         raise ConfigError(f"grace must be >= 0 seconds, got {grace}")
@@ -138,7 +144,7 @@ def launch(
     try:
         pump = OutputPump(stdout or sys.stdout, err, quiet_others=quiet_others, sink=logs)
         result = _supervise(spec, worker, parent_env, pump, grace=grace, store_fd=store_fd, python=python,
-                            rank0_terminal=rank0_terminal, logs=logs, err=err)
+                            rank0_terminal=rank0_terminal, logs=logs, err=err, inject=inject)
     finally:
         if logs is not None:
             logs.close()
@@ -181,6 +187,7 @@ def _open_logs(request: LogRequest, spec: LaunchSpec, err: TextIO) -> RankLogs |
     attempt = make_attempt_dir(request.log_dir, spec.run_id) if request.writes_files else None
     ranks = [(spec.node_rank * spec.nproc + local_rank, local_rank) for local_rank in range(spec.nproc)]
     logs = RankLogs(plan_routes(request, attempt, ranks))
+    logs.folder = attempt
     if attempt is not None:
         _say(err, f"popmesh launch: rank logs in {attempt}")
     return logs
@@ -189,7 +196,7 @@ def _open_logs(request: LogRequest, spec: LaunchSpec, err: TextIO) -> RankLogs |
 def _supervise(
     spec: LaunchSpec, worker: list[str], parent_env: dict[str, str], pump: OutputPump, *, grace: float,
     store_fd: bool, python: list[str], rank0_terminal: bool = False, logs: RankLogs | None = None,
-    err: TextIO = sys.stderr,
+    err: TextIO = sys.stderr, inject: FailureInjection | None = None,
 ) -> LaunchResult:
     """Start the children, watch them to the end (killing them if we are interrupted), judge.
 
@@ -197,7 +204,8 @@ def _supervise(
     before MPI starts), and the shared-memory segments the job left (a rank died before finalizing) are
     removed once mpiexec has exited. The ranks' error records are copied into their log folders. With
     ``spec.max_restarts`` a failed rank is restarted in place (:class:`_Restarts`), and node 0 serves
-    the store from a process of its own, so that it outlives any rank.
+    the store from a process of its own, so that it outlives any rank. ``inject`` starts the thread that
+    kills random ranks within that budget once the ranks are started, stopped before the judgement.
     """
     with tempfile.TemporaryDirectory(prefix="popmesh-launch-") as error_dir:
         supervisor = Supervisor(pump, grace)
@@ -206,6 +214,7 @@ def _supervise(
                  else contextlib.nullcontext())
         restarts = _Restarts(spec, supervisor, worker, error_dir, err)
         store: subprocess.Popen[bytes] | None = None
+        injector: FailureInjector | None = None
         try:
             with ranks:
                 if spec.engine == "mpi":
@@ -213,11 +222,14 @@ def _supervise(
                 else:
                     store = _start_local(supervisor, spec, worker, parent_env, error_dir, store_fd, rank0_terminal,
                                          python, restarts)
+                    injector = _injector(inject, supervisor, restarts, logs, err)
                 supervisor.watch()
         except BaseException:
             supervisor.kill_all()
             raise
         finally:
+            if injector is not None:
+                injector.stop()
             supervisor.close()
             if store is not None:
                 _stop(store)
@@ -227,6 +239,24 @@ def _supervise(
                 segments.sweep(supervisor.children[0].proc.pid)
         killed, exits = (ranks.killed(), ranks.exits()) if isinstance(ranks, RankWatch) else ([], [])
         return _judge(supervisor, spec, error_dir, pump, store_fd, killed, exits, restarts.notes)
+
+
+def _injector(inject: FailureInjection | None, sup: Supervisor, restarts: _Restarts, logs: RankLogs | None,
+              err: TextIO) -> FailureInjector | None:
+    """``--inject-failures``' thread, started: it picks among the live ranks with a restart left."""
+    if inject is None:
+        return None
+
+    def candidates() -> dict[int, int]:
+        if sup.teardown_at is not None:
+            return {}
+        return {c.rank: c.proc.pid for c in list(sup.children)
+                if c.rank is not None and c.returncode is None and restarts.left(c.rank) > 0}
+
+    folder = None if logs is None or logs.folder is None else Path(logs.folder) / RECORD_FILE
+    injector = FailureInjector(inject, candidates, restarts.left, lambda line: _say(err, line), folder, restarts.notes)
+    injector.start()
+    return injector
 
 
 class _Restarts:
@@ -240,6 +270,10 @@ class _Restarts:
         self.notes: list[str] = []
         if spec.max_restarts > 0 and spec.engine == "torch":
             sup.set_restart(self)
+
+    def left(self, rank: int) -> int:
+        """The restarts ``rank`` has left."""
+        return self._spec.max_restarts - self._counts.get(rank, 0)
 
     def remember(self, rank: int, env: dict[str, str], inherit_output: bool) -> None:
         self._envs[rank] = (env, inherit_output)

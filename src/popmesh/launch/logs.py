@@ -184,6 +184,7 @@ class RankLogs:
 
     def __init__(self, routes: Mapping[int, RankRoute]) -> None:
         self.routes = dict(routes)
+        self.folder: str | None = None  # the attempt's folder, where the launcher's own records go too
         self._lock = threading.Lock()
         self._files: dict[tuple[int, str], IO[bytes]] = {}
         try:

@@ -16,6 +16,7 @@ from typing import Any
 
 from popmesh.core.errors import ConfigError
 from popmesh.core.slurm import read_slurm
+from popmesh.launch.inject import FailureInjection
 from popmesh.launch.plan import cpu_count
 
 __all__ = [
@@ -240,7 +241,7 @@ def launch_options(ns: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
         max_restarts=ns.max_restarts, quiet_others=ns.quiet_others, grace=ns.grace, store_fd=ns.store_fd,
         log_dir=ns.log_dir, tee=ns.tee, redirects=ns.redirects,
         local_ranks_filter=parse_rank_list(ns.local_ranks_filter), hosts=ns.hosts or (), hostfile=ns.hostfile,
-        trace=ns.trace, preload=parse_preload(ns.preload),
+        trace=ns.trace, preload=parse_preload(ns.preload), inject=injection(ns),
     )
     return kwargs, warnings
 
@@ -265,12 +266,37 @@ def configure(p: argparse.ArgumentParser) -> None:
     )
     _rendezvous_options(p)
     _output_options(p)
+    _injection_options(p)
     _accepted_options(p)
     for names, takes_value, reason in REFUSED:
         p.add_argument(*names, action=_refusal(reason), nargs=None if takes_value else 0, help=argparse.SUPPRESS)
     p.add_argument("-m", "--module", action="store_true", help="run TARGET as a module, like python -m")
     p.add_argument("target", metavar="TARGET", help="script path, or module name with -m")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+
+
+def _injection_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("failure injection (test that a script survives a lost rank; needs --max-restarts)")
+    g.add_argument("--inject-failures", type=float, default=None, metavar="PER_MINUTE",
+                   help="SIGKILL a random rank that has a restart left, on average this many times a minute; "
+                        "each kill goes to stderr and to failures.jsonl in the --log-dir folder")
+    g.add_argument("--inject-after", type=float, default=10.0, metavar="S",
+                   help="seconds before the first kill may come (default 10)")
+    g.add_argument("--inject-seed", type=int, default=0, help="seed of the kills' times and ranks (default 0)")
+    g.add_argument("--inject-max", type=int, default=None, metavar="N",
+                   help="inject at most N kills (default: as many as the restart budget allows)")
+
+
+def injection(ns: argparse.Namespace) -> FailureInjection | None:
+    """The ``--inject-*`` options as a :class:`FailureInjection` (None without ``--inject-failures``)."""
+    if ns.inject_failures is None:
+        for flag, value, default in (("--inject-after", ns.inject_after, 10.0), ("--inject-seed", ns.inject_seed, 0),
+                                     ("--inject-max", ns.inject_max, None)):
+            if value != default:
+                raise ConfigError(f"{flag} shapes --inject-failures, which is not given: add --inject-failures "
+                                  f"PER_MINUTE, or leave {flag} out")
+        return None
+    return FailureInjection(ns.inject_failures, seed=ns.inject_seed, after_s=ns.inject_after, limit=ns.inject_max)
 
 
 def _rendezvous_options(p: argparse.ArgumentParser) -> None:

@@ -7,7 +7,7 @@ Survivors catch the PeerFailure, re-form the world with the restarted process, a
 survivor hands every rank its state; the newcomer takes it in init(). Each rank prints its
 generation, step and whether every sum it saw was the closed form n(n+1)/2. With SURVIVE_OP=ring
 each step is a ring of messages instead (rank r sends r+1 to its right and checks what its left
-sent), so the loss comes mid-message. With SURVIVE_MODE=carry-on the survivors work on alone
+sent), so the loss comes mid-message. SURVIVE_STEP_S pauses after each step. With SURVIVE_MODE=carry-on the survivors work on alone
 (``world.try_reform()``) until the restarted process waits; with SURVIVE_MODE=together they go on
 as a group of their own (``world.survivors()``): each step an all-reduce and a ring of messages
 over the group, checked against the group's own closed form, until the world re-forms. With
@@ -30,6 +30,7 @@ import popmesh
 steps, victim, kill_at = (int(a) for a in sys.argv[1:4])
 again = tuple(int(a) for a in sys.argv[4:6]) or None
 restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+STEP_S = float(os.environ.get("SURVIVE_STEP_S", "0"))  # a pause after each step: a run that lasts
 
 
 def die_while_forming(rank: int, stage: str) -> None:
@@ -195,6 +196,7 @@ while state["step"] < steps:
         continue
     state["good"] = state["good"] and float(total[0]) == expected
     state["step"] += 1
+    time.sleep(STEP_S)
 print(f"DONE rank={world.rank} gen={world.generation} step={state['step']} good={state['good']} "
       f"restart={restart}", flush=True)
 world.finalize()
