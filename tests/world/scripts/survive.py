@@ -1,15 +1,15 @@
 """A world that outlives a lost rank: ``survive.py STEPS VICTIM KILL_AT [VICTIM2 KILL_AT2]``.
 
 Each step every rank all-reduces rank+1. VICTIM SIGKILLs itself at step KILL_AT (in its first
-process only; with VICTIM2, that rank's restarted process dies again at KILL_AT2, or with
-KILL_AT2 = -1 VICTIM2's first process dies as it learns of the loss, while the others re-form).
-Survivors catch the PeerFailure, re-form the world with the restarted process, and the lowest
-survivor hands every rank its state; the newcomer takes it in init(). Each rank prints its
-generation, step and whether every sum it saw was the closed form n(n+1)/2. With SURVIVE_OP=ring
-each step is a ring of messages instead (rank r sends r+1 to its right and checks what its left
-sent), so the loss comes mid-message. SURVIVE_STEP_S pauses after each step. With SURVIVE_MODE=carry-on the survivors work on alone
-(``world.try_reform()``) until the restarted process waits; with SURVIVE_MODE=together they go on
-as a group of their own (``world.survivors()``): each step an all-reduce and a ring of messages
+process only; with VICTIM2, that rank's restarted process dies again at KILL_AT2, or with KILL_AT2 =
+-1 VICTIM2's first process dies as it learns of the loss, while the others re-form). Survivors catch
+the PeerFailure, re-form the world with the restarted process, and the lowest survivor hands every
+rank its state; the newcomer takes it in init(). Each rank prints its generation, step and whether
+every sum it saw was the closed form n(n+1)/2. With SURVIVE_OP=ring each step is a ring of messages
+instead (rank r sends r+1 to its right and checks what its left sent), so the loss comes
+mid-message. SURVIVE_STEP_S pauses after each step. With SURVIVE_MODE=carry-on the survivors work on
+alone (``world.try_reform()``) until the restarted process waits; with SURVIVE_MODE=together they go
+on as a group of their own (``world.survivors()``): each step an all-reduce and a ring of messages
 over the group, checked against the group's own closed form, until the world re-forms. With
 SURVIVE_KILL_FORMING=RANK:STAGE that rank's first process SIGKILLs itself while a re-formed
 generation forms, after it checked in: at STAGE "checked-in" as it starts the process group (before
