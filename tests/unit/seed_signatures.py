@@ -380,20 +380,30 @@ def _show(p: Param | inspect.Parameter) -> str:
 
 
 def signature_mismatches(obj: Any, params: tuple[Param, ...], where: str,
-                         namespace: dict[str, Any] | None = None, *, drop_first: bool = False) -> list[str]:
-    """Differences between ``obj``'s signature and the seed's ``params`` (names, order, kinds, defaults)."""
+                         namespace: dict[str, Any] | None = None, *, drop_first: bool = False,
+                         newer: tuple[str, ...] = ()) -> list[str]:
+    """Differences between ``obj``'s signature and the seed's ``params`` (names, order, kinds, defaults).
+
+    ``newer``: parameters the original added after the seed document (each must have a default; it is
+    left out of the comparison) or gave a default (a seed parameter without one may then have one)."""
     try:
         actual = list(inspect.signature(obj).parameters.values())
     except (TypeError, ValueError) as e:
         return [f"{where}: no signature ({e})"]
     actual = actual[1:] if drop_first else actual
+    seed_names = {p.name for p in params}
+    added = [p for p in actual if p.name in newer and p.name not in seed_names]
+    problems = [f"{where}: {p.name}, added after the seed, has no default" for p in added
+                if p.default is inspect.Parameter.empty]
+    actual = [p for p in actual if p not in added]
     seed_text = ", ".join(map(_show, params))
     facade_text = ", ".join(map(_show, actual))
-    problems = []
     if [(p.name, p.kind) for p in params] != [(p.name, p.kind.name) for p in actual]:
         problems.append(f"{where}: parameters ({facade_text}), seed has ({seed_text})")
     for want, got in zip(params, actual):
         has_default = got.default is not inspect.Parameter.empty
+        if want.default is None and has_default and got.name in newer:
+            continue  # a default the original gave it after the seed
         if (want.default is None) == has_default or (
             has_default and want.default is not None and not default_matches(want.default, got.default, namespace)
         ):
@@ -401,7 +411,8 @@ def signature_mismatches(obj: Any, params: tuple[Param, ...], where: str,
     return problems
 
 
-def _method_mismatches(cls: type, name: str, entry: Entry, namespace: dict[str, Any]) -> list[str]:
+def _method_mismatches(cls: type, name: str, entry: Entry, namespace: dict[str, Any],
+                       newer: tuple[str, ...] = ()) -> list[str]:
     where = f"{cls.__name__}.{name}"
     if entry.kind != "method":
         return []
@@ -416,7 +427,8 @@ def _method_mismatches(cls: type, name: str, entry: Entry, namespace: dict[str, 
         problems.append(f"{where}: seed says abstractmethod")
     if entry.params is not None:
         bound = not isinstance(static, (staticmethod, classmethod))
-        problems += signature_mismatches(getattr(cls, name), entry.params, where, namespace, drop_first=bound)
+        problems += signature_mismatches(getattr(cls, name), entry.params, where, namespace, drop_first=bound,
+                                         newer=newer)
     return problems
 
 
@@ -426,12 +438,20 @@ def facade_mismatches(facade: ModuleType, seed: SeedModule) -> list[str]:
     Checks ``__all__`` against the public names, that every name exists, the signature of every
     function, class constructor and method (``self``/``cls`` excluded), method flags, and data
     values given as literals. Instance attributes are left to :func:`attribute_mismatches`.
+
+    A facade of an original that grew since its seed document declares what it added in ``__newer__``:
+    ``{name: (parameter, ...)}``, where a name absent from the seed is a public name added (it must be
+    exported), and the parameters of a seed function, class (its constructor) or ``Class.method`` are
+    ones added with a default or given a default (see :func:`signature_mismatches`). Anything else
+    must match exactly.
     """
     namespace = vars(facade)
     exported = list(getattr(facade, "__all__", []))
-    problems = []
-    if len(set(exported)) != len(exported) or set(exported) != seed.public_names():
-        problems.append(f"__all__: extra {sorted(set(exported) - seed.public_names())}, "
+    newer: dict[str, tuple[str, ...]] = {k: tuple(v) for k, v in getattr(facade, "__newer__", {}).items()}
+    added = {name for name in newer if "." not in name and name not in seed.public_names()}
+    problems = [f"__newer__: {name} is not exported" for name in sorted(added - set(exported))]
+    if len(set(exported)) != len(exported) or set(exported) - added != seed.public_names():
+        problems.append(f"__all__: extra {sorted(set(exported) - seed.public_names() - added)}, "
                         f"missing {sorted(seed.public_names() - set(exported))}, {len(exported)} entries")
     for name, entry in sorted(seed.top().items()):
         if name not in namespace:
@@ -443,13 +463,13 @@ def facade_mismatches(facade: ModuleType, seed: SeedModule) -> list[str]:
         elif entry.kind == "class" and not isinstance(obj, type):
             problems.append(f"{name}: not a class")
         elif entry.params is not None:
-            problems += signature_mismatches(obj, entry.params, name, namespace)
+            problems += signature_mismatches(obj, entry.params, name, namespace, newer=newer.get(name, ()))
         if (entry.kind == "data" and entry.value is not None and _is_literal(entry.value)
                 and not _same(ast.literal_eval(entry.value), obj)):
                 problems.append(f"{name}: value {obj!r}, seed has {entry.value}")
         if entry.kind == "class" and isinstance(obj, type):
             for member, m in sorted(seed.members(name).items()):
-                problems += _method_mismatches(obj, member, m, namespace)
+                problems += _method_mismatches(obj, member, m, namespace, newer.get(f"{name}.{member}", ()))
     return problems
 
 

@@ -167,6 +167,25 @@ def test_facade_checker_accepts_a_faithful_facade_and_names_each_difference():
     assert isinstance(_module(GOOD).Policy, abc.ABCMeta)
 
 
+def test_what_a_facade_declares_newer_than_its_seed_is_accepted_and_nothing_else():
+    seed = parse_seed(DIRECTIVES, "pkg")
+    grown = (GOOD.replace('"run"]', '"run", "Layout"]')
+             .replace("class Policy(abc.ABC):", "class Layout: pass\nclass Policy(abc.ABC):")
+             .replace("def __init__(self, every, ratio=0.2,", "def __init__(self, every=1, ratio=0.2, lead=0,")
+             .replace("metric=None): pass", "metric=None, *, k=2): pass"))
+    declared = "\n__newer__ = {'Layout': (), 'Policy': ('every', 'lead'), 'Policy.__call__': ('k',)}\n"
+    assert facade_mismatches(_module(grown + declared), seed) == []
+    undeclared = "\n".join(facade_mismatches(_module(grown), seed))
+    for expected in ("__all__: extra ['Layout']", "Policy: every default", "Policy: parameters (every=1, ratio=0.2, "
+                     "lead=0, group=", "Policy.__call__: parameters (it, model, metric=None, k=2)"):
+        assert expected in undeclared, undeclared
+    no_default = grown.replace("every=1, ratio=0.2, lead=0,", "every, lead, ratio=0.2,")
+    problems = facade_mismatches(_module(no_default + declared), seed)
+    assert "Policy: lead, added after the seed, has no default" in problems, problems
+    unexported = grown.replace('"run", "Layout"]', '"run"]') + declared
+    assert facade_mismatches(_module(unexported), seed) == ["__newer__: Layout is not exported"]
+
+
 # ---------------------------------------------------------------------------------- the real documents
 
 

@@ -36,6 +36,15 @@ Where popmesh deliberately behaves differently from torchgfn:
 * ``report_time_info``/``report_load_imbalance`` tolerate ranks with fewer iterations (torchgfn
   raised IndexError) and log to ``logger``.
 * ``initialize_distributed_compute*`` build one :class:`~popmesh.Roles` (:func:`popmesh.assign_roles`).
+  As in torchgfn after v2.4.1, ``num_agent_groups`` defaults to 1 and the layout comes from the ranks' host
+  names when there are buffer managers (each manager on the node of the agents it serves), else by arithmetic;
+  ``initialize_distributed_compute_mpi4py(..., layout=)`` takes a given :class:`RankLayout` instead (this
+  facade's or popmesh's own; ConfigError where it does not fit the world). The contexts carry
+  ``coordinator_rank``, ``buffer_rank_set`` and ``training_ranks``; on the coordinator ``is_training_rank()``
+  and ``is_buffer_rank()`` are false and ``is_coordinator_rank()`` true. Both check the formed world against
+  the rank and size an MPI launcher announced (``PMI_*``, ``OMPI_COMM_WORLD_*``, ``MV2_COMM_WORLD_*``): a
+  ConfigError names the variables where mpi4py runs another MPI than the launcher's (every process would
+  otherwise be a world of one). ``num_coordinators`` is 0 or 1.
   ``dc_mpi4py`` is a view of the same groups on an MPI world; on a torch world that an MPI launcher
   started, mpi4py communicators over the torch groups' ranks (:mod:`popmesh.compat._mpi_side`),
   which the facades and the MPI spawn policies take back (``backend="mpi"`` too); elsewhere reading
@@ -43,6 +52,12 @@ Where popmesh deliberately behaves differently from torchgfn:
   launcher ``"gloo"`` takes ``RANK``, ``WORLD_SIZE`` and the rendezvous from MPI (torchgfn took the
   first two, and needed ``MASTER_ADDR``/``MASTER_PORT``). ``dist_backend="ccl"`` is not supported;
   ``cleanup()`` does not finalize MPI behind other users' backs (torchgfn called ``MPI.Finalize``).
+* ``RankLayout`` (torchgfn's, after v2.4.1) is a view of :class:`popmesh.topology.RankLayout` (``.native``),
+  which assigns the ranks as torchgfn does; bad input raises ConfigError naming the argument (torchgfn's
+  ``assert``, ``ValueError``, or a ZeroDivisionError for ``from_hostnames`` without managers), and every
+  layout is checked to give each rank one role. Its warnings are popmesh's ``LayoutWarning`` (torchgfn
+  logged them), and "agent groups span nodes" is not raised for a single agent group. ``summary()`` is
+  popmesh's text. Without managers ``from_hostnames`` keeps each node's ranks together, as ``build`` does.
 """
 
 from __future__ import annotations
@@ -59,11 +74,13 @@ import popmesh.comm.messages as _messages
 import popmesh.core.launch_env as _launch_env
 import popmesh.engines as _engines
 import popmesh.observe.stats as _stats
+import popmesh.topology.layout as _layout
 import popmesh.topology.roles as _roles
 import popmesh.torch as _pt
 from popmesh.comm.world import Comm, World
 from popmesh.comm.world import current_world as _current_world
 from popmesh.comm.world import init as _init
+from popmesh.compat._gfn_ranks import RankLayout, check_announced, native_layout
 from popmesh.compat._mpi_side import (
     SideField,
     Unavailable,
@@ -82,6 +99,7 @@ from popmesh.observe.timing import report_timings as _report_timings
 
 __all__ = [
     "Group",
+    "RankLayout",
     "default_backend",
     "logger",
     "AsyncSendHandle",
@@ -104,6 +122,12 @@ __all__ = [
     "report_time_info",
     "send",
 ]
+
+__newer__ = {  # what torchgfn added after v2.4.1 (its master): a name, and parameters added or given a default
+    "RankLayout": (),
+    "initialize_distributed_compute": ("num_agent_groups",),
+    "initialize_distributed_compute_mpi4py": ("num_agent_groups", "layout"),
+}
 
 Group = Comm
 """A popmesh ``World`` or ``Group``: the one communicator type on every engine."""
@@ -355,12 +379,13 @@ def _fields_of(roles: _roles.Roles) -> dict[str, Any]:
     return out
 
 
-def initialize_distributed_compute(dist_backend: str, num_remote_buffers: int, num_agent_groups: int,
+def initialize_distributed_compute(dist_backend: str, num_remote_buffers: int, num_agent_groups: int = 1,
                                    use_coordinator: bool = False) -> DistributedContext:
     """Initializes distributed compute: ``"gloo"`` → the torch engine, ``"mpi"`` → the MPI engine.
 
     Collective over the world; every rank passes the same arguments. With ``use_coordinator`` the
-    last rank becomes the coordinator. A world of one gives a single-process context.
+    last rank becomes the coordinator. Managers are placed from the ranks' host names (node-local where
+    ``num_remote_buffers`` is a multiple of the nodes). A world of one gives a single-process context.
     """
     if dist_backend not in _DIST_BACKENDS:
         raise ConfigError(f"dist_backend={dist_backend!r}: use 'gloo' (torch engine) or 'mpi' (MPI engine)")
@@ -368,6 +393,7 @@ def initialize_distributed_compute(dist_backend: str, num_remote_buffers: int, n
         torch_env_under_mpi()
     world = _world(_DIST_BACKENDS[dist_backend], **_world_options(dist_backend))
     _comm(_DIST_BACKENDS[dist_backend], world, "initialize_distributed_compute")
+    check_announced(world.rank, world.size)
     _check_buffer_backend(world, num_remote_buffers)
     ctx = _roles.assign_roles(world, num_buffers=num_remote_buffers, num_agent_groups=num_agent_groups,
                                 use_coordinator=use_coordinator)
@@ -382,12 +408,14 @@ def initialize_distributed_compute(dist_backend: str, num_remote_buffers: int, n
     return DistributedContext(**_fields_of(ctx), dc_mpi4py=mpi)
 
 
-def initialize_distributed_compute_mpi4py(num_remote_buffers: int, num_agent_groups: int,
-                                          num_coordinators: int = 0) -> DistributedContextMPI4Py:
+def initialize_distributed_compute_mpi4py(num_remote_buffers: int, num_agent_groups: int = 1, num_coordinators: int = 0,
+                                          layout: RankLayout | _layout.RankLayout | None = None
+                                          ) -> DistributedContextMPI4Py:
     """Initializes distributed compute on the MPI engine (no torch process group needed); on a torch
     world that an MPI launcher started, the mpi4py communicators beside its torch groups.
 
-    ``num_coordinators`` is 0 or 1 (the last rank). Collective over the world.
+    ``num_coordinators`` is 0 or 1 (the last rank). ``layout``: a precomputed :class:`RankLayout` (no
+    host-name exchange), whose managers must number ``num_remote_buffers``. Collective over the world.
     """
     if num_coordinators not in (0, 1):
         raise ConfigError(f"num_coordinators={num_coordinators}: use 0 or 1")
@@ -395,6 +423,11 @@ def initialize_distributed_compute_mpi4py(num_remote_buffers: int, num_agent_gro
     beside = world.engine_name == "torch" and launched_by_mpi()
     if world.engine_name == "torch" and world.size > 1 and not beside:
         raise ConfigError(without_mpi(world, "initialize_distributed_compute_mpi4py"))
-    ctx = _roles.assign_roles(world, num_buffers=num_remote_buffers, num_agent_groups=num_agent_groups,
-                                use_coordinator=bool(num_coordinators))
+    check_announced(world.rank, world.size)
+    native = None if layout is None else native_layout(layout, world.size, bool(num_coordinators))
+    if native is not None and native.num_buffers != num_remote_buffers:
+        raise ConfigError(f"the layout has {native.num_buffers} buffer manager(s) but num_remote_buffers="
+                          f"{num_remote_buffers}: pass the number the layout was built with")
+    ctx = _roles.assign_roles(world, native, num_buffers=num_remote_buffers, num_agent_groups=num_agent_groups,
+                              use_coordinator=bool(num_coordinators))
     return DistributedContextMPI4Py(**(fields_beside(ctx) if beside else _fields_of(ctx)))

@@ -16,7 +16,7 @@ under mpiexec (``ctx.dc_mpi4py``); without MPI the constructor's ConfigError say
 Where popmesh deliberately behaves differently from torchgfn (its bugs fixed; docs/migrating.md):
 
 * averaged weights are applied (torchgfn's async policy computed and dropped them since
-  ``af0a0483``); the coordinator (rank 0) may donate or be replaced without deadlock;
+  ``af0a0483``); the coordinator (group rank 0 by default) may donate or be replaced without deadlock;
   ``weighted_mean`` favours better donors and accepts negative metrics (torchgfn weighted by
   ``1/metric``); ``momentum`` is applied (``momentum·own + (1-momentum)·combined``); the group's
   ranks and size are used, not the world's (``AverageAllPolicy`` divided by the world size);
@@ -32,6 +32,15 @@ Where popmesh deliberately behaves differently from torchgfn (its bugs fixed; do
   with a ``threshold`` only those of them below it (``+inf``: all), and ``cooldown`` protects
   each recently replaced rank (torchgfn: one global cooldown); NaN metrics count as worst; a
   decision iteration needs ``local_metric`` on every rank (ConfigError; torchgfn stalled).
+
+The async policy's newer parameters (torchgfn after the seed document): ``coordinator_group_rank`` and
+``participant_group_ranks`` are group ranks of the call's ``group``; popmesh's policy runs over the
+participants alone, the others get their model back untouched, and a coordinator outside the participants
+serves them from a thread of its own (``coordinate()``) until each has shut down. Invalid or empty ranks
+are ConfigError naming the argument and the group's size (torchgfn: ValueError). They come after
+``cooldown`` as in torchgfn, so ``timing`` is no longer the ninth positional parameter; torchgfn's
+``num_training_ranks`` (its third, where the seed has ``replacement_ratio``) is keyword-only and, as
+there, replaced by the number of participants.
 """
 
 from __future__ import annotations
@@ -50,6 +59,7 @@ from popmesh.comm.collectives import all_gather
 from popmesh.comm.world import Comm, current_world, init, resolve_group
 from popmesh.compat._mpi_side import side_comm
 from popmesh.compat._native import comm_of, native_of
+from popmesh.compat._spawn_members import Membership
 from popmesh.compat._windows import Exposure, replace_from, window_opener
 from popmesh.core.errors import ConfigError
 from popmesh.population import (
@@ -72,6 +82,10 @@ __all__ = [
     "SpawnPolicy",
     "logger",
 ]
+
+__newer__ = {  # what torchgfn's multinode example added since the seed document: parameters with defaults
+    "AsyncSelectiveAveragingPolicy": ("coordinator_group_rank", "participant_group_ranks", "num_training_ranks"),
+}
 
 logger = logging.getLogger(__name__)
 _R = TypeVar("_R")
@@ -183,17 +197,24 @@ class AverageAllPolicympi4py(AverageAllPolicy):
 
 
 class AsyncSelectiveAveragingPolicy(SpawnPolicy):
-    """Asynchronous selective averaging with background, non-blocking comms: once every rank has
-    reported iteration t, the group's first rank decides from every rank's metric (popmesh's
-    ``decide="complete"``), donors stream their weights, and a replaced rank applies them
-    at its next call (``info["averaged_this_iteration"]``). Call :meth:`shutdown` on every rank."""
+    """Asynchronous selective averaging with background, non-blocking comms: once every participant has
+    reported iteration t, the coordinator decides from every participant's metric (popmesh's
+    ``decide="complete"``), donors stream their weights, and a replaced rank applies them at its next
+    call (``info["averaged_this_iteration"]``). ``coordinator_group_rank`` and ``participant_group_ranks``
+    are group ranks of the ``group`` passed to the call (default: group rank 0, every rank); only the
+    participants report, donate and are replaced; a coordinator outside them serves them from a thread of
+    its own. Every rank of the group calls the policy and :meth:`shutdown`."""
 
     def __init__(self, model_builder: Any, average_every: int, replacement_ratio: float = 0.2,
                  averaging_strategy: str = "mean", momentum: float = 0.0, poll_interval_s: float = 0.01,
-                 threshold: float | None = None, cooldown: int = 200, timing: Any = None) -> None:
+                 threshold: float | None = None, cooldown: int = 200, coordinator_group_rank: int = 0,
+                 participant_group_ranks: list[int] | None = None, timing: Any = None, *,
+                 num_training_ranks: int | None = None) -> None:
         super().__init__(average_every)
         self.replacement_ratio, self.averaging_strategy, self.momentum = replacement_ratio, averaging_strategy, momentum
         self.poll_interval_s, self.threshold, self.cooldown, self.timing = poll_interval_s, threshold, cooldown, timing
+        self.coordinator_group_rank, self.participant_group_ranks = coordinator_group_rank, participant_group_ranks
+        self._membership = Membership(coordinator_group_rank, participant_group_ranks, num_training_ranks)
         if threshold is None:
             rule = ReplacementRule(ratio=_ratio(replacement_ratio))
         else:
@@ -206,12 +227,26 @@ class AsyncSelectiveAveragingPolicy(SpawnPolicy):
     def __call__(self, iteration: int, model: Any, optimizer: Any, local_metric: float | None = None,
                  group: Any = _WORLD) -> tuple[Any, Any, dict[str, Any]]:
         """Possibly perform a spawn/averaging step on this iteration."""
-        model, optimizer, info = self._policy(iteration, model, optimizer, local_metric, _group(group))
+        membership, comm = self._membership, resolve_group(_group(group))
+        comm.require_member(type(self).__name__)
+        members, taking_part = membership.resolve(comm, self._policy)
+        if membership.serving is not None:
+            membership.serving.surface()
+        if taking_part.rank not in members.participants:
+            info = PolicyInfo(int(iteration), self._policy.name, summary="not a participant")
+            return model, optimizer, {"averaged_this_iteration": False, "policy_info": info}
+        model, optimizer, info = self._policy(iteration, model, optimizer, local_metric, taking_part)
         return model, optimizer, {"averaged_this_iteration": info.replaced, "policy_info": info}
 
+    @property
+    def num_training_ranks(self) -> int | None:
+        """How many ranks take part (torchgfn's count; known from the first call on)."""
+        return self._membership.num_training_ranks
+
     def shutdown(self) -> None:
-        """Stop the background thread after a handshake with the coordinator."""
-        self._policy.shutdown()
+        """Stop the background thread after a handshake with the coordinator (on a coordinator outside the
+        participants: once every participant has shut down)."""
+        self._membership.shutdown(self._policy)
 
 
 class _OneSided(SpawnPolicy):
