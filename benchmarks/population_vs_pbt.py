@@ -9,8 +9,8 @@ coefficient from, log-uniformly, seeded per rank and seed (`popmesh.demo.config.
 * `cartpole-wide`: CartPole-v1, target 475; the demo's ranges: lr 1e-5..1e-1, ent_coef 1e-4..1e-1
 * `acrobot`, `acrobot-wide`: the same for Acrobot-v1, target -100
 
-Contenders (`--contenders`, default all), run one after another for each seed (every other seed in
-reverse order), each in its own process, timed from its start:
+Contenders (`--contenders`, default all), run one after another for each seed (odd seeds in reverse
+order), each in its own process, timed from its start:
 
 * `popmesh`: `popmesh demo --stop-at-target --decide latest` (its default asynchronous policy: each
   agent judged the moment it reports, against every member's latest report; a bottom-quarter agent that
@@ -241,9 +241,9 @@ def main() -> None:
     names = [n for n in CONTENDERS if n in ns.contenders]
     runs = []
     for task in ns.task:
-        for i, seed in enumerate(range(ns.first_seed, ns.first_seed + seeds)):
+        for seed in range(ns.first_seed, ns.first_seed + seeds):
             plan = Plan(TASKS[task], seed, budget, ns.every, ns.warmup, demo_args=tuple(ns.demo_args))
-            for name in names if i % 2 == 0 else names[::-1]:
+            for name in names if seed % 2 == 0 else names[::-1]:  # by the seed: one seed per call alternates too
                 runs.append(run_one(name, plan))
                 print(json.dumps(runs[-1]), flush=True)
     print("\n" + report(runs))

@@ -175,3 +175,26 @@ def test_the_optimizer_start_of_a_replaced_agent_is_one_of_three():
     assert OPTIMIZER_STATES == ("reset", "keep", "copy") and DemoConfig().optimizer == "reset"
     with pytest.raises(ConfigError, match="--optimizer 'adam'"):
         DemoConfig(optimizer="adam")
+
+
+def test_the_last_returns_travel_with_the_weights():
+    """An agent whose weights were replaced takes the returns they earned (its metric, and its target),
+    as a Ray Tune trial restored from its donor's checkpoint does; a fresh agent brings none."""
+    pytest.importorskip("torch")
+    pytest.importorskip("gymnasium")
+    from popmesh.demo.learner import WINDOW, PPOLearner
+
+    donor, replaced, fresh = (PPOLearner(seed, rank_hyper(0, seed), init_seed=0) for seed in (1, 2, 3))
+    for _ in range(4):  # CartPole's first episodes last about 20 steps: 4 x 64 steps on 8 envs fill the window
+        donor.iterate()
+        replaced.iterate()
+    assert len(donor.recent) == WINDOW and list(donor.recent) != list(replaced.recent)
+    replaced.model.load_state_dict(donor.model.state_dict())  # what a replacement by one donor does
+    replaced.adopt_returns()
+    assert list(replaced.recent) == pytest.approx(list(donor.recent))
+    assert replaced.score() == pytest.approx(donor.score())
+    replaced.model.load_state_dict(fresh.model.state_dict())  # weights that never finished an episode
+    replaced.adopt_returns()
+    assert not replaced.recent and np.isnan(replaced.mean_return())
+    for each in (donor, replaced, fresh):
+        each.close()

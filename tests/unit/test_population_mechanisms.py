@@ -535,3 +535,30 @@ def test_inbox_rejects_interleaved_and_stray_streams():
     reset = decide([1.0, 4.0, 2.0, 3.0], ReplacementRule(ratio=0.25), strategy="reset_weights", iteration=8)
     done = Inbox(0).open(_inbox_job(reset, ranks, 0))
     assert done is not None and done.combined is None and done.donors == (), "reset_weights waits for nobody"
+
+
+def test_explore_reads_and_writes_only_the_chosen_param_groups():
+    """A model whose groups train at their own rates (torchgfn's logZ at 0.1 beside the policy's) explores
+    one group; the others keep their values, at the explore step and when assigned a donor's values."""
+    from popmesh.population.decisions.hparams import current_values
+    from popmesh.population.state.replace import set_hparams
+
+    def two_groups():
+        return torch.optim.Adam([{"params": nn.Linear(2, 2).parameters(), "lr": 1e-3},
+                                 {"params": [nn.Parameter(torch.zeros(1))], "lr": 0.1}])
+
+    first = Explore(resample_prob=0.0, param_groups=(0,))
+    opt = two_groups()
+    first.apply(opt, seed=1, iteration=3, rank=0)
+    assert opt.param_groups[0]["lr"] in (pytest.approx(8e-4), pytest.approx(1.2e-3))
+    assert opt.param_groups[1]["lr"] == 0.1
+    assert current_values(Explore(param_groups=(1,)), two_groups(), None) == {"lr": 0.1}
+    set_hparams(opt, {"lr": 5e-3}, first)
+    assert [g["lr"] for g in opt.param_groups] == [5e-3, 0.1]
+    set_hparams(opt, {"lr": 2e-3})  # no Explore: every group that has the key
+    assert [g["lr"] for g in opt.param_groups] == [2e-3, 2e-3]
+    with pytest.raises(ConfigError, match=r"param_groups \[2\] are not among the optimizer's 2 param group\(s\)"):
+        Explore(param_groups=(2,)).apply(two_groups(), 0, 0, 0)
+    for bad in ((), (0, 0), (-1,), (True,), ("0",)):
+        with pytest.raises(ConfigError, match="Explore param_groups must be distinct indexes"):
+            Explore(param_groups=bad)

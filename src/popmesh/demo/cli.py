@@ -1,4 +1,5 @@
-"""``popmesh demo``: population RL on CartPole or Acrobot over a real world, one command.
+"""``popmesh demo``: population RL on CartPole or Acrobot over a real world, one command; ``--task hypergrid``:
+a population of GFlowNets on torchgfn's hypergrid (examples/gfn_hypergrid.py).
 
 Registered with the CLI through the ``popmesh.commands`` entry point (see pyproject.toml).
 """
@@ -9,24 +10,33 @@ import argparse
 import json
 import sys
 
+from popmesh.core.errors import ConfigError
+from popmesh.demo import hypergrid
 from popmesh.demo.config import (
     ENVS,
     EXPLORABLE,
     OPTIMIZER_STATES,
     POLICIES,
     STRATEGIES,
+    TASKS,
     DemoConfig,
     parse_explore,
     parse_range,
 )
+from popmesh.demo.outputs import new_run_dir
 from popmesh.launch.cli import Command
 
-__all__ = ["COMMAND", "configure", "run_command", "shared_cores_note"]
+__all__ = ["COMMAND", "configure", "run_command", "run_hypergrid", "shared_cores_note"]
 
 
 def configure(p: argparse.ArgumentParser) -> None:
     defaults = DemoConfig()
-    p.add_argument("--ranks", type=int, default=defaults.ranks, help=f"agents, one per rank (default {defaults.ranks})")
+    p.add_argument("--task", choices=TASKS, default=defaults.task,
+                   help="cartpole (default): PPO agents on --env; hypergrid: GFlowNets on torchgfn's hypergrid with a "
+                        "replay-buffer service (examples/gfn_hypergrid.py; its own options after --)")
+    p.add_argument("--ranks", type=int, default=None,
+                   help=f"agents, one per rank (default {defaults.ranks}; --task hypergrid: {hypergrid.RANKS} ranks, "
+                        f"of which {hypergrid.RANKS - 2} trainers, a replay-buffer manager and the coordinator)")
     p.add_argument("--engine", choices=("torch", "mpi"), default=defaults.engine, help="engine (default torch/gloo)")
     p.add_argument("--policy", choices=POLICIES, default=defaults.policy, help="population policy (default async)")
     p.add_argument("--env", choices=tuple(ENVS), default=defaults.env,
@@ -83,6 +93,9 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "that imported torch (popmesh launch --preload): a restart then takes seconds")
     p.add_argument("--resume", default="", metavar="RUN",
                    help="resume from a run folder's newest complete checkpoint (or from one checkpoint)")
+    p.add_argument("task_args", nargs="*", metavar="-- OPTIONS",
+                   help="--task hypergrid: options for its script after --, e.g. -- --ndim 3 --height 8 --iterations "
+                        "600")
 
 
 def _range_text(pair: tuple[float, float]) -> str:
@@ -110,10 +123,11 @@ def run_command(ns: argparse.Namespace) -> int:
     if ns.no_explore and ns.explore != ",".join(DemoConfig().explore):
         print(f"popmesh demo: warning: --no-explore overrides --explore {ns.explore}: nothing is explored",
               file=sys.stderr)
-    config = DemoConfig(ranks=ns.ranks, engine=ns.engine, policy=ns.policy, env=ns.env, seed=ns.seed, steps=ns.steps,
-                        every=ns.every, strategy=ns.strategy, decide=ns.decide, explore_method=ns.explore_method,
-                        reference=ns.reference, optimizer=ns.optimizer, donors=ns.donors, warmup=ns.warmup,
-                        out_dir=ns.out,
+    ranks = ns.ranks if ns.ranks is not None else hypergrid.RANKS if ns.task == "hypergrid" else DemoConfig().ranks
+    config = DemoConfig(task=ns.task, ranks=ranks, engine=ns.engine, policy=ns.policy, env=ns.env, seed=ns.seed,
+                        steps=ns.steps, every=ns.every, strategy=ns.strategy, decide=ns.decide,
+                        explore_method=ns.explore_method, reference=ns.reference, optimizer=ns.optimizer,
+                        donors=ns.donors, warmup=ns.warmup, out_dir=ns.out,
                         live=not ns.no_live, stop_at_target=ns.stop_at_target,
                         checkpoint_every=ns.checkpoint_every,
                         checkpoint_keep=ns.checkpoint_keep, resume=ns.resume, max_restarts=ns.max_restarts,
@@ -121,6 +135,11 @@ def run_command(ns: argparse.Namespace) -> int:
                         lr_range=parse_range("--lr-range", ns.lr_range),
                         ent_range=parse_range("--ent-range", ns.ent_range),
                         terminal=sys.stdout.isatty(), baseline=ns.baseline)
+    if config.task == "hypergrid":
+        return run_hypergrid(config, ns.task_args, no_preload=ns.no_preload)
+    if ns.task_args:
+        raise ConfigError(f"{' '.join(ns.task_args)}: options after -- go to --task hypergrid's script; the CartPole "
+                          "task takes none")
     terminal = config.live and config.terminal and config.engine == "torch"
     result = launch("popmesh.demo.worker", ["--config", json.dumps(config.to_dict())], module=True,
                     nproc=config.ranks, engine=config.engine, quiet_others=True, rank0_terminal=terminal,
@@ -132,5 +151,23 @@ def run_command(ns: argparse.Namespace) -> int:
     return result.returncode
 
 
-COMMAND = Command("demo", "population RL on CartPole or Acrobot: one agent per rank, weak agents replaced",
+def run_hypergrid(config: DemoConfig, extra: list[str], no_preload: bool = False) -> int:
+    """``--task hypergrid``: examples/gfn_hypergrid.py on ``config.ranks`` ranks, into runs/<timestamp>/."""
+    from popmesh.launch.api import launch
+    from popmesh.launch.plan import cpu_count
+
+    script = hypergrid.script_path()
+    out = new_run_dir(config.out_dir)
+    args = hypergrid.script_args(config.policy, config.seed, config.lr_range, out, config.kill_at(), extra)
+    result = launch(str(script), args, nproc=config.ranks, engine=config.engine, quiet_others=True,
+                    max_restarts=config.max_restarts,
+                    preload=() if no_preload or config.engine == "mpi" else hypergrid.PRELOAD,
+                    oversubscription_note=hypergrid.cores_note(config.ranks, cpu_count(), config.policy))
+    if result.returncode != 0:
+        print(f"popmesh demo: a rank failed (exit {result.returncode}); see the summary above", file=sys.stderr)
+    return result.returncode
+
+
+COMMAND = Command("demo", "population RL on CartPole or Acrobot (or GFlowNets on a hypergrid, --task hypergrid): one "
+                          "agent per rank, weak agents replaced",
                   configure, run_command)

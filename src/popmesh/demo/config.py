@@ -14,13 +14,19 @@ from popmesh.demo.outputs import history_file
 from popmesh.population import Continuous, sample_hparams
 from popmesh.population import explore as pbt_explore
 
-__all__ = ["POLICIES", "STRATEGIES", "OPTIMIZER_STATES", "ENVS", "EXPLORABLE", "LR_RANGE", "ENT_RANGE", "DemoConfig",
-           "declarations", "explore_hyper", "initial_hyper", "parse_explore", "parse_range", "rank_hyper", "rank_seed"]
+__all__ = ["POLICIES", "STRATEGIES", "OPTIMIZER_STATES", "ENVS", "TASKS", "EXPLORABLE", "LR_RANGE", "ENT_RANGE",
+           "DemoConfig", "declarations", "explore_hyper", "initial_hyper", "parse_explore", "parse_range", "rank_hyper",
+           "rank_seed"]
 
 POLICIES = ("none", "average-all", "selective", "async")
 STRATEGIES = ("mean", "weighted_mean", "best_only")
 OPTIMIZER_STATES = ("reset", "keep", "copy")  # what a replaced agent's optimizer starts from
 ENVS = {"CartPole-v1": 475.0, "Acrobot-v1": -100.0}  # each task's target: mean return over the last 20 episodes
+TASKS = ("cartpole", "hypergrid")  # PPO agents on a gymnasium task, or GFlowNets on torchgfn's hypergrid
+# Options of the CartPole task that --task hypergrid does not take (its own go after --)
+CARTPOLE_ONLY = ("env", "steps", "every", "decide", "strategy", "optimizer", "donors", "warmup", "stop_at_target",
+                 "checkpoint_every", "checkpoint_keep", "resume", "baseline", "explore", "explore_method", "reference",
+                 "ent_range")
 EXPLORABLE = EXPLORED  # what --explore may name: the hyper-parameters the model carries with its weights
 LR_RANGE = (1e-5, 1e-1)  # where each rank draws its learning rate (log-uniform); explore stays within it
 ENT_RANGE = (1e-4, 1e-1)  # likewise for the entropy coefficient
@@ -58,6 +64,7 @@ class DemoConfig:
     ent_range: tuple[float, float] = ENT_RANGE  # and its entropy coefficient
     terminal: bool = False  # the user's stdout is a terminal (under mpiexec rank 0's is a pipe to it)
     baseline: str = ""  # an earlier run folder whose best agent returns.png draws beside this run
+    task: str = "cartpole"  # or "hypergrid": examples/gfn_hypergrid.py, a population of GFlowNets
 
     def __post_init__(self) -> None:
         put = object.__setattr__  # values that came through JSON (lists) become tuples
@@ -71,10 +78,30 @@ class DemoConfig:
             raise ConfigError(f"--explore {','.join(self.explore)}: name each of {', '.join(EXPLORABLE)} at most "
                               "once, comma-separated (or --no-explore to explore nothing)")
         self._check_counts()
+        self._check_task()
         if self.kill:
             self.kill_at()
         if self.baseline:
             _check_baseline(self.baseline, self.env)
+
+    def _check_task(self) -> None:
+        """``--task``: hypergrid takes the options it shares with CartPole, its own come after ``--``."""
+        if self.task not in TASKS:
+            raise ConfigError(f"--task {self.task!r}: choose one of {', '.join(TASKS)}")
+        if self.task == "cartpole":
+            return
+        defaults = DemoConfig()
+        given = [f"--{n.replace('_', '-')}" for n in CARTPOLE_ONLY if getattr(self, n) != getattr(defaults, n)]
+        if given:
+            raise ConfigError(f"{', '.join(given)}: the CartPole task's option(s); --task hypergrid takes its own "
+                              "after --, e.g. popmesh demo --task hypergrid -- --iterations 600 --every 25 (python "
+                              "examples/gfn_hypergrid.py --help lists them)")
+        if self.policy not in ("async", "average-all", "none"):
+            raise ConfigError(f"--policy {self.policy}: with --task hypergrid choose async (the default), average-all "
+                              "or none")
+        if self.ranks < 3:
+            raise ConfigError(f"--ranks {self.ranks}: --task hypergrid needs a trainer, the replay-buffer manager and "
+                              "the coordinator: 3 ranks or more (default 6, 4 of them trainers)")
 
     def _check_counts(self) -> None:
         if self.ranks < 1:

@@ -9,6 +9,7 @@ explores (the learning rate and the entropy coefficient) ride along with the wei
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, replace
@@ -69,6 +70,7 @@ def build_policy(hidden: int, lr: float = 2.5e-3, ent_coef: float = 0.01, observ
             no_bonus = -math.inf  # an entropy coefficient of 0 (exp(-inf) = 0)
             self.register_buffer("log_ent_coef", torch.tensor(math.log(ent_coef) if ent_coef > 0 else no_bonus,
                                                               dtype=torch.float32))
+            self.register_buffer("recent_returns", torch.full((WINDOW,), math.nan))
             self.actor = nn.Sequential(nn.Linear(observations, hidden), nn.Tanh(), nn.Linear(hidden, hidden),
                                        nn.Tanh(), nn.Linear(hidden, actions))
             self.critic = nn.Sequential(nn.Linear(observations, hidden), nn.Tanh(), nn.Linear(hidden, hidden),
@@ -78,6 +80,9 @@ def build_policy(hidden: int, lr: float = 2.5e-3, ent_coef: float = 0.01, observ
             return self.actor(obs), self.critic(obs).squeeze(-1)
 
     return ActorCritic()
+
+
+WINDOW = 20  # the episodes whose mean return is an agent's metric (and its target)
 
 
 class PPOLearner:
@@ -106,7 +111,7 @@ class PPOLearner:
         self.optimizer = self.make_optimizer(self.model)
         self.adopt_hyper()  # the values as the model carries them (float32), everywhere
         self.running = np.zeros(self.hyper.num_envs)
-        self.recent: deque[float] = deque(maxlen=20)
+        self.recent: deque[float] = deque(maxlen=WINDOW)
         self.total_steps = 0
 
     def make_optimizer(self, model: Any) -> Any:
@@ -180,6 +185,23 @@ class PPOLearner:
         self.running = np.zeros(self.hyper.num_envs)
         return iteration
 
+    def publish_returns(self) -> None:
+        """Write the last episodes' returns into the model's ``recent_returns`` buffer, so that they travel
+        with the weights: an agent that takes another's weights takes the returns they earned."""
+        import torch
+
+        values = torch.full((WINDOW,), math.nan)
+        values[:len(self.recent)] = torch.tensor(list(self.recent), dtype=torch.float32)
+        self.model.recent_returns.copy_(values)
+
+    def adopt_returns(self) -> None:
+        """After the population replaced this agent's weights: its metric is the returns that came with
+        them (the donor's; their mean over the window for several donors), not those of the weights it
+        no longer has."""
+        came = [float(v) for v in self.model.recent_returns if math.isfinite(float(v))]
+        self.recent.clear()
+        self.recent.extend(came)
+
     def mean_return(self) -> float:
         """Mean return of the last 20 finished episodes (NaN before the first one)."""
         return float(np.mean(self.recent)) if self.recent else float("nan")
@@ -198,6 +220,7 @@ class PPOLearner:
             loss = self._train(batch)
         steps = self.hyper.rollout * self.hyper.num_envs
         self.total_steps += steps
+        self.publish_returns()
         return IterationStats(steps, finished, loss)
 
     def _collect(self) -> tuple[dict[str, Any], list[float]]:

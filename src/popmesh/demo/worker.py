@@ -228,6 +228,7 @@ def _iterate(world: Any, config: DemoConfig, learner: PPOLearner, policy: Any, r
                                                     learner.optimizer, learner.score(), group=group, **loop)
         learner.optimizer = optimizer if optimizer is not None else learner.optimizer
         if info.replaced:
+            learner.adopt_returns()
             explored = _assigned(learner, info) if info.hparams and config.library_explores else \
                 _explore(config, learner, world.rank, iteration)
             event = {**_event(world.rank, learner, info, metric, config.warmup), **explored}
@@ -422,6 +423,7 @@ def _exploit(world: Any, config: DemoConfig, learner: PPOLearner, iteration: int
     if seeding is not None and world.rank in seeding.newcomers:
         learner.total_steps = int(seeding.counters["steps"])
         learner.adopt_hyper()
+        learner.adopt_returns()
         iteration = int(seeding.counters["iteration"])
     return seeding, iteration
 

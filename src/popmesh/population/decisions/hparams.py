@@ -29,7 +29,8 @@ _FLOAT, _INT, _BOOL, _CHOICE = 0.0, 1.0, 2.0, 3.0
 
 
 def current_values(explore: Explore, optimizer: Any, given: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The value of every key of ``explore``: the optimizer's first param group's entry, else ``given``'s.
+    """The value of every key of ``explore``: the entry of the first param group it explores
+    (:meth:`Explore.groups`), else ``given``'s.
 
     ConfigError naming a key found in neither (with where to put it), a ``given`` name that is not a
     key, and a value outside its declaration."""
@@ -38,7 +39,8 @@ def current_values(explore: Explore, optimizer: Any, given: Mapping[str, Any] | 
     if unknown:
         raise ConfigError(f"hparams= names {unknown}, which Explore(keys=...) does not declare ({list(explore.keys)}): "
                           "add them to keys= (with a space= entry for their bounds) or leave them out")
-    group = optimizer.param_groups[0] if optimizer is not None and getattr(optimizer, "param_groups", None) else {}
+    chosen = explore.groups(optimizer) if optimizer is not None else []
+    group = chosen[0] if chosen else {}
     values: dict[str, Any] = {}
     for key in explore.keys:
         if key in group:

@@ -52,16 +52,19 @@ def check_metric(metric: Any, iteration: int) -> float:
 class Explore:
     """Perturb a replaced agent's optimizer hyper-parameters after replacement (Ray PBT's explore).
 
-    ``keys`` name entries of every ``optimizer.param_groups`` dict (default the learning rate);
-    each is passed through :func:`popmesh.population.explore` with ``space``, ``perturb`` and
-    ``resample_prob``, seeded by (policy seed, iteration, global rank): deterministic and different
-    per agent. ``space`` may declare a key (``{"lr": Continuous(1e-5, 1e-1, log=True)}``); it names
-    no key outside ``keys``.
+    ``keys`` name entries of the ``optimizer.param_groups`` dicts (default the learning rate):
+    ``param_groups`` picks the groups by index (a value is read from the first of them and written to
+    each), None every group (then each must have the keys). A model whose groups train at their own
+    rates (torchgfn's ``logZ`` at 0.1 beside the policy's) explores one of them with
+    ``param_groups=(0,)`` and leaves the others alone. Each key is passed through
+    :func:`popmesh.population.explore` with ``space``, ``perturb`` and ``resample_prob``, seeded by
+    (policy seed, iteration, global rank): deterministic and different per agent. ``space`` may declare
+    a key (``{"lr": Continuous(1e-5, 1e-1, log=True)}``); it names no key outside ``keys``.
 
-    With :class:`AsyncSelectiveAveraging`'s ``decide="latest"`` a key may also be any value the
-    training loop reads (passed to the call as ``hparams=``), the replaced agent starts from its
-    donor's values (PBT's exploit), and ``pb2=PB2()`` chooses the declared continuous and integer
-    ones with PB2's model of the population's progress instead of the perturbation
+    With :class:`AsyncSelectiveAveraging`'s ``decide="latest"`` a key may also be any value the training
+    loop reads (passed to the call as ``hparams=``), the replaced agent starts from its donor's values
+    (PBT's exploit), and ``pb2=PB2()`` chooses the declared continuous and integer ones with PB2's model
+    of the population's progress instead of the perturbation
     (:mod:`~popmesh.population.decisions.hparams`).
     """
 
@@ -70,6 +73,7 @@ class Explore:
     perturb: tuple[float, ...] = (0.8, 1.2)
     resample_prob: float = 0.25
     pb2: Any = None
+    param_groups: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.keys or not all(isinstance(k, str) for k in self.keys):
@@ -81,17 +85,35 @@ class Explore:
             raise ConfigError(f"Explore space names {unknown}, which are not among keys {list(self.keys)}: "
                               "add them to keys= or take them out of space=")
         check_space(self.space, self.perturb, self.resample_prob)
+        if self.param_groups is not None:
+            groups = tuple(self.param_groups)
+            if not groups or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in groups) \
+                    or len(set(groups)) != len(groups):
+                raise ConfigError(f"Explore param_groups must be distinct indexes of optimizer.param_groups, like "
+                                  f"(0,), or None for every group; got {self.param_groups!r}")
+            object.__setattr__(self, "param_groups", groups)
         if self.pb2 is not None:
             from popmesh.population.decisions.pb2 import PB2
 
             if not isinstance(self.pb2, PB2):
                 raise ConfigError(f"Explore(pb2=...) takes a PB2(...) of its options, got {type(self.pb2).__name__}")
 
+    def groups(self, optimizer: Any) -> list[dict[str, Any]]:
+        """The param groups of ``optimizer`` that the keys are read from (the first) and written to."""
+        every = list(getattr(optimizer, "param_groups", ()))
+        if self.param_groups is None:
+            return every
+        outside = [i for i in self.param_groups if i >= len(every)]
+        if outside:
+            raise ConfigError(f"Explore param_groups {list(outside)} are not among the optimizer's {len(every)} "
+                              f"param group(s): give indexes below {len(every)}")
+        return [every[i] for i in self.param_groups]
+
     def apply(self, optimizer: Any, seed: int, iteration: int, rank: int) -> dict[str, list[Any]]:
-        """Perturb ``optimizer``'s param groups in place; return ``{key: [old, new]}`` (first group)."""
+        """Perturb ``optimizer``'s chosen param groups in place; return ``{key: [old, new]}`` (the first)."""
         changed: dict[str, list[Any]] = {}
         rng = np.random.default_rng([seed, iteration, rank])
-        for group in optimizer.param_groups:
+        for group in self.groups(optimizer):
             missing = [k for k in self.keys if k not in group]
             if missing:
                 raise ConfigError(f"Explore keys {missing} are not optimizer hyper-parameters; "

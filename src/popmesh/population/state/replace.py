@@ -15,7 +15,7 @@ import numpy as np
 
 from popmesh.core.errors import ConfigError
 from popmesh.population.decisions.combine import OptimizerPolicy, apply_momentum
-from popmesh.population.decisions.options import SelectiveOptions
+from popmesh.population.decisions.options import Explore, SelectiveOptions
 from popmesh.population.state.model_state import (
     Layout,
     from_numpy,
@@ -86,10 +86,11 @@ def _optimizer(opts: SelectiveOptions, model: Any, optimizer: Any, donor_state: 
     return reset_optimizer(model, optimizer, opts.optimizer_builder)
 
 
-def set_hparams(optimizer: Any, values: Mapping[str, Any]) -> None:
-    """Write ``values`` into every param group of ``optimizer`` that has the key (the others are the
-    training loop's to adopt, from :attr:`PolicyInfo.hparams`)."""
-    for group in getattr(optimizer, "param_groups", ()):
+def set_hparams(optimizer: Any, values: Mapping[str, Any], explore: Explore | None = None) -> None:
+    """Write ``values`` into every param group of ``optimizer`` that ``explore`` explores (all without
+    it) and has the key (the others are the training loop's to adopt, from :attr:`PolicyInfo.hparams`)."""
+    groups = explore.groups(optimizer) if explore is not None else getattr(optimizer, "param_groups", ())
+    for group in groups:
         for key, value in values.items():
             if key in group:
                 group[key] = value
@@ -110,7 +111,7 @@ def apply_replacement(opts: SelectiveOptions, model: Any, optimizer: Any,
     install_weights(tensors, layout, combined, opts.momentum)
     new_opt, text = _optimizer(opts, model, optimizer, donor_state, source)
     if assigned is not None:
-        set_hparams(new_opt, assigned)
+        set_hparams(new_opt, assigned, opts.explore)
         before = {} if previous is None else previous
         return Applied(new_opt, text, {k: [before.get(k), v] for k, v in assigned.items()})
     hparams = {} if opts.explore is None or new_opt is None else opts.explore.apply(new_opt, opts.seed,
