@@ -32,6 +32,19 @@ def test_a_rank_is_judged_when_it_reports_against_the_others_latest_without_wait
     assert book.in_flight == {0: (0, 1)} and book.judged == 4
 
 
+def test_members_not_heard_from_can_count_below_the_judged_rank():
+    book = LatestBook(4, LatestRules(relative_gap=0.3, absolute_gap=0.0, count_absent=True))
+    for r, m in ((1, 4.0), (2, 3.0)):
+        book.record(r, report(0, m))
+    verdict = book.record(0, report(0, 1.0))  # rank 3 never reported: it counts below rank 0, 3rd of 4
+    assert not verdict.replace and "1 member(s) not compared yet count below it" in verdict.reason
+    book.record(3, report(0, 2.0))  # nobody waited for rank 3: its first report is simply there next time
+    verdict = book.record(0, report(1, 1.0))
+    assert verdict.replace and verdict.donors == (1,) and set(verdict.objectives) == {0, 1, 2, 3}
+    with pytest.raises(ConfigError, match="count_absent must be True or False"):
+        LatestRules(count_absent=1)
+
+
 def test_one_decision_in_flight_per_replaced_rank_not_per_group():
     book = LatestBook(4, GAP)
     for r, m in ((1, 5.0), (2, 4.0)):

@@ -118,6 +118,11 @@ class LatestRules:
     """Experience after a replacement before the next: 0, the cadence alone, as in Ray PBT."""
     burn_in: float = 0.0
     """Experience before the first replacement: Ray PBT's ``burn_in_period`` default."""
+    count_absent: bool = False
+    """True: members with no comparable report yet (a slower rank before its first report) count in
+    the quantile, below the judged agent, so nobody is judged bottom on part of the population; False
+    (the default, Ray PBT's way with trials that have no result yet) judges among the members heard
+    from. On the demo's CartPole population True delayed the first replacements without saving steps."""
     max_donors: int | None = None
     """At most this many donors, the best first; None is all of them: popmesh's mean of donors."""
     history: int = 32
@@ -134,8 +139,9 @@ class LatestRules:
         _non_negative(self, "absolute_gap", "in the objective's units")
         for name in ("interval", "cooldown", "burn_in"):
             _non_negative(self, name, f"in {self.clock}")
-        if not isinstance(self.match_experience, bool):
-            raise ConfigError(f"LatestRules.match_experience must be True or False, got {self.match_experience!r}")
+        for name in ("match_experience", "count_absent"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"LatestRules.{name} must be True or False, got {getattr(self, name)!r}")
         if self.max_donors is not None and (not _count(self.max_donors) or self.max_donors < 1):
             raise ConfigError(f"LatestRules.max_donors must be a positive int or None, got {self.max_donors!r}")
         if not _count(self.history) or self.history < 1:
@@ -331,31 +337,34 @@ def judge(rank: int, reports: Sequence[Report], state: LatestState, rules: Lates
     if len(values) < 2:
         why = f"not replaced: no other member has a report at or below {_fmt(clock)} {rules.clock}"
         return Verdict(rank, False, (), why, values), state
-    return _rank_and_choose(rank, values, by_rank, state, rules)
+    members = sum(1 for r in range(len(state.history)) if r not in gone) if rules.count_absent else len(values)
+    return _rank_and_choose(rank, values, by_rank, state, rules, members)
 
 
 def _rank_and_choose(rank: int, values: dict[int, float], by_rank: Mapping[int, Report], state: LatestState,
-                     rules: LatestRules) -> tuple[Verdict, LatestState]:
-    """The quantile and gap rules over the comparable ``values``."""
+                     rules: LatestRules, members: int) -> tuple[Verdict, LatestState]:
+    """The quantile and gap rules over the comparable ``values``, in a population of ``members`` (the
+    ones without a value count below ``rank``)."""
     n = len(values)
     best_first = sorted(values, key=lambda r: (-values[r], r))
-    k = min(max(1, math.ceil(n * rules.quantile_fraction - _SLACK)), n // 2)
+    k = min(max(1, math.ceil(members * rules.quantile_fraction - _SLACK)), members // 2)
     place = best_first.index(rank) + 1
     own = values[rank]
-    if place <= n - k:
-        why = f"not replaced: objective {_fmt(own)} is {_ordinal(place)} of {n}, above the bottom {k}"
+    if place <= members - k:
+        absent = f" ({members - n} member(s) not compared yet count below it)" if members > n else ""
+        why = f"not replaced: objective {_fmt(own)} is {_ordinal(place)} of {members}, above the bottom {k}{absent}"
         return Verdict(rank, False, (), why, values), state
     top = best_first[:k]
     chosen = [d for d in top if _leads(own, values[d], rules)][:rules.max_donors]
     if not chosen:
         lead = values[top[0]] - own
-        why = (f"not replaced: bottom {k} of {n} (objective {_fmt(own)}), but no top-{k} member leads by both "
+        why = (f"not replaced: bottom {k} of {members} (objective {_fmt(own)}), but no top-{k} member leads by both "
                f"gaps: rank {top[0]} leads by {_fmt(lead)}, needs > {_fmt(rules.absolute_gap)} and > "
                f"{_fmt(rules.relative_gap * abs(values[top[0]]))}")
         return Verdict(rank, False, (), why, values), state
     donors = tuple(sorted(chosen))
-    why = (f"replaced: objective {_fmt(own)} is {_ordinal(place)} of {n} (bottom {k}); donors {list(donors)} lead "
-           f"by more than {_fmt(rules.absolute_gap)} and {_fmt(rules.relative_gap)} of their objective")
+    why = (f"replaced: objective {_fmt(own)} is {_ordinal(place)} of {members} (bottom {k}); donors {list(donors)} "
+           f"lead by more than {_fmt(rules.absolute_gap)} and {_fmt(rules.relative_gap)} of their objective")
     hparams = {d: by_rank[d].hparams if d in by_rank else {} for d in donors}
     last = tuple(rules.clock_of(by_rank[rank]) if r == rank else t for r, t in enumerate(state.last_replaced))
     return Verdict(rank, True, donors, why, values, hparams), state._replace(last_replaced=last)
