@@ -167,7 +167,7 @@ def test_demo_population_carries_on_when_a_rank_is_lost(tmp_path):
     """--kill 1:4 with --max-restarts 1: rank 1 dies at iteration 4, is restarted, rejoins seeded by the
     best survivors, and every agent reaches the step budget; the loss and the rejoin are in
     events.jsonl and summary.json; the survivors trained on as a population of two while it restarted
-    (replacing each other, never it) and their iterations ran on (none repeated), checkpointing among
+    (replacing each other where one trails, never it) and their iterations ran on (none repeated), checkpointing among
     themselves. A run resumed from such a checkpoint seeds rank 1 from the others, as at a rejoin. The ranks
     start anew (--no-preload): a forked restart is back before the survivors have decided anything;
     the resumed run forks them."""
@@ -194,7 +194,9 @@ def test_demo_population_carries_on_when_a_rank_is_lost(tmp_path):
     assert kinds == [("lost", 1), ("rejoined", 1)], kinds
     lost_at = next(e for e in events if e.get("kind") == "lost")["iteration"]  # where a survivor noticed
     assert 4 <= lost_at < rejoined["iteration"], events
-    _decided_among_survivors(events, lost=1, survivors=2)
+    # Two survivors that share one agent's weights (and so its returns) can stay level through the hole: then
+    # they replace nothing, and the checkpoints they wrote alone (below) show that they went on as a population.
+    _decided_among_survivors(events, lost=1, survivors=2, required=False)
     assert summary["replacements"] == len(events) - 2
     assert "rank 1 was lost and rejoined after" in done.stdout
     rows = [json.loads(line) for line in (run / "history.jsonl").read_text().splitlines()]
@@ -238,14 +240,15 @@ def test_a_lockstep_policy_carries_on_among_the_survivors_and_meets_the_rejoined
     assert all("of 3 agents" in e["summary"] for e in after), events
 
 
-def _decided_among_survivors(events, lost, survivors):
+def _decided_among_survivors(events, lost, survivors, required=True):
     """The survivors' policy decided among them while ``lost`` restarted: replacements of a population of
-    ``survivors`` (named in global ranks), between the loss and the rejoin, none picking ``lost``. A
-    decision of the whole population made just before the loss may be recorded a moment after a
-    survivor noticed it, so the window alone does not tell them apart. Returns the rejoin's time."""
+    ``survivors`` (named in global ranks; at least one if ``required``), between the loss and the rejoin,
+    none picking ``lost``. A decision of the whole population made just before the loss may be recorded a
+    moment after a survivor noticed it, so the window alone does not tell them apart. Returns the rejoin's
+    time."""
     noticed, back = (next(e["time"] for e in events if e.get("kind") == kind) for kind in ("lost", "rejoined"))
     among = [e for e in events if "kind" not in e and f"of {survivors} agents" in e["summary"]]
-    assert among, events
+    assert among or not required, events
     assert all(e["rank"] != lost and lost not in e["donors"] and noticed < e["time"] < back for e in among), events
     return back
 
