@@ -17,27 +17,10 @@ import popmesh
 import popmesh.compat.spawn_policy as sp
 from popmesh import ConfigError
 from popmesh.core.errors import NotInGroup
+from workers.compat_spawn_policy_worker import METRIC, builder, model_of, weights
 from worldlib import check, main, need_ranks
 
 torch.set_num_threads(1)
-METRIC = {r: 1.0 if r == 0 else 4.0 + r for r in range(8)}
-
-
-def model_of(value):
-    model = torch.nn.Linear(3, 2)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.fill_(value)
-    return model
-
-
-def builder():
-    model = model_of(7.0)
-    return model, torch.optim.SGD(model.parameters(), lr=0.1)
-
-
-def weights(model):
-    return sorted({v for p in model.parameters() for v in p.detach().reshape(-1).tolist()})
 
 
 def run(w, policy, calls=True, **group):
