@@ -2,20 +2,25 @@
 
 After ``world.reform()`` the survivors and the restarted process (it finds itself in
 ``world.newcomers`` after ``init()``) call :func:`hand_over` together; every rank then holds the
-state of one survivor, so no rank starts over. The optimizer's state travels through popmesh's safe
-codec (no pickle): its tensors as a dict of arrays, the rest (parameter groups, plain numbers) as JSON.
+state of one survivor, so no rank starts over. The state is streamed (:mod:`popmesh.torch.stream`):
+the small metadata first, then the tensors in chunks of at most 64 MiB, written straight into the
+receivers' parameters and buffers, the optimizer's state allocated once and loaded; the donor never
+holds a second copy, and no pickle is involved. With several newcomers, ``donors=`` spreads the
+chunks over several survivors.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from popmesh.comm.collectives import broadcast_object
+from popmesh.comm.collectives import all_gather_object, broadcast_object
 from popmesh.comm.world import Comm, resolve_group
 from popmesh.core.errors import ConfigError
-from popmesh.torch.params import broadcast_params_
+from popmesh.torch.chunking import hand_over_roles
+from popmesh.torch.stream import stream_state_
 
 __all__ = ["hand_over", "donor_of", "broadcast_optimizer_state"]
 
@@ -23,7 +28,11 @@ __all__ = ["hand_over", "donor_of", "broadcast_optimizer_state"]
 def donor_of(group: Comm | None = None) -> int:
     """The lowest rank of ``group`` that is not new in the current generation: the one to copy."""
     comm = resolve_group(group)
-    survivors = [r for r in comm.ranks if r not in comm.world.newcomers]
+    return _first_survivor(comm, comm.world.newcomers)
+
+
+def _first_survivor(comm: Comm, newcomers: Sequence[int]) -> int:
+    survivors = [r for r in comm.ranks if r not in newcomers]
     if not survivors:
         raise ConfigError(f"every rank of {list(comm.ranks)} joined as a new process: no survivor holds the run's "
                           "state to hand over; resume from a checkpoint instead")
@@ -32,62 +41,35 @@ def donor_of(group: Comm | None = None) -> int:
 
 def hand_over(module: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
               state: Any = None, *, src: int | None = None, group: Comm | None = None,
-              timeout: float | None = None) -> Any:
+              timeout: float | None = None, donors: int = 1, newcomers: Sequence[int] | None = None,
+              chunk_bytes: int | None = None) -> Any:
     """Give every rank of ``group`` rank ``src``'s ``module`` weights and buffers (in place),
     ``optimizer`` state (loaded) and ``state`` (a JSON value; returned). ``src``: :func:`donor_of`.
 
     Every rank of ``group`` must call it with the same kinds of arguments (a module or None, an
-    optimizer or None); other ranks' ``state`` is ignored.
+    optimizer or None) of the same structure; a rank whose model differs (a name, dtype or shape) makes
+    it a ConfigError on every rank, naming the tensor. Other ranks' ``state`` is ignored.
+
+    ``donors``: with more than one, only the newcomers (``newcomers``, default ``world.newcomers``)
+    take the state, and ``src`` and the next lowest survivors, up to ``donors`` ranks that hold the
+    same state (data-parallel ranks do), each send a share of the chunks. ``chunk_bytes``: the
+    largest message (default 64 MiB; the donor stages at most two).
     """
     comm = resolve_group(group)
-    src = donor_of(comm) if src is None else src
-    if module is not None:
-        broadcast_params_(module, src=src, group=comm, timeout=timeout)
-    if optimizer is not None:
-        broadcast_optimizer_state(optimizer, src, group=comm, timeout=timeout)
+    new = tuple(r for r in (comm.world.newcomers if newcomers is None else newcomers) if r in comm.ranks)
+    src = _first_survivor(comm, new) if src is None else src
+    givers, takers = hand_over_roles(comm.ranks, src, new, donors)
+    stream_state_(module, optimizer, donors=givers, receivers=takers, group=comm, timeout=timeout,
+                  chunk_bytes=chunk_bytes)
     return broadcast_object(state if comm.rank == src else None, src=src, group=comm, timeout=timeout)
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, src: int, *, group: Comm | None = None,
                               timeout: float | None = None, load: bool = True) -> None:
     """Load rank ``src``'s optimizer state into every rank's ``optimizer`` (same parameters, same kind),
-    without pickle: the tensors as a dict of arrays, the rest as JSON. Every rank of ``group`` calls it;
-    ``load=False`` takes part without loading (a rank that keeps its own state)."""
+    streamed as :func:`hand_over` does. Every rank of ``group`` calls it; ``load=False`` takes part
+    without loading (a rank that keeps its own state: nothing is sent to it)."""
     comm = resolve_group(group)
-    mine = comm.rank == src
-    meta, tensors = _split(optimizer.state_dict()) if mine else (None, None)
-    meta = broadcast_object(meta, src=src, group=comm, timeout=timeout)
-    tensors = broadcast_object(tensors, src=src, group=comm, timeout=timeout)
-    if load and not mine:
-        optimizer.load_state_dict(_join(meta, tensors))
-
-
-def _split(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """An optimizer's state dict as JSON (keys as text) plus its tensors under ``"param/name"`` keys."""
-    tensors: dict[str, torch.Tensor] = {}
-    plain: dict[str, dict[str, Any]] = {}
-    for param, entries in state_dict["state"].items():
-        plain[str(param)] = {}
-        for name, value in entries.items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"{param}/{name}"] = value.detach().cpu()
-            else:
-                plain[str(param)][name] = value
-    return {"state": plain, "param_groups": _json(state_dict["param_groups"])}, tensors
-
-
-def _join(meta: dict[str, Any], tensors: dict[str, Any]) -> dict[str, Any]:
-    state: dict[int, dict[str, Any]] = {int(param): dict(entries) for param, entries in meta["state"].items()}
-    for key, value in tensors.items():
-        param, name = key.split("/", 1)
-        state.setdefault(int(param), {})[name] = torch.as_tensor(value)
-    return {"state": state, "param_groups": meta["param_groups"]}
-
-
-def _json(value: Any) -> Any:
-    """Tuples as lists (JSON has none); everything else as it is."""
-    if isinstance(value, (list, tuple)):
-        return [_json(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _json(v) for k, v in value.items()}
-    return value
+    loads = all_gather_object(bool(load), group=comm, timeout=timeout)
+    receivers = [r for r, wants in zip(comm.ranks, loads) if wants and r != src]
+    stream_state_(None, optimizer, donors=[src], receivers=receivers, group=comm, timeout=timeout)

@@ -7,8 +7,10 @@ the mean of their weights and floating buffers (the demo's learning rate rides a
 the best donor's optimizer state (its hyper-parameters included) and its counters. Survivors keep
 their own agents: nobody loses an iteration.
 
-Decisions are pure (:func:`choose_donors`); the movement is one fused all-reduce in which only the
-donors contribute, plus one broadcast of the best donor's optimizer state and counters.
+Decisions are pure (:func:`choose_donors`); the movement is an all-reduce per chunk of the weights (at
+most 64 MiB, so no rank holds a second copy of its model) in which only the donors contribute, the
+best donor's optimizer state streamed to the newcomers alone (:mod:`popmesh.torch.stream`), and one
+broadcast of its counters.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from popmesh.comm.collectives import all_gather_object, all_reduce, broadcast_ob
 from popmesh.comm.world import Comm, resolve_group
 from popmesh.core.errors import ConfigError
 from popmesh.population.state.model_state import model_tensors
-from popmesh.torch.handover import broadcast_optimizer_state
+from popmesh.torch.chunking import DEFAULT_CHUNK_BYTES, TensorSpec, plan_chunks
+from popmesh.torch.stream import element_views, stream_state_
 
 __all__ = ["Seeding", "choose_donors", "seed_newcomers"]
 
@@ -68,16 +71,30 @@ def seed_newcomers(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
                for m in all_gather_object(None if math.isnan(metric) else metric, group=comm, timeout=timeout)]
     chosen = choose_donors(metrics, comm.ranks, newcomers, donors)
     weight = 1.0 / len(chosen)
-    tensors = model_tensors(model, include_buffers)
-    with torch.no_grad():
-        share = {name: t.detach() * weight if comm.rank in chosen else torch.zeros_like(t)
-                 for name, t in tensors.items()}
-        mean = all_reduce(share, "sum", group=comm, timeout=timeout)
-        if comm.rank in newcomers:
-            for name, t in tensors.items():
-                t.copy_(mean[name])
+    _mean_into_newcomers(model_tensors(model, include_buffers), chosen, newcomers, weight, comm, timeout)
     if optimizer is not None:
-        broadcast_optimizer_state(optimizer, chosen[0], group=comm, timeout=timeout, load=comm.rank in newcomers)
+        stream_state_(None, optimizer, donors=chosen[:1], receivers=newcomers, group=comm, timeout=timeout)
     taken = broadcast_object(dict(counters or {}) if comm.rank == chosen[0] else None, src=chosen[0], group=comm,
                              timeout=timeout)
     return Seeding(newcomers, tuple(chosen), (weight,) * len(chosen), taken)
+
+
+def _mean_into_newcomers(tensors: Mapping[str, torch.Tensor], donors: Sequence[int], newcomers: Sequence[int],
+                         weight: float, comm: Comm, timeout: float | None,
+                         chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+    """The donors' weighted sum of ``tensors`` written into the newcomers' own, one all-reduce per chunk
+    of at most ``chunk_bytes``: every rank holds at most a few chunks beside its model."""
+    names = list(tensors)
+    specs = [TensorSpec(name, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for name, t in tensors.items()]
+    giving, taking = comm.rank in donors, comm.rank in newcomers
+    with torch.no_grad():
+        for chunk in plan_chunks(specs, chunk_bytes):
+            views: dict[str, torch.Tensor] = {}
+            for piece in chunk.pieces:
+                for j, v in enumerate(element_views(tensors[names[piece.tensor]].detach(), piece.start, piece.stop)):
+                    views[f"{piece.tensor}:{piece.start}:{j}"] = v
+            share = {key: v * weight if giving else torch.zeros_like(v) for key, v in views.items()}
+            mean = all_reduce(share, "sum", group=comm, timeout=timeout)
+            if taking:
+                for key, v in views.items():
+                    v.copy_(mean[key])
