@@ -27,8 +27,9 @@ _DONE = re.compile(r"DONE rank=(\d+) gen=(\d+) step=(\d+) good=(\w+) restart=(\d
 def _launch(*args: str, budget: int = 2, nproc: int = 3, op: str = "all_reduce", mode: str = "wait",
             hard_s: float = 100, preload: bool = True, **extra: str) -> subprocess.CompletedProcess[str]:
     """Most tests fork the ranks and their restarts (--preload torch: no 2 s import each). Those whose
-    survivors must work while the lost rank restarts start every process anew, as a plain launch does
-    (the restart then takes seconds), and so does one of the first runs."""
+    survivors must work while the lost rank restarts start every process anew, as a plain launch does,
+    and hold the restart 3 s (SURVIVE_RESTART_DELAY_S: a fast machine imports torch in one); so does
+    one of the first runs, unheld."""
     env = {**os.environ, "SURVIVE_OP": op, "POPMESH_TIMEOUT": "60", "SURVIVE_MODE": mode, "SURVIVE_PROBE": "1", **extra}
     forked = ["--preload", "torch"] if preload else []
     return subprocess.run([sys.executable, "-m", "popmesh", "launch", "-n", str(nproc), "--max-restarts", str(budget),
@@ -60,7 +61,7 @@ def test_survivors_carry_on_alone_until_the_restarted_rank_is_there(victim, op):
     """world.try_reform(): the survivors leave the broken generation at once, work on while the lost rank
     restarts (it takes seconds to import torch), and re-form once it waits; a collective in between is a
     ConfigError that says what to do, not torch's uninitialised-group error."""
-    done = _launch("150", str(victim), "60", op=op, mode="carry-on", preload=False)
+    done = _launch("150", str(victim), "60", op=op, mode="carry-on", preload=False, SURVIVE_RESTART_DELAY_S="3")
     assert done.returncode == 0, done.stderr[-3000:]
     expected = {r: (1, 150, True, 1 if r == victim else 0) for r in range(3)}
     assert _done(done.stdout) == expected, done.stdout[-3000:]
@@ -81,7 +82,8 @@ def test_survivors_go_on_together_until_the_restarted_rank_is_there():
     and messages, right against the group's own closed form) while it restarts, then re-form. Rank 0 had
     a send to the lost rank that gloo never ends (SURVIVE_STUCK_SEND): it fails with the loss, and leaving
     the broken world does not wait for it (it took 7 s: 5 s flushing sends, 2 s joining their worker)."""
-    done = _launch("150", "2", "60", nproc=4, mode="together", preload=False, SURVIVE_STUCK_SEND="1")
+    done = _launch("150", "2", "60", nproc=4, mode="together", preload=False, SURVIVE_STUCK_SEND="1",
+                   SURVIVE_RESTART_DELAY_S="3")
     assert done.returncode == 0, done.stderr[-3000:]
     lost = float(re.search(r"LOST rank=0 step=\d+ t=([\d.]+)", done.stdout)[1])
     grouped = float(re.search(r"SURVIVORS rank=0 ranks=\[[\d, ]+\] t=([\d.]+)", done.stdout)[1])

@@ -15,7 +15,9 @@ SURVIVE_KILL_FORMING=RANK:STAGE that rank's first process SIGKILLs itself while 
 generation forms, after it checked in: at STAGE "checked-in" as it starts the process group (before
 gloo has its address), at "published" right after gloo stored its address (the others may be
 connecting to it). With SURVIVE_STUCK_SEND=1 rank 0 has a send to VICTIM that never ends queued just
-before the kill (see gloo_loses_a_send). GEN, KILLING, LOST and SURVIVORS lines carry the time.
+before the kill (see gloo_loses_a_send). SURVIVE_RESTART_DELAY_S holds a restarted process that
+long before init(), as a slow import would: the survivors then surely work before it waits. GEN,
+KILLING, LOST and SURVIVORS lines carry the time.
 """
 
 import os
@@ -110,6 +112,8 @@ def gloo_loses_a_send(to: int) -> None:
 forming = os.environ.get("SURVIVE_KILL_FORMING")
 if forming and restart == 0 and int(forming.split(":")[0]) == int(os.environ["RANK"]):
     die_while_forming(int(os.environ["RANK"]), forming.split(":")[1])
+if restart > 0:
+    time.sleep(float(os.environ.get("SURVIVE_RESTART_DELAY_S", "0")))
 world = popmesh.init()
 expected = world.size * (world.size + 1) / 2
 
