@@ -5,7 +5,8 @@ barrier with it (tests/world/scripts/gfn_buffer_failure.py).
 
 * mpiexec: the failing rank tells its peers and aborts MPI, and mpiexec ends the job;
 * torchrun and ``popmesh launch``: the launcher ends the others once rank 0 exits;
-* no launcher at all (three processes started by hand): the peers, told by rank 0, end themselves:
+* no launcher that ends the job (three processes started by hand, or as srun starts a step's tasks, with
+  only Slurm's variables): the peers, told by rank 0, end themselves:
   trainer 1's barrier fails at once and names rank 0, and the buffer rank, blocked where popmesh
   cannot interrupt it, is ended within the take-down grace, saying where it was.
 
@@ -74,13 +75,25 @@ def _launch(cmd: list[str], log: Path) -> tuple[float, list[int], str]:
     return _wait([proc], [log])
 
 
-def _by_hand(tmp_path: Path) -> tuple[float, list[int], str]:
-    """Three ranks started as plain `python script.py` with torch's variables: nobody ends the job."""
+def _started_as(starter: str, rank: int, port: int) -> dict[str, str]:
+    """What a rank's environment holds, besides the store: torch's variables for a start by hand, only
+    srun's for a task of a Slurm step (one node; srun keeps the other tasks running when one fails,
+    unless told --kill-on-bad-exit)."""
+    if starter == "by hand":
+        return {"RANK": str(rank), "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    return {"SLURM_PROCID": str(rank), "SLURM_NTASKS": "3", "SLURM_STEP_ID": "0", "SLURM_NODEID": "0",
+            "SLURM_LOCALID": str(rank), "SLURM_STEP_NODELIST": "localhost", "SLURM_JOB_ID": "4242",
+            "SLURM_STEP_TASKS_PER_NODE": "3", "SLURM_NNODES": "1", "MASTER_PORT": str(port)}
+
+
+def _by_hand(tmp_path: Path, starter: str = "by hand") -> tuple[float, list[int], str]:
+    """Three ranks started as plain `python script.py` (``starter``: "by hand" with torch's variables,
+    "srun" with a Slurm task's): nobody ends the job."""
     procs, logs = [], []
     with store_listener() as listener:
         for rank in range(3):
-            env = dict(_env(), RANK=str(rank), WORLD_SIZE="3", MASTER_ADDR="127.0.0.1",
-                       MASTER_PORT=str(port_of(listener)), **(store_env(listener) if rank == 0 else {}))
+            env = dict(_env(), **_started_as(starter, rank, port_of(listener)),
+                       **(store_env(listener) if rank == 0 else {}))
             logs.append(tmp_path / f"rank{rank}.log")
             fds = (listener.fileno(),) if rank == 0 else ()
             with open(logs[-1], "wb") as out:
@@ -122,10 +135,11 @@ def test_a_failing_trainer_ends_the_world_under_a_launcher(launcher: str, tmp_pa
 
 @needs_torchgfn
 @pytest.mark.timeout(HARD_S + 20)
-def test_without_a_launcher_the_peers_end_themselves(tmp_path: Path) -> None:
-    ended, codes, output = _by_hand(tmp_path)
+@pytest.mark.parametrize("starter", ["by hand", "srun"])
+def test_without_a_launcher_the_peers_end_themselves(starter: str, tmp_path: Path) -> None:
+    ended, codes, output = _by_hand(tmp_path, starter)
     seconds = ended - _failed_at(output)
-    print(f"no launcher: the world ended {seconds:.2f} s after rank 0 failed")
+    print(f"{starter}: the world ended {seconds:.2f} s after rank 0 failed")
     assert seconds < TAKE_DOWN_END_S and codes == [1, 1, 1], (seconds, codes, output[-4000:])
     assert FAILED in output, output[-4000:]
     assert "popmesh: before this error, rank(s) [0] of this world had failed: rank 0 failed: ValueError: " \

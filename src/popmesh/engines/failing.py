@@ -100,6 +100,9 @@ def _hook(etype: type[BaseException], value: BaseException, tb: TracebackType | 
     with _lock:
         announcers = list(_announcers)
     mpi_up = _mpi_up()
+    # Before the peers are told: a peer told that this rank fails closes its connection to it, which
+    # would read here as that peer lost too.
+    known = _known_failures(announcers, settle=_lost_a_peer(value))
     if announcers or mpi_up:
         who = f"rank {announcers[0].rank}" if announcers else "this rank"
         steps = (["its peers are told"] if announcers else []) + (["MPI is aborted"] if mpi_up else [])
@@ -109,7 +112,6 @@ def _hook(etype: type[BaseException], value: BaseException, tb: TracebackType | 
             announcer.announce_failing(describe(value))
         except Exception:
             pass  # the peers still find this rank gone through their heartbeats
-    known = _known_failures(announcers, settle=_lost_a_peer(value))
     if known:
         _write(f"popmesh: before this error, rank(s) {sorted(known)} of this world had failed: "
                + "; ".join(str(known[r]) for r in sorted(known)) + "\n")
