@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from popmesh.comm.agreement import agree
-from popmesh.comm.collectives import _setup, describe_one
+from popmesh.comm.collectives import _setup, describe_one, device_of
 from popmesh.comm.fusion import fresh_copy, is_contiguous, write_back
 from popmesh.comm.guard import start_checked
 from popmesh.comm.reduction import engine_view, finish_, lowering_of
@@ -66,7 +66,7 @@ def _start(x: Any, op: Any, group: Comm | None, timeout: float | None, *, in_pla
         agree(comm, describe_one(reduce_op, x), "all_reduce", seconds)
         pending = start([buf])
     else:
-        pending = start_checked(comm, ("all_reduce_async", reduce_op, x.dtype, x.shape, getattr(x, "device", None)),
+        pending = start_checked(comm, ("all_reduce_async", reduce_op, x.dtype, x.shape, device_of(x)),
                                 lambda: describe_one(reduce_op, x, "all_reduce_async"), [buf], start,
                                 seconds, "all_reduce", writes_input=buf is x)
 

@@ -83,7 +83,7 @@ def _run_checked(comm: Comm, what: str, extra: Any, tree: Any, arrays: list[Any]
     if comm.check:
         agree(comm, _describe(what, text, tree, arrays), what, timeout)
         return body(arrays, timeout)
-    key = (what, extra, tree, tuple((a.dtype, tuple(a.shape), _device(a)) for a in arrays))
+    key = (what, extra, tree, tuple((a.dtype, tuple(a.shape), device_of(a)) for a in arrays))
     return checked(comm, key, lambda: _describe(what, text, tree, arrays), arrays, body, timeout, what,
                    writes_input=writes_input)
 
@@ -132,7 +132,7 @@ def _all_reduce_array(x: Any, op: ReduceOp, comm: Comm, seconds: float, in_place
     if carried is not None and not comm.check:  # is it this call? This function's key, compared field by
         known, lowering = carried.key, carried.lowering  # field (cheaper than building one: small calls'
         if (lowering is not None and x.shape == known[3] and x.dtype is known[2] and op is known[1]  # latency
-                and known[0] is _ONE and _device(x) == known[4]):  # lives here). The prediction's lowering
+                and known[0] is _ONE and device_of(x) == known[4]):  # lives here). The prediction's lowering
             # is this call's: no lookup.
             result = _reduce_array(x, op, lowering, comm, seconds, in_place)
             if (carried.finite_item and type(result) is np.ndarray and _isfinite(result.item(0))
@@ -146,7 +146,7 @@ def _all_reduce_array(x: Any, op: ReduceOp, comm: Comm, seconds: float, in_place
     if comm.check:
         agree(comm, describe_one(op, x), "all_reduce", seconds)
         return _reduce_array(x, op, lowering, comm, seconds, in_place)
-    key = (_ONE, op, x.dtype, x.shape, _device(x))
+    key = (_ONE, op, x.dtype, x.shape, device_of(x))
 
     def body(bufs: list[Any], t: float) -> Any:
         return _reduce_array(bufs[0], op, lowering, comm, t, in_place)
@@ -159,7 +159,7 @@ _isfinite = math.isfinite
 _ONE = "all_reduce of one array"  # the key of a one-array all_reduce: (_ONE, op, dtype, shape, device)
 
 
-def _device(x: Any) -> Any:
+def device_of(x: Any) -> Any:
     """Where ``x`` lives, as this rank's guard keys its calls: a torch tensor's device (``cuda:0`` and
     ``cpu`` give different keys, so a CUDA call is never taken for a host one); numpy's ``"cpu"``."""
     return getattr(x, "device", None)

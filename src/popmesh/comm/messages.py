@@ -35,7 +35,7 @@ from popmesh.engines.p2p_base import TAG_LIMIT
 from popmesh.wire import decode, encode_message
 
 __all__ = [
-    "INTERNAL_TAG_BASE", "TAG_LIMIT", "BUFFERS_TAGS", "POPULATION_TAGS", "GUARD_TAGS", "OBSERVE_TAGS",
+    "INTERNAL_TAG_BASE", "TAG_LIMIT", "BUFFERS_TAGS", "POPULATION_TAGS", "GUARD_TAGS", "OBSERVE_TAGS", "HANDOVER_TAGS",
     "InternalTag", "internal_tag",
     "FrameError", "SendHandle", "RecvHandle", "send", "recv", "isend", "irecv", "take_arrived", "on_arrival",
 ]
@@ -45,6 +45,7 @@ BUFFERS_TAGS = range(INTERNAL_TAG_BASE, INTERNAL_TAG_BASE + 64)
 POPULATION_TAGS = range(INTERNAL_TAG_BASE + 64, INTERNAL_TAG_BASE + 128)
 GUARD_TAGS = range(INTERNAL_TAG_BASE + 128, INTERNAL_TAG_BASE + 192)
 OBSERVE_TAGS = range(INTERNAL_TAG_BASE + 192, INTERNAL_TAG_BASE + 256)
+HANDOVER_TAGS = range(INTERNAL_TAG_BASE + 256, INTERNAL_TAG_BASE + 320)
 
 
 class InternalTag(int):
@@ -56,7 +57,8 @@ def internal_tag(offset: int) -> InternalTag:
 
     Offsets 0-63 belong to the replay-buffer service (:data:`BUFFERS_TAGS`), 64-127 to population
     policies (:data:`POPULATION_TAGS`), 128-191 to the collectives' mismatch guard (:data:`GUARD_TAGS`),
-    192-255 to ``popmesh.observe`` (:data:`OBSERVE_TAGS`); the rest is free for future services.
+    192-255 to ``popmesh.observe`` (:data:`OBSERVE_TAGS`), 256-319 to the streamed hand-over of
+    :mod:`popmesh.torch.stream` (:data:`HANDOVER_TAGS`); the rest is free for future services.
     """
     if not 0 <= offset < TAG_LIMIT - INTERNAL_TAG_BASE:
         raise ConfigError(f"internal tag offset {offset} is outside [0, {TAG_LIMIT - INTERNAL_TAG_BASE})")

@@ -55,7 +55,9 @@ def build_policy(hidden: int, lr: float = 2.5e-3, ent_coef: float = 0.01, observ
                  actions: int = 2) -> Any:
     """Actor-critic MLP (CartPole: 4 observations, 2 actions; Acrobot: 6 and 3). The learning rate and
     the entropy coefficient ride along as buffers (``log_lr``, ``log_ent_coef``), so a population policy
-    that averages weights and buffers also passes them on (their geometric mean, for several donors)."""
+    that averages weights and buffers also passes them on (their geometric mean, for several donors).
+    The returns of the last 20 episodes ride along too (``recent_returns``, NaN where none yet), so an
+    agent that takes these weights takes the metric they earned."""
     import math
 
     import torch

@@ -1,7 +1,8 @@
 """Model sync for torch modules over any popmesh engine: bucketed gradient averaging
 (:class:`GradientSync`, :func:`mean_grads_`), parameter averaging and broadcasting
 (:func:`mean_params_`, :func:`broadcast_params_`), all in place, and the hand-over of a run's state to
-a rank that rejoined a re-formed world (:func:`hand_over`).
+a rank that rejoined a re-formed world (:func:`hand_over`), streamed in bounded chunks from one or
+several donors (:func:`stream_state_`).
 
 Needs PyTorch (``pip install 'popmesh[torch]'``); importing ``popmesh`` alone does not import this,
 and importing this imports torch only when a public name is first used.
@@ -24,6 +25,7 @@ _LAZY = {
     "popmesh.torch.params": ("mean_grads_", "mean_params_", "broadcast_params_"),
     "popmesh.torch.sync": ("GradientSync", "default_cap_bytes"),
     "popmesh.torch.handover": ("hand_over", "donor_of", "broadcast_optimizer_state"),
+    "popmesh.torch.stream": ("stream_state_",),
 }
 _HOME = {name: module for module, names in _LAZY.items() for name in names}
 

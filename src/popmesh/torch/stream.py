@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from popmesh.comm.collectives import all_gather_object, broadcast_, broadcast_object
-from popmesh.comm.messages import RecvHandle, SendHandle, internal_tag, irecv, isend
+from popmesh.comm.messages import HANDOVER_TAGS, INTERNAL_TAG_BASE, RecvHandle, SendHandle, internal_tag, irecv, isend
 from popmesh.comm.world import Comm, resolve_group
 from popmesh.core.errors import ConfigError, MessageError
 from popmesh.torch.chunking import (
@@ -49,7 +49,7 @@ from popmesh.torch.chunking import (
 
 __all__ = ["STREAM_TAG", "Tensors", "stream_state_", "describe_state", "element_views"]
 
-STREAM_TAG = internal_tag(256)
+STREAM_TAG = internal_tag(HANDOVER_TAGS.start - INTERNAL_TAG_BASE)
 """The popmesh-internal tag the chunks travel on (the first offset after popmesh.observe's range)."""
 _LARGE = 4 << 20  # from here numpy asks for huge pages
 _IN_FLIGHT = 2  # chunks a donor keeps on the wire (and staging buffers it may hold); receives posted per donor
