@@ -10,7 +10,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -22,13 +22,15 @@ def resident_bytes() -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
-def launch_json(script: str, n: int, engine: str, *args: str, timeout: float = 600) -> dict:
-    """Run ``script`` on ``n`` ranks of ``engine``; rank 0 writes JSON to $BENCH_OUT, returned here."""
+def launch_json(script: str, n: int, engine: str, *args: str, timeout: float = 600,
+                options: Sequence[str] = ()) -> dict:
+    """Run ``script`` on ``n`` ranks of ``engine`` (``options``: more of ``popmesh launch``'s, such as
+    ``--max-restarts 1``); rank 0 writes JSON to $BENCH_OUT, returned here."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         env = dict(os.environ, BENCH_OUT=str(out))
         cmd = [sys.executable, "-m", "popmesh", "launch", "-n", str(n), "--engine", engine,
-               "--quiet-others", str(HERE / script), *args]
+               "--quiet-others", *options, str(HERE / script), *args]
         subprocess.run(cmd, env=env, check=True, timeout=timeout)
         return json.loads(out.read_text())
 

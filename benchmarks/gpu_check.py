@@ -20,7 +20,12 @@ Each part runs in its own world under ``popmesh launch`` and prints what it comp
 * ``jax_fsdp``: FSDP (``popmesh.jax``) on this host's JAX devices: one adamw step gives the same loss
   and parameters as plain data parallelism.
 
-Not covered yet: a lost rank on nccl (``examples/survive_a_lost_rank.py`` runs on CPU tensors).
+* ``survival``: a lost rank on the device's backend (nccl where there is a GPU per rank): under
+  ``popmesh launch --max-restarts 1`` rank 1's first process SIGKILLs itself between all-reduces of a
+  device tensor; the survivor catches the PeerFailure, re-forms the world (``world.reform()``, which
+  makes the backend's communicators anew) and hands the restarted process the model and the step
+  (``hand_over``); after it, every all-reduce is right and both ranks hold the same weights.
+
 ``--only PART[,PART]`` runs some parts. Figures go to docs/performance.md with the device's name.
 """
 
@@ -34,7 +39,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import launch_json, write_result
 
-PARTS = ("collectives", "grad_sync", "population", "gfn", "jax_fsdp")
+PARTS = ("collectives", "grad_sync", "population", "gfn", "survival", "jax_fsdp")
+SURVIVAL_STEPS, SURVIVAL_KILL_AT = 12, 5
 OPS = ("sum", "avg", "max", "min", "prod")
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64", "uint8")
 TOLERANCE = {"float16": 1e-2, "bfloat16": 5e-2}  # relative; exact for the rest
@@ -188,6 +194,54 @@ def check_population(world, dev) -> list[str]:
     return wrong
 
 
+def check_survival(world, dev) -> tuple[list[str], dict[str, float]]:
+    """Rank 1's first process dies at step SURVIVAL_KILL_AT; the launcher restarts it and the survivor
+    re-forms the world and hands it the model and the step. Each step all-reduces a device tensor (rank
+    r gives r + 1) and takes one SGD step on the sum, so the weights depend on every step."""
+    import signal
+
+    import torch
+
+    import popmesh
+    from popmesh.torch import hand_over
+
+    first_life = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+    model = torch.nn.Linear(4, 3).to(dev)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(1.0)
+    wrong: list[str] = []
+    step, lost_at, recovered_s = 0, None, 0.0
+    if world.newcomers:  # the restarted process: take the survivor's model and step
+        step = hand_over(model, None, None, timeout=120)
+    while step < SURVIVAL_STEPS:
+        if world.rank == 1 and first_life and step == SURVIVAL_KILL_AT:
+            os.kill(os.getpid(), signal.SIGKILL)
+        try:
+            total = popmesh.all_reduce(torch.full((1024,), world.rank + 1.0, device=dev), timeout=120)
+        except popmesh.PeerFailure:
+            lost_at, started = step, time.perf_counter()
+            world.reform(timeout=120)
+            step = hand_over(model, None, step, timeout=120)
+            recovered_s = time.perf_counter() - started
+            continue
+        want = world.size * (world.size + 1) / 2
+        if total.device != dev or not torch.all(total == want):
+            wrong.append(f"rank {world.rank} step {step}: all_reduce gave {total[0].item()} on {total.device}, "
+                         f"want {want} on {dev}")
+        with torch.no_grad():
+            for p in model.parameters():
+                p.sub_(0.01 * total[0] * p)
+        step += 1
+    weights = torch.cat([p.detach().flatten() for p in model.parameters()]).cpu()
+    everyone = popmesh.all_gather_object(weights.tolist())
+    if any(w != everyone[0] for w in everyone):
+        wrong.append("the ranks end with different weights")
+    if world.rank == 0 and lost_at is None:
+        wrong.append("rank 0 never saw rank 1's loss")
+    return wrong, {"lost_at_step": -1 if lost_at is None else lost_at, "reform_and_hand_over_s": recovered_s}
+
+
 def check_gfn(world, dev) -> list[str]:
     import torch
     import torch.distributed as dist
@@ -291,6 +345,9 @@ def worker(part: str, cpu: bool) -> None:
         figures.update(more)
     elif part == "population":
         wrong = check_population(world, dev)
+    elif part == "survival":
+        wrong, more = check_survival(world, dev)
+        figures.update(more)
     else:
         wrong = check_gfn(world, dev)
     everyone = popmesh.all_gather_object(wrong)
@@ -307,6 +364,8 @@ def ranks_for(part: str, cpu: bool) -> int:
     import torch
 
     gpus = 0 if cpu or not torch.cuda.is_available() else torch.cuda.device_count()
+    if part in ("collectives", "grad_sync", "survival") and gpus >= 2:
+        return 2
     if part in ("collectives", "grad_sync") and gpus:
         return max(1, min(2, gpus))
     return 2
@@ -331,7 +390,8 @@ def main() -> int:
         started = time.perf_counter()
         try:
             result = launch_json(os.path.basename(__file__), ranks_for(part, ns.cpu),
-                                 "jax" if part == "jax_fsdp" else "torch", timeout=300)
+                                 "jax" if part == "jax_fsdp" else "torch", timeout=300,
+                                 options=("--max-restarts", "1") if part == "survival" else ())
         except Exception as e:  # a world that failed is a failed check, and the next part still runs
             result = {"wrong": [f"the world failed: {e}"]}
         wrong = result.pop("wrong")

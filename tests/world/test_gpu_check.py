@@ -13,10 +13,10 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
 @pytest.mark.world
 @pytest.mark.timeout(240)
 def test_the_device_check_passes_on_cpu_tensors():
-    done = subprocess.run([sys.executable, str(SCRIPT), "--cpu", "--only", "collectives,population,gfn,jax_fsdp"],
-                          capture_output=True, text=True, timeout=220)
+    done = subprocess.run([sys.executable, str(SCRIPT), "--cpu", "--only",
+                           "collectives,population,gfn,survival,jax_fsdp"], capture_output=True, text=True, timeout=220)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "4 of 4 parts right" in done.stdout, done.stdout
+    assert "5 of 5 parts right" in done.stdout and "lost_at_step 5" in done.stdout, done.stdout
 
 
 @pytest.mark.timeout(30)
