@@ -198,3 +198,9 @@ def test_the_last_returns_travel_with_the_weights():
     assert not replaced.recent and np.isnan(replaced.mean_return())
     for each in (donor, replaced, fresh):
         each.close()
+
+
+def test_an_mpi_job_that_restarts_needs_a_checkpoint_to_resume_from():
+    with pytest.raises(ConfigError, match=r"restarts the whole job .* add --checkpoint-every K"):
+        DemoConfig(engine="mpi", max_restarts=1)
+    assert DemoConfig(engine="mpi", max_restarts=1, checkpoint_every=10).max_restarts == 1

@@ -167,11 +167,12 @@ def test_refused_torchrun_options_name_themselves(names: tuple[str, ...], takes_
 
 
 def test_max_restarts_where_no_engine_can_take_a_rank_back_is_a_clear_error(tmp_path: Path, capsys) -> None:
+    """jax.distributed cannot take a process back (MPI restarts its whole job: test_mpi_job_restart.py)."""
     script = tmp_path / "s.py"
     script.write_text("raise SystemExit('must not run')\n")
-    assert cli.main(["launch", "--max-restarts", "1", "--engine", "mpi", "-n", "2", str(script)]) == 2
+    assert cli.main(["launch", "--max-restarts", "1", "--engine", "jax", "-n", "2", str(script)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("popmesh launch: error: --max-restarts 1 with --engine mpi: an MPI world cannot take")
+    assert err.startswith("popmesh launch: error: --max-restarts 1 with --engine jax: jax.distributed cannot take")
     with pytest.raises(ConfigError, match=r"jax\.distributed cannot take a restarted process"):
         launch(str(script), max_restarts=3, engine="jax")
     with pytest.raises(ConfigError, match="give 0"):

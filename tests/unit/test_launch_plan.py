@@ -123,7 +123,6 @@ def test_base_env_strips_an_enclosing_world_and_respects_user_threads() -> None:
         (LaunchSpec(nproc=2, master_addr=""), "master-addr"),
         (LaunchSpec(nproc=2, nnodes=2), "same --master-port"),
         (LaunchSpec(nproc=2, nnodes=2, engine="mpi", master_port=5), "mpiexec"),
-        (LaunchSpec(nproc=2, max_restarts=1, engine="mpi"), "--max-restarts 1 with --engine mpi: an MPI world"),
         (LaunchSpec(nproc=2, max_restarts=1, engine="jax"), r"jax\.distributed cannot take"),
         (LaunchSpec(nproc=2, max_restarts=-1), "give 0"),
         (LaunchSpec(nproc=2, role=""), "--role is empty"),

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from harness import mpiexec
 from popmesh.demo.config import ENT_RANGE, LR_RANGE
 from popmesh.population.state.checkpoint import read_manifest
 
@@ -111,6 +112,24 @@ def test_demo_checkpoints_and_resumes_where_it_left_off(tmp_path):
     assert [a["steps"] for a in summary["agents"]] == [6144, 6144]  # 3,072 resumed + 6 iterations of 512
     names = _traced(run, 2)  # the selective policy: metrics all-gathered, weights exchanged in one all_reduce
     assert {"all_reduce", "all_gather", "population.gather", "population.transfer"} <= names[0] & names[1]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(mpiexec() is None, reason="mpi4py/MPICH not installed")
+def test_an_mpi_population_restarts_whole_and_resumes_from_its_checkpoint(tmp_path):
+    """--engine mpi --max-restarts 1: rank 1 dies at iteration 13; the launcher restarts the whole job, which
+    resumes in the same run folder from the checkpoint of iteration 12, and every agent ends its budget."""
+    done = subprocess.run([sys.executable, "-m", "popmesh", "demo", "--engine", "mpi", "--ranks", "2", "--no-live",
+                           "--max-restarts", "1", "--checkpoint-every", "4", "--kill", "1:13", "--steps", "10000",
+                           "--every", "4", "--warmup", "0", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=200)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "restarting the whole MPI job (1 of 1)" in done.stderr, done.stderr[-3000:]
+    (run,) = tmp_path.iterdir()  # both starts of the job wrote into one run folder
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["job_restarts"] == 1 and summary["resumed_from"] == f"{run}/checkpoints/ckpt-000000012", summary
+    assert [a["steps"] for a in summary["agents"]] == [10240, 10240]  # 20 iterations of 512, none repeated
+    assert min(r["iteration"] for r in _rows(run)) == 12  # this start's rows: from the checkpoint on
 
 
 @pytest.mark.timeout(90)

@@ -37,7 +37,7 @@ def test_injected_failures_are_survived_and_recorded(tmp_path):
 @pytest.mark.parametrize("options,message", [
     (["--inject-failures", "2"], r"restart budget, and there is none: add --max-restarts N"),
     (["--inject-failures", "0", "--max-restarts", "1"], r"--inject-failures 0.0: give the mean number of kills"),
-    (["--inject-failures", "2", "--max-restarts", "1", "--engine", "mpi"], r"--max-restarts 1 with --engine mpi"),
+    (["--inject-failures", "2", "--max-restarts", "1", "--engine", "mpi"], r"only the torch engine restarts a lost"),
     (["--inject-seed", "4"], r"--inject-seed shapes --inject-failures, which is not given"),
 ])
 def test_injection_without_a_restart_budget_is_refused(options, message):

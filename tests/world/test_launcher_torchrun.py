@@ -112,9 +112,9 @@ def test_standalone_is_one_node_on_a_free_loopback_port(worker: str) -> None:
 
 @pytest.mark.timeout(30)
 def test_max_restarts_and_unknown_options_are_refused_before_any_rank_starts(worker: str) -> None:
-    proc = popmesh("launch", "-n", "2", "--engine", "mpi", "--max-restarts", "1", worker)
+    proc = popmesh("launch", "-n", "2", "--engine", "jax", "--max-restarts", "1", worker)
     assert proc.returncode == 2 and proc.stdout == ""
-    assert "popmesh launch: error: --max-restarts 1 with --engine mpi: an MPI world cannot take" in proc.stderr
+    assert "popmesh launch: error: --max-restarts 1 with --engine jax: jax.distributed cannot take" in proc.stderr
     proc = popmesh("launch", "--nproc-per-node", "2", "--monitor_interval", "1", "--nope", worker)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.startswith("usage: popmesh launch ") and "unrecognized arguments: --nope" in proc.stderr

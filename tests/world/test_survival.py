@@ -208,7 +208,7 @@ def test_past_the_budget_the_world_is_torn_down_naming_the_rank_and_its_restarts
 
 @pytest.mark.timeout(60)
 @pytest.mark.skipif(mpiexec() is None, reason="mpi4py/MPICH not installed")
-def test_mpi_says_plainly_that_it_cannot_reform_or_restart():
+def test_mpi_says_plainly_that_it_cannot_reform():
     code = ("import popmesh\nw = popmesh.init()\nfor call in (w.reform, w.try_reform, w.survivors):\n    try:\n"
             "        call()\n    except popmesh.ConfigError as e:\n        print('REFUSED', e)\nprint('WAITING', "
             "w.newcomer_waiting())")
@@ -216,9 +216,6 @@ def test_mpi_says_plainly_that_it_cannot_reform_or_restart():
                           timeout=50)
     assert done.stdout.count("REFUSED an MPI world cannot re-form after a lost rank") == 3, done.stdout + done.stderr
     assert "WAITING False" in done.stdout
-    refused = subprocess.run([sys.executable, "-m", "popmesh", "launch", "--engine", "mpi", "-n", "2",
-                              "--max-restarts", "1", SCRIPT, "1", "1", "1"], capture_output=True, text=True, timeout=30)
-    assert refused.returncode == 2 and "cannot take a restarted rank back" in refused.stderr
 
 
 @pytest.mark.timeout(90)

@@ -7,6 +7,7 @@ Registered with the CLI through the ``popmesh.commands`` entry point (see pyproj
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -141,6 +142,8 @@ def run_command(ns: argparse.Namespace) -> int:
         raise ConfigError(f"{' '.join(ns.task_args)}: options after -- go to --task hypergrid's script; the CartPole "
                           "task takes none")
     terminal = config.live and config.terminal and config.engine == "torch"
+    if config.engine == "mpi" and config.max_restarts:  # every start of the job writes and resumes in one folder
+        config = dataclasses.replace(config, run_dir=str(new_run_dir(config.out_dir)))
     result = launch("popmesh.demo.worker", ["--config", json.dumps(config.to_dict())], module=True,
                     nproc=config.ranks, engine=config.engine, quiet_others=True, rank0_terminal=terminal,
                     max_restarts=config.max_restarts,

@@ -57,7 +57,8 @@ class DemoConfig:
     checkpoint_every: int = 0  # iterations between population checkpoints (0: none)
     checkpoint_keep: int = 2  # the newest complete checkpoints kept
     resume: str = ""  # a run folder (or one of its checkpoints) to resume from
-    max_restarts: int = 0  # restarts per rank (popmesh launch --max-restarts): a lost agent rejoins
+    max_restarts: int = 0  # restarts per rank (popmesh launch --max-restarts): a lost agent rejoins; MPI: of the job
+    run_dir: str = ""  # the run folder, made before the launch where a restarted MPI job must find it again
     kill: str = ""  # "RANK:ITERATION": that rank's first process SIGKILLs itself there (to watch survival)
     explore: tuple[str, ...] = EXPLORED  # what PBT's explore step moves on a replaced agent (empty: nothing)
     lr_range: tuple[float, float] = LR_RANGE  # each rank's learning rate drawn log-uniformly from it
@@ -128,8 +129,10 @@ class DemoConfig:
             raise ConfigError(f"--checkpoint-keep {self.checkpoint_keep}: keep at least the newest checkpoint (1)")
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts {self.max_restarts}: give 0 or more")
-        if self.max_restarts and self.engine != "torch":
-            raise ConfigError("--max-restarts needs --engine torch: an MPI world cannot take a restarted rank back")
+        if self.max_restarts and self.engine == "mpi" and not self.checkpoint_every:
+            raise ConfigError("--max-restarts with --engine mpi restarts the whole job (an MPI world cannot take one "
+                              "rank back), which resumes from the population's newest checkpoint: add "
+                              "--checkpoint-every K")
 
     def _check_latest_only(self) -> None:
         latest = self.policy == "async" and self.decide == "latest"

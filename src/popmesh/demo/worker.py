@@ -86,7 +86,8 @@ def run(config: DemoConfig) -> dict[str, Any] | None:
         resumed: dict[str, Any] | None = None
         policy_from = through if _lockstep(config) else 0
     else:
-        out = Path(popmesh.broadcast_object(str(new_run_dir(config.out_dir)) if world.is_main else None, src=0))
+        made = config.run_dir or (str(new_run_dir(config.out_dir)) if world.is_main else None)
+        out = Path(popmesh.broadcast_object(made if world.is_main else None, src=0))
         start, resumed = _resume(world, config, learner, policy)
         through = policy_from = 0
     if trace.ACTIVE is None:  # every rank's timeline, merged into out/trace.json at finalize (docs/observe.md)
@@ -115,14 +116,19 @@ def run(config: DemoConfig) -> dict[str, Any] | None:
 
 def _resume(world: Any, config: DemoConfig, learner: PPOLearner,
             policy: Any) -> tuple[int, dict[str, Any] | None]:
-    """With ``--resume``: every rank takes its agent (and its policy's state) back from the newest complete
-    checkpoint; a rank that was lost when the survivors wrote it is seeded from them instead, as at a
-    rejoin. The iteration to go on from, and where it came from with the ranks seeded (None without
-    ``--resume``)."""
-    if not config.resume:
+    """With ``--resume``, or in an MPI job that the launcher restarted whole (from the run's own folder):
+    every rank takes its agent (and its policy's state) back from the newest complete checkpoint; a rank
+    that was lost when the survivors wrote it is seeded from them instead, as at a rejoin. The iteration
+    to go on from, and where it came from with the ranks seeded (None when nothing was resumed)."""
+    job_restarted = config.engine == "mpi" and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    if not config.resume and not job_restarted:
         return 0, None
-    root = Path(config.resume)
+    root = Path(config.resume or config.run_dir)
     found = latest_checkpoint(root / "checkpoints" if (root / "checkpoints").is_dir() else root)
+    if found is None and job_restarted:
+        if world.is_main:
+            print("the job restarted before its first checkpoint: training starts over", flush=True)
+        return 0, None
     if found is None:
         raise ConfigError(f"--resume {config.resume}: no complete checkpoint there (a run folder written with "
                           "--checkpoint-every, or one of its checkpoints)")
@@ -458,7 +464,8 @@ def _finish(world: Any, config: DemoConfig, learner: PPOLearner, reporter: Repor
                "replacements": len(reporter.events) - len(survival),
                "explored": sum(bool(e.get("explored")) for e in reporter.events), "engine": world.engine_name,
                "ranks": world.size, "resumed_from": None if resumed is None else resumed["path"],
-               "generation": world.generation, "restarts": [e for e in survival if e["kind"] == "rejoined"]}
+               "generation": world.generation, "restarts": [e for e in survival if e["kind"] == "rejoined"],
+               "job_restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) if config.engine == "mpi" else 0}
     if resumed is not None and resumed["seeded"]:  # lost when the survivors wrote the checkpoint
         summary["resumed_seeded"] = resumed["seeded"]
     if checkpoints is not None and checkpoints.every:

@@ -112,7 +112,8 @@ def launch(
 
     torchrun's settings: ``run_id`` (``TORCHELASTIC_RUN_ID`` and the log folder's prefix; default a new
     uuid when the launcher picks the port, else ``"none"``), ``role`` (``ROLE_NAME``), ``max_restarts``
-    (restarts per rank, torch engine), ``log_dir``/``tee``/``redirects`` (per-rank log files, values
+    (restarts per rank, torch engine; restarts of the whole job on MPI, whose world cannot take one
+    rank back), ``log_dir``/``tee``/``redirects`` (per-rank log files, values
     as torchrun's: see :mod:`popmesh.launch.logs`) and ``local_ranks_filter`` (the local ranks whose
     output the console shows). ``inject`` kills random ranks on purpose within the restart budget
     (:mod:`popmesh.launch.inject`).
@@ -143,8 +144,20 @@ def launch(
     logs = _open_logs(request, spec, err)
     try:
         pump = OutputPump(stdout or sys.stdout, err, quiet_others=quiet_others, sink=logs)
-        result = _supervise(spec, worker, parent_env, pump, grace=grace, store_fd=store_fd, python=python,
-                            rank0_terminal=rank0_terminal, logs=logs, err=err, inject=inject)
+        notes: list[str] = []
+        while True:
+            result = _supervise(spec, worker, parent_env, pump, grace=grace, store_fd=store_fd, python=python,
+                                rank0_terminal=rank0_terminal, logs=logs, err=err, inject=inject,
+                                job_restarts=len(notes))
+            if not _restart_job(spec, result, len(notes)):
+                break
+            _say(err, format_summary(result))
+            notes.append(f"the whole MPI job after {result.failure.describe() if result.failure else 'a failure'}")
+            _say(err, f"popmesh launch: restarting the whole MPI job ({len(notes)} of {spec.max_restarts}): an MPI "
+                      "world cannot take one rank back, so every rank starts again (TORCHELASTIC_RESTART_COUNT="
+                      f"{len(notes)}) and resumes from what the script saved")
+        if notes:
+            result = dataclasses.replace(result, restarts=(*notes, *result.restarts))
     finally:
         if logs is not None:
             logs.close()
@@ -193,10 +206,17 @@ def _open_logs(request: LogRequest, spec: LaunchSpec, err: TextIO) -> RankLogs |
     return logs
 
 
+def _restart_job(spec: LaunchSpec, result: LaunchResult, done: int) -> bool:
+    """Whether an MPI job that ended so starts again: it failed by itself (not interrupted) and
+    ``--max-restarts`` has whole-job restarts left after ``done``."""
+    return (spec.engine == "mpi" and not result.ok and result.interrupted_by is None
+            and done < spec.max_restarts)
+
+
 def _supervise(
     spec: LaunchSpec, worker: list[str], parent_env: dict[str, str], pump: OutputPump, *, grace: float,
     store_fd: bool, python: list[str], rank0_terminal: bool = False, logs: RankLogs | None = None,
-    err: TextIO = sys.stderr, inject: FailureInjection | None = None,
+    err: TextIO = sys.stderr, inject: FailureInjection | None = None, job_restarts: int = 0,
 ) -> LaunchResult:
     """Start the children, watch them to the end (killing them if we are interrupted), judge.
 
@@ -204,7 +224,8 @@ def _supervise(
     before MPI starts), and the shared-memory segments the job left (a rank died before finalizing) are
     removed once mpiexec has exited. The ranks' error records are copied into their log folders. With
     ``spec.max_restarts`` a failed rank is restarted in place (:class:`_Restarts`), and node 0 serves
-    the store from a process of its own, so that it outlives any rank. ``inject`` starts the thread that
+    the store from a process of its own, so that it outlives any rank; an MPI job is restarted whole by
+    :func:`launch` instead, this being its ``job_restarts``-th start. ``inject`` starts the thread that
     kills random ranks within that budget once the ranks are started, stopped before the judgement.
     """
     with tempfile.TemporaryDirectory(prefix="popmesh-launch-") as error_dir:
@@ -218,7 +239,7 @@ def _supervise(
         try:
             with ranks:
                 if spec.engine == "mpi":
-                    _start_mpi(supervisor, spec, worker, parent_env, error_dir, python[0])
+                    _start_mpi(supervisor, spec, worker, parent_env, error_dir, python[0], job_restarts)
                 else:
                     store = _start_local(supervisor, spec, worker, parent_env, error_dir, store_fd, rank0_terminal,
                                          python, restarts)
@@ -378,7 +399,8 @@ def _serve_store(python: str, sock: socket.socket, spec: LaunchSpec, port: int) 
 
 
 def _start_mpi(
-    sup: Supervisor, spec: LaunchSpec, worker: list[str], parent_env: dict[str, str], error_dir: str, python: str
+    sup: Supervisor, spec: LaunchSpec, worker: list[str], parent_env: dict[str, str], error_dir: str, python: str,
+    job_restarts: int = 0,
 ) -> None:
     """One mpiexec for all ranks, on a parent-death leash (the same process, exec'd) so it cannot outlive us.
 
@@ -389,7 +411,7 @@ def _start_mpi(
     """
     mpiexec = mpirun.find_mpiexec(python)
     iface = loopback_interface()
-    env = {**base_env(parent_env, spec, cpu_count()), **plan_mpi_env(spec, error_dir),
+    env = {**base_env(parent_env, spec, cpu_count()), **plan_mpi_env(spec, error_dir, job_restarts),
            **loopback_env(parent_env, spec, iface)}
     hydra_iface = None if "HYDRA_IFACE" in parent_env else _interface_toward(spec.hosts) if spec.hosts else iface
     cmd = mpirun.mpi_command(mpiexec, spec.world_size, worker, hydra=mpirun.is_hydra(mpiexec), iface=hydra_iface,

@@ -338,7 +338,8 @@ def _output_options(p: argparse.ArgumentParser) -> None:
 def _accepted_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("other torchrun options")
     g.add_argument("--max-restarts", "--max_restarts", type=int, default=0,
-                   help="restarts per rank after a failure, the others running on (torch engine; default 0)")
+                   help="restarts per rank after a failure, the others running on (torch engine); restarts of the "
+                        "whole job, which resumes from its checkpoint (mpi engine); default 0")
     g.add_argument("--role", default="default", help="ROLE_NAME of the ranks (default 'default')")
     g.add_argument("--monitor-interval", "--monitor_interval", type=float, default=0.1, metavar="S",
                    help="accepted; popmesh sees a rank's exit at once, whatever the interval")

@@ -207,13 +207,6 @@ def _validate_elastic(spec: LaunchSpec) -> None:
     """The torchrun settings: a restart budget the engine can use; names must not be empty."""
     if spec.max_restarts < 0:
         raise ConfigError(f"--max-restarts {spec.max_restarts}: give 0 (no restarts, the default) or more")
-    if spec.max_restarts and spec.engine == "mpi":
-        raise ConfigError(
-            f"--max-restarts {spec.max_restarts} with --engine mpi: an MPI world cannot take a restarted rank back "
-            "(MPI_COMM_WORLD is fixed for the job, and ULFM, which could shrink it, is not in the MPICH wheels); "
-            "use the torch engine for a world that survives a lost rank, or pass --max-restarts 0 and restart "
-            "the job from a checkpoint"
-        )
     if spec.max_restarts and spec.engine == "jax":
         raise ConfigError(
             f"--max-restarts {spec.max_restarts} with --engine jax: jax.distributed cannot take a restarted process "
@@ -347,10 +340,15 @@ def plan_ranks(spec: LaunchSpec, port: int, error_dir: str, *, store_fd: int | N
     return plans
 
 
-def plan_mpi_env(spec: LaunchSpec, error_dir: str) -> dict[str, str]:
-    """Variables added to mpiexec's environment (which it passes on to every rank)."""
+def plan_mpi_env(spec: LaunchSpec, error_dir: str, job_restarts: int = 0) -> dict[str, str]:
+    """Variables added to mpiexec's environment (which it passes on to every rank). With ``--max-restarts``
+    the whole job restarts (an MPI world cannot take one rank back), as torchrun restarts its whole
+    worker group: every rank of the job's ``job_restarts``-th restart sees it in TORCHELASTIC_RESTART_COUNT."""
     validate(spec)
+    restarts = ({"TORCHELASTIC_RESTART_COUNT": str(job_restarts), "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts)}
+                if spec.max_restarts else {})
     return {
         "POPMESH_ENGINE": "mpi",
         "POPMESH_ERROR_FILE": os.path.join(error_dir, error_file_name("{rank}")),
+        **restarts,
     }

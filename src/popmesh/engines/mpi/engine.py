@@ -30,8 +30,8 @@ from popmesh.engines.mpi.shared_reduce import SHARED_FROM_BYTES, SharedArrays
 _NO_REFORM = (
     "an MPI world cannot re-form after a lost rank, nor go on without it: MPI_COMM_WORLD is fixed for the job, and "
     "the fault-tolerance extension that could shrink it (ULFM) is not in the MPICH wheels; use the torch engine "
-    "(popmesh launch --max-restarts N) for a world that survives a lost rank, or restart the MPI job from a "
-    "checkpoint"
+    "(popmesh launch --max-restarts N) for a world that survives a lost rank, or let popmesh launch --engine mpi "
+    "--max-restarts N restart the whole job and resume from a checkpoint (docs/survival.md)"
 )
 
 __all__ = ["MpiEngine"]
