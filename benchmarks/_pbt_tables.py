@@ -148,11 +148,51 @@ def task_heading(runs: Sequence[Run]) -> str:
     first = runs[0]
     budgets = ", ".join(f"{b:,}" for b in sorted({r["budget"] for r in runs}))
     seeds = sorted({r["seed"] for r in runs})
+    if "l1_target" in first:
+        return grid_heading(first, budgets, seeds)
     (lr_low, lr_high), (ent_low, ent_high) = first["lr_range"], first["ent_range"]
     return (f"### {first['task']}: {first['env']}, target {first['target']:g} (an agent's mean return over its "
             f"last 20 episodes)\n\nInitial learning rate log-uniform over {lr_low:g}–{lr_high:g}, entropy "
             f"coefficient over {ent_low:g}–{ent_high:g}, drawn per rank and seed (the same for every contender); "
             f"{first['ranks']} agents; budget {budgets} env steps per agent; seeds {', '.join(map(str, seeds))}.")
+
+
+def grid_heading(first: Run, budgets: str, seeds: list[int]) -> str:
+    """The hypergrid task's heading: its grid, target, learning rates, budget, agents, seeds, and what the
+    contenders run there."""
+    lr_low, lr_high = first["lr_range"]
+    return (f"### {first['task']}: {first['env']}, target: an agent's exact L1 to the target distribution at most "
+            f"{first['l1_target']:g} at a validation (every {first['every']} iterations)\n\nSteps: trajectories "
+            f"sampled by that agent ({first['batch']} per iteration). Initial learning rate log-uniform over "
+            f"{lr_low:g}–{lr_high:g}, drawn per rank and seed (the same for every contender), the only value "
+            f"explored; {first['ranks']} agents; budget {budgets} trajectories per agent; seeds "
+            f"{', '.join(map(str, seeds))}. popmesh's contenders run examples/gfn_hypergrid.py --buffers 0 "
+            "(`--policy selective --decide latest|complete`, ranking by -L1, or `--policy none`); Ray's, the same "
+            "agent (benchmarks/_ray_gfn.py), ranked by -L1.")
+
+
+def l1_table(by: dict[str, list[Run]]) -> str:
+    """Per contender, median (range) over the seeds of the final L1 (population mean and worst agent) and
+    of the population mean over every validation; and per seed the final population mean."""
+    seeds = sorted({r["seed"] for runs in by.values() for r in runs})
+    lines = ["| contender | final L1, population mean | final L1, worst agent | mean L1 over validations | "
+             + " | ".join(f"seed {s}" for s in seeds) + " |", "|---|---|---|---|" + "---|" * len(seeds)]
+    for name, runs in by.items():
+        at = {r["seed"]: r for r in runs}
+        per_seed = [f"{at[s]['final_mean_l1']:.3f}" if s in at else "—" for s in seeds]
+        lines.append(f"| {name} | {l1_spread([r['final_mean_l1'] for r in runs])} | "
+                     f"{l1_spread([r['final_worst_l1'] for r in runs])} | "
+                     f"{l1_spread([r['mean_mean_l1'] for r in runs])} | " + " | ".join(per_seed) + " |")
+    return "\n".join(lines)
+
+
+def l1_spread(values: Sequence[float]) -> str:
+    """``median (min–max)`` to three decimals; ``—`` for none."""
+    found = median_range(values)
+    if found is None:
+        return "—"
+    mid, low, high = found
+    return f"{mid:.3f}" + (f" ({low:.3f}–{high:.3f})" if low != high else "")
 
 
 def summary_table(by: dict[str, list[Run]]) -> str:
@@ -228,16 +268,19 @@ def start_mismatches(runs: Sequence[Run]) -> list[int]:
     return [s for s in seeds if len(starts[s]) > 1]
 
 
-NOTES = ("Steps: the env steps of the agent that reached the target first (its own, not the population's); "
-         "wall: seconds from the run's process start. A run that never reached the target (†) counts as the "
-         "budget: its steps as the step cap per agent, its wall time as the whole run's; medians, ranges, worst "
-         "seeds, sign tests and goals all use these. *: that agent had been replaced by the population before.")
+NOTES = ("Steps: the env steps (hypergrid: trajectories) of the agent that reached the target first (its own, "
+         "not the population's); wall: seconds from the run's process start. A run that never reached the target "
+         "(†) counts as the budget: its steps as the step cap per agent, its wall time as the whole run's; medians, "
+         "ranges, worst seeds, sign tests and goals all use these. *: that agent had been replaced by the population "
+         "before.")
 
 
 def task_report(runs: Sequence[Run]) -> str:
     """One task's tables: summary, costs, per seed, popmesh against each other contender, goals."""
     by = by_contender(runs)
     parts = [task_heading(runs), summary_table(by), costs_table(by), per_seed_table(by), NOTES]
+    if all("final_mean_l1" in r for r in runs):
+        parts.insert(2, l1_table(by))
     mismatched = start_mismatches(runs)
     if mismatched:
         parts.append(f"**Warning**: seeds {mismatched} did not start every contender from the same "
@@ -256,8 +299,9 @@ def report(runs: Sequence[Run]) -> str:
     """Every task's tables, after a line per contender present saying what it runs."""
     runs, dropped = latest(runs)
     present = by_contender(runs)
-    intro = ["popmesh trains a population of PPO agents, one per rank, and lets a population policy replace weak "
-             "agents by averages of strong ones while all train. Contenders:", ""]
+    intro = ["popmesh trains a population of agents (PPO on the demo's tasks, GFlowNets on the hypergrid), one per "
+             "rank, and lets a population policy replace weak agents by averages of strong ones while all train. "
+             "Contenders:", ""]
     intro += [f"* **{name}**: {CONTENDERS.get(name, '')}" for name in present]
     if dropped:
         intro += ["", f"{dropped} run(s) repeat a task, contender and seed listed later: the later run is used."]

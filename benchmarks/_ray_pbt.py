@@ -66,11 +66,12 @@ class RaySetup:
         return {"lr": self.lr_range, "ent_coef": self.ent_range}
 
 
-def spawn(setup: RaySetup) -> tuple[list[dict[str, Any]], float, float]:
-    """Run ``setup`` in a process of its own: the trials' records, the process start (``time.time()``)
+def spawn(setup: Any, script: Path | None = None) -> tuple[list[dict[str, Any]], float, float]:
+    """Run ``setup`` (a dataclass with ``scheduler`` and ``out``) in a process of its own, ``script`` run
+    with ``--setup JSON`` (default this file): the trials' records, the process start (``time.time()``)
     and its seconds. RuntimeError with the end of its log if it failed."""
     out = Path(setup.out)
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--setup", json.dumps(asdict(setup))]
+    cmd = [sys.executable, str(script or Path(__file__).resolve()), "--setup", json.dumps(asdict(setup))]
     started = time.time()
     with open(out / "ray.log", "w") as log:
         done = subprocess.run(cmd, timeout=1800, stdout=log, stderr=subprocess.STDOUT)

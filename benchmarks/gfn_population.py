@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from _common import HERE
-from _pbt_tables import median_range, sign_test, spread
+from _pbt_tables import l1_spread, sign_test, spread
 from _ray_pbt import read_jsonl
 from popmesh.demo.hypergrid import PRELOAD
 
@@ -78,29 +78,52 @@ class Task:
 
 def command(name: str, task: Task, seed: int, out: Path) -> list[str]:
     """The `popmesh launch` of contender ``name``."""
-    engine = ENGINES.get(name, "torch")
-    cmd = [sys.executable, "-m", "popmesh", "launch", "-n", str(task.trainers + 2), "--engine", engine,
-           "--quiet-others"]
+    return launch_command(task, seed, out, ["--policy", CONTENDERS[name]], ENGINES.get(name, "torch"))
+
+
+def launch_command(task: Task, seed: int, out: Path, flags: Sequence[str], engine: str = "torch",
+                   buffers: int = 1) -> list[str]:
+    """The `popmesh launch` of the example on ``task`` with ``flags`` (its policy's, and any other):
+    ``task.trainers`` trainer ranks, with ``buffers`` replay-buffer managers and the coordinator
+    (none of either for 0)."""
+    ranks = task.trainers + (buffers + 1 if buffers else 0)
+    cmd = [sys.executable, "-m", "popmesh", "launch", "-n", str(ranks), "--engine", engine, "--quiet-others"]
     if engine == "torch":
         cmd += ["--preload", ",".join(PRELOAD)]
-    return cmd + [str(EXAMPLE), "--policy", CONTENDERS[name], "--ndim", str(task.ndim), "--height", str(task.height),
+    return cmd + [str(EXAMPLE), "--buffers", str(buffers), "--ndim", str(task.ndim), "--height", str(task.height),
                   "--r0", str(task.r0), "--iterations", str(task.iterations), "--every", str(task.every),
-                  "--validate-every", str(task.every), "--seed", str(seed), "--out", str(out)]
+                  "--validate-every", str(task.every), "--seed", str(seed), "--out", str(out), *flags]
+
+
+@dataclass(frozen=True)
+class Launched:
+    """What one launch of the example left: summary.json, history.jsonl's rows, events.jsonl's, and its
+    start (``time.time()``) and seconds."""
+
+    summary: dict[str, Any]
+    rows: list[Run]
+    events: list[Run]
+    started: float
+    total: float
+
+
+def launch(cmd: list[str], out: Path) -> Launched:
+    """Run ``cmd`` (writing into ``out``) and read what it wrote; RuntimeError with its stderr's end if it failed."""
+    started = time.time()
+    done = subprocess.run(cmd, timeout=1800, capture_output=True, text=True)
+    total = time.time() - started
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return Launched(json.loads((out / "summary.json").read_text()), read_jsonl(out / "history.jsonl"),
+                    read_jsonl(out / "events.jsonl"), started, total)
 
 
 def run_one(name: str, task: Task, seed: int) -> Run:
     """Contender ``name`` on ``task`` and ``seed``, in a temporary folder; its figures."""
     with tempfile.TemporaryDirectory(prefix="gfn-") as tmp:
-        out = Path(tmp)
-        cmd = command(name, task, seed, out)
-        started = time.time()
-        done = subprocess.run(cmd, timeout=1800, capture_output=True, text=True)
-        total = time.time() - started
-        if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
-        summary = json.loads((out / "summary.json").read_text())
-        rows = read_jsonl(out / "history.jsonl")
-        events = [e for e in read_jsonl(out / "events.jsonl") if e.get("event") == "replace"]
+        done = launch(command(name, task, seed, Path(tmp)), Path(tmp))
+    summary, rows, total = done.summary, done.rows, done.total
+    events = [e for e in done.events if e.get("event") == "replace"]
     return {"contender": name, "seed": seed, "task": asdict(task), **figures(rows, task.trainers),
             "all_modes_agent": summary["all_modes_at"]["any_agent"],
             "all_modes_population": summary["all_modes_at"]["population"], "replacements": len(events),
@@ -122,15 +145,6 @@ def figures(rows: list[Run], trainers: int) -> Run:
 
 
 # ---- the tables (markdown) ----
-
-def l1_spread(values: Sequence[float]) -> str:
-    """``median (min–max)`` to three decimals."""
-    found = median_range(values)
-    if found is None:
-        return "—"
-    mid, low, high = found
-    return f"{mid:.3f}" + (f" ({low:.3f}–{high:.3f})" if low != high else "")
-
 
 def charged(run: Run, key: str) -> int:
     """The first iteration at which every mode was found, or the iterations run where that never happened."""

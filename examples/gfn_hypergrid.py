@@ -3,16 +3,19 @@
 
 Every trainer rank trains a trajectory-balance GFlowNet (torchgfn's ``TBGFlowNet``) from the same
 initial weights, at its own learning rate drawn log-uniformly from ``--lr-range`` (seeded per seed and
-rank: some agents learn, some crawl, some collapse). popmesh gives the run:
+rank: some agents learn, some crawl, some collapse); the agent, one per trainer, is
+``hypergrid_agent.Agent`` beside this script. popmesh gives the run:
 
 * roles (``popmesh.assign_roles``): the trainers, ``--buffers`` replay-buffer managers that score the
   terminal states their trainers send and report the modes among them, and the coordinator (the last
-  rank), which counts the distinct modes found across managers;
+  rank), which counts the distinct modes found across managers; with ``--buffers 0`` every rank trains,
+  without the service (it only counts modes: the agents train on fresh trajectories either way);
 * a population policy over the trainers (``--policy``): ``selective`` is ``AsyncSelectiveAveraging``
-  deciding on each member's latest report, ranking agents by their negative L1 distance to the target
-  distribution (``objective=``; the training metric stays -loss) and exploring the replaced agent's
-  learning rate; ``average`` is ``AverageAll``; ``torchgfn`` is torchgfn's own one-sided MPI
-  policy through ``popmesh.compat.spawn_policy`` (``popmesh launch --engine mpi``); ``none`` trains alone;
+  deciding on each member's latest report (``--decide complete``: once every trainer reported the
+  iteration), ranking agents by their negative L1 distance to the target distribution (``objective=``;
+  the training metric stays -loss) and exploring the replaced agent's learning rate; ``average`` is
+  ``AverageAll``; ``torchgfn`` is torchgfn's own one-sided MPI policy through
+  ``popmesh.compat.spawn_policy`` (``popmesh launch --engine mpi``); ``none`` trains alone;
 * survival: ``--kill-rank R --kill-at I`` makes trainer R's first process SIGKILL itself at iteration I.
   Under ``popmesh launch --max-restarts 1`` the other trainers train on alone (``world.try_reform()``),
   the managers and the coordinator re-form by themselves, and the restarted process rejoins, seeded
@@ -36,7 +39,6 @@ import argparse
 import json
 import math
 import os
-import random
 import signal
 import time
 from pathlib import Path
@@ -44,6 +46,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from hypergrid_agent import Agent, Grid, make_gflownet, start_lr
 
 import popmesh
 from popmesh.buffers import Coordinator, ReplayBufferClient, ReplayBufferManager
@@ -57,7 +60,6 @@ from popmesh.population import (
     EventLog,
     Explore,
     ReplacementRule,
-    sample_hparams,
 )
 from popmesh.population.state.rejoin import seed_newcomers
 
@@ -78,8 +80,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr-z", type=float, default=0.1, help="logZ's learning rate, every trainer (default 0.1)")
     p.add_argument("--policy", choices=POLICIES, default="selective", help="population policy (default selective)")
     p.add_argument("--every", type=int, default=25, help="iterations between population decisions (default 25)")
+    p.add_argument("--decide", choices=("latest", "complete"), default="latest",
+                   help="--policy selective: judge each report against the others' latest (default), or decide once "
+                        "every trainer reported the iteration")
     p.add_argument("--validate-every", type=int, default=25, help="iterations between validations (default 25)")
-    p.add_argument("--buffers", type=int, default=1, help="replay-buffer manager ranks (default 1)")
+    p.add_argument("--buffers", type=int, default=1,
+                   help="replay-buffer manager ranks (default 1); 0: every rank trains, no service and no coordinator")
     p.add_argument("--send-every", type=int, default=4, help="iterations between batches to the manager (default 4)")
     p.add_argument("--seed", type=int, default=0, help="seed: initial weights, learning rates, sampling")
     p.add_argument("--out", default="runs/gfn-hypergrid", help="output folder (default runs/gfn-hypergrid)")
@@ -93,80 +99,18 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     except (TypeError, ValueError, popmesh.ConfigError):
         p.error(f"--lr-range {text}: give LOW:HIGH with 0 < LOW < HIGH, e.g. 1e-4:1e-2")
     small = {"--ndim": ns.ndim, "--iterations": ns.iterations, "--batch-size": ns.batch_size, "--every": ns.every,
-             "--validate-every": ns.validate_every, "--buffers": ns.buffers, "--send-every": ns.send_every}
+             "--validate-every": ns.validate_every, "--send-every": ns.send_every}
     for option, value in small.items():
         if value < 1:
             p.error(f"{option} {value}: give 1 or more")
+    if ns.buffers < 0:
+        p.error(f"--buffers {ns.buffers}: give 0 or more")
     if ns.height < 2 or ns.height ** ns.ndim > MAX_STATES:
         p.error(f"--ndim {ns.ndim} --height {ns.height}: the exact L1 enumerates height**ndim states, at most "
                 f"{MAX_STATES:,}: choose a smaller grid (height 2 or more)")
     if (ns.kill_rank is None) != (ns.kill_at is None):
         p.error("give --kill-rank and --kill-at together")
     return ns
-
-
-class Grid:
-    """The hypergrid and what validation needs: every cell in canonical order (torchgfn's state index),
-    the target distribution reward / Z, the cells of each level (sum of coordinates) and the modes."""
-
-    def __init__(self, ndim: int, height: int, r0: float) -> None:
-        from gfn.gym import HyperGrid
-
-        try:
-            self.env = HyperGrid(ndim, height, reward_fn_kwargs={"R0": r0, "R1": 0.5, "R2": 2.0})
-        except ValueError as e:  # torchgfn's check that the grid has a mode
-            raise popmesh.ConfigError(f"--ndim {ndim} --height {height}: {e}; choose a larger --height") from e
-        self.ndim, self.height = ndim, height
-        self.powers = height ** torch.arange(ndim - 1, -1, -1)
-        self.cells = (torch.arange(height ** ndim)[:, None] // self.powers) % height
-        self.states = self.env.States(self.cells)
-        reward = self.env.reward(self.states)
-        self.target = reward / reward.sum()
-        self.modes = set(torch.nonzero(self.env.mode_mask(self.states)).flatten().tolist())
-        level = self.cells.sum(1)
-        self.levels = [torch.nonzero(level == k).flatten() for k in range(int(level.max()) + 1)]
-
-    def modes_in(self, cells: Any) -> set[int]:
-        """The modes (cell indices) among terminal cells."""
-        return self.env.modes_found(self.env.States(torch.as_tensor(cells)))
-
-    def l1(self, gflownet: Any) -> float:
-        """Exact L1 distance between the policy's terminal distribution and the target. P_T(x) is the
-        probability of reaching x times that of exiting there; reaching flows from s0 level by level."""
-        with torch.no_grad():
-            probs = gflownet.pf.to_probability_distribution(self.states, gflownet.pf(self.states)).probs
-        reach = torch.zeros(len(self.cells))
-        reach[0] = 1.0
-        for cells in self.levels:
-            for d in range(self.ndim):
-                inner = cells[self.cells[cells, d] < self.height - 1]
-                reach.index_add_(0, inner + self.powers[d], reach[inner] * probs[inner, d])
-        return float((reach * probs[:, -1] - self.target).abs().sum())
-
-
-def make_gflownet(grid: Grid, hidden: int, seed: int) -> Any:
-    """A TB GFlowNet whose initial weights depend on the seed only: the same on every trainer, so that
-    averaging agents stays within one basin."""
-    from gfn.estimators import DiscretePolicyEstimator
-    from gfn.gflownet import TBGFlowNet
-    from gfn.preprocessors import KHotPreprocessor
-    from gfn.utils.modules import MLP
-
-    torch.manual_seed(seed)
-    env = grid.env
-    pre = KHotPreprocessor(height=grid.height, ndim=grid.ndim)
-    pf = DiscretePolicyEstimator(MLP(pre.output_dim, env.n_actions, hidden_dim=hidden, n_hidden_layers=2),
-                                 env.n_actions, preprocessor=pre)
-    pb = DiscretePolicyEstimator(MLP(pre.output_dim, env.n_actions - 1, hidden_dim=hidden, n_hidden_layers=2),
-                                 env.n_actions, is_backward=True, preprocessor=pre)
-    return TBGFlowNet(pf=pf, pb=pb, init_logZ=0.0)
-
-
-def make_optimizer(gflownet: Any, lr: float, lr_z: float) -> torch.optim.Optimizer:
-    """Adam: the policies' parameters first (their learning rate is what the population explores), logZ apart."""
-    named = dict(gflownet.named_parameters())
-    return torch.optim.Adam([{"params": [p for n, p in named.items() if n != "logZ"], "lr": lr},
-                             {"params": [named["logZ"]], "lr": lr_z}])
 
 
 def mode_score(grid: Grid) -> Any:
@@ -198,13 +142,12 @@ class Trainer:
     def __init__(self, ns: argparse.Namespace, world: Any, ctx: Any, grid: Grid, out: Path) -> None:
         self.ns, self.world, self.ctx, self.grid, self.out = ns, world, ctx, grid, out
         self.rank, self.timer = world.rank, Timer()
-        space = {"lr": Continuous(*ns.lr_range, log=True)}
-        self.lr_start = float(sample_hparams(space, np.random.default_rng([ns.seed, self.rank]))["lr"])
-        self.gflownet = make_gflownet(grid, ns.hidden, ns.seed)
-        self.optimizer = make_optimizer(self.gflownet, self.lr_start, ns.lr_z)
-        torch.manual_seed(ns.seed * 1000 + self.rank + 7919 * world.generation)  # this agent's sampling
-        random.seed(ns.seed * 1000 + self.rank)  # torchgfn's policy draws lifetimes and donors from Python's random
-        self.client = ReplayBufferClient.from_context(ctx, mode="async-comm", remote_every=ns.send_every)
+        self.lr_start = start_lr(ns.lr_range, ns.seed, self.rank)
+        self.agent = Agent(grid, seed=ns.seed, rank=self.rank, lr=self.lr_start, hidden=ns.hidden, lr_z=ns.lr_z,
+                           batch_size=ns.batch_size, generation=world.generation)
+        self.gflownet = self.agent.gflownet  # the policies replace its weights in place; the optimizer they return
+        self.client = (ReplayBufferClient.from_context(ctx, mode="async-comm", remote_every=ns.send_every)
+                       if ns.buffers else None)  # --buffers 0: no service, the population's modes counted at the end
         self.board = popmesh.Board(out / "tb")  # one TensorBoard run per trainer: tb/rank-R
         self.events, self.history = (EventLog(out / f"{name}.jsonl", self.rank) for name in ("events", "history"))
         self.first_life = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"  # not a restarted process
@@ -221,7 +164,7 @@ class Trainer:
         a policy made again after a re-form meets the restarted process's."""
         ns = self.ns
         if ns.policy == "selective":
-            return AsyncSelectiveAveraging(ns.every, decide="latest", channel=0, rule=ReplacementRule(ratio=0.25),
+            return AsyncSelectiveAveraging(ns.every, decide=ns.decide, channel=0, rule=ReplacementRule(ratio=0.25),
                                            donor_rule=DonorRule(kind="best_k", k=2), seed=ns.seed,
                                            explore=Explore(keys=("lr",), space={"lr": Continuous(*ns.lr_range,
                                                                                                  log=True)},
@@ -238,8 +181,16 @@ class Trainer:
         return None
 
     @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.agent.optimizer
+
+    @optimizer.setter
+    def optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        self.agent.optimizer = optimizer
+
+    @property
     def lr(self) -> float:
-        return float(self.optimizer.param_groups[0]["lr"])
+        return self.agent.lr
 
     def run(self) -> None:
         """Train --iterations; a lost peer is a hole the others train around (see the module docstring)."""
@@ -254,7 +205,7 @@ class Trainer:
             validating = it % ns.validate_every == 0 or it == ns.iterations - 1
             if validating or it % ns.every == 0:
                 with self.timer.section("validate"):
-                    self.l1 = self.grid.l1(self.gflownet)
+                    self.l1 = self.agent.l1()
                 self.best_l1 = min(self.best_l1, self.l1)
             population = None
             if not self.lost:
@@ -264,7 +215,7 @@ class Trainer:
                         raise failed
                     with self.timer.section("population"):
                         self.share(it, cells, log_rewards)
-                        population = self.client.population_stats()["modes_found"] if validating else None
+                        population = self.population_modes() if validating else None
                 except popmesh.PeerFailure as e:
                     self.leave(e, it)
             if validating:
@@ -275,16 +226,16 @@ class Trainer:
             self.try_rejoin()
         self.finish()
 
+    def population_modes(self) -> int | None:
+        """The distinct modes the service has seen across trainers (None without a service)."""
+        return None if self.client is None else self.client.population_stats()["modes_found"]
+
     def train(self, it: int) -> tuple[np.ndarray, np.ndarray]:
         """One trajectory-balance step on fresh trajectories; the terminal cells and their log-rewards."""
         with self.timer.section("sample"):
-            trajectories = self.gflownet.sample_trajectories(self.grid.env, n=self.ns.batch_size, save_logprobs=True)
+            trajectories = self.agent.sample()
         with self.timer.section("train"):
-            loss = self.gflownet.loss(self.grid.env, trajectories, recalculate_all_logprobs=False)
-            self.optimizer.zero_grad()
-            loss.backward()
-            self.optimizer.step()
-        self.losses.append(loss.item())
+            self.losses.append(self.agent.learn(trajectories))
         final = trajectories.terminating_states
         for mode in self.grid.env.modes_found(final):
             self.found_at.setdefault(mode, it)
@@ -292,7 +243,8 @@ class Trainer:
 
     def share(self, it: int, cells: np.ndarray, log_rewards: np.ndarray) -> None:
         """The replay-buffer service gets the terminal cells; the population policy acts."""
-        self.client.add({"states": cells, "log_rewards": log_rewards})
+        if self.client is not None:
+            self.client.add({"states": cells, "log_rewards": log_rewards})
         if self.policy is None:
             return
         group, lr = self.ctx.train_global_group, self.lr
@@ -300,9 +252,9 @@ class Trainer:
         if self.ns.policy == "torchgfn":  # its metric is what it ranks by; it is read on decision points only
             _, self.optimizer, out = self.policy(it, self.gflownet, self.optimizer, objective, group=group)
             info = out["policy_info"]
-        elif self.ns.policy == "average":
+        elif self.ns.policy == "average" or self.ns.decide == "complete":  # the metric is what selection ranks by
             _, self.optimizer, info = self.policy(it, self.gflownet, self.optimizer, objective, group=group)
-        else:  # the training metric (-loss) apart from what selection ranks by
+        else:  # decide latest: the training metric (-loss) apart from what selection ranks by
             _, self.optimizer, info = self.policy(it, self.gflownet, self.optimizer, -self.losses[-1], group=group,
                                                   objective=objective)
         if info.replaced:
@@ -342,7 +294,8 @@ class Trainer:
         if self.world.try_reform() is None:
             return
         self.ctx.rebuild()
-        self.client.reconnect()
+        if self.client is not None:
+            self.client.reconnect()
         self.seed()
         self.policy, self.lost = self.make_policy(), False
 
@@ -370,8 +323,9 @@ class Trainer:
                     self.try_rejoin()
         group = self.ctx.train_global_group
         shut_down(self.policy)
-        stats = self.client.population_stats()
-        self.client.drain()
+        stats = self.client.population_stats() if self.client is not None else None
+        if self.client is not None:
+            self.client.drain()
         self.board.close()
         agent = {"rank": self.rank, "l1": self.l1, "best_l1": self.best_l1, "modes": len(self.found_at),
                  "mode_found_at": {str(m): i for m, i in sorted(self.found_at.items())}, "lr_start": self.lr_start,
@@ -401,9 +355,14 @@ def all_modes_at(agents: list[dict[str, Any]], modes: set[int]) -> dict[str, int
             "population": None if None in firsts else max(i for i in firsts if i is not None)}
 
 
-def summarise(ns: argparse.Namespace, grid: Grid, agents: list[dict[str, Any]], stats: dict[str, Any], world: Any,
-              out: Path) -> None:
-    """summary.json and the population's last state, printed."""
+def summarise(ns: argparse.Namespace, grid: Grid, agents: list[dict[str, Any]], stats: dict[str, Any] | None,
+              world: Any, out: Path) -> None:
+    """summary.json and the population's last state, printed; without a service (``stats`` None) the
+    population's modes are those the agents sampled."""
+    counted = "the coordinator's count" if stats is not None else "the agents' own samples"
+    if stats is None:
+        stats = {"modes_found": len({m for a in agents for m in a["mode_found_at"]}),
+                 "modes_by_rank": {str(a["rank"]): a["modes"] for a in agents}}
     summary = {"config": vars(ns), "engine": world.engine_name, "ranks": world.size, "modes": len(grid.modes),
                "agents": agents, "population_modes": stats["modes_found"], "modes_by_rank": stats["modes_by_rank"],
                "all_modes_at": all_modes_at(agents, grid.modes), "generation": world.generation}
@@ -413,7 +372,7 @@ def summarise(ns: argparse.Namespace, grid: Grid, agents: list[dict[str, Any]], 
         print(f"  rank {a['rank']}: L1 {a['l1']:.3f} (best {a['best_l1']:.3f}), modes {a['modes']}/{len(grid.modes)}, "
               f"lr {a['lr_start']:.1e} -> {a['lr']:.1e}, replaced {a['replaced']}x")
     at = summary["all_modes_at"]
-    print(f"modes found by the population: {stats['modes_found']}/{len(grid.modes)} (the coordinator's count); "
+    print(f"modes found by the population: {stats['modes_found']}/{len(grid.modes)} ({counted}); "
           f"every mode by one agent at iteration {at['any_agent']}, by the population at {at['population']}")
     print(f"wrote {out}/summary.json, history.jsonl, events.jsonl, tb/ (tensorboard --logdir), trace.json "
           "(https://ui.perfetto.dev)", flush=True)
@@ -443,10 +402,11 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     if trace.ACTIVE is None:  # every rank's timeline, merged into out/trace.json at finalize
         world.start_trace(out)
-    if world.size < ns.buffers + 2:
+    served = ns.buffers > 0  # a service: its managers and the coordinator
+    if world.size < ns.buffers + 1 + served:
         raise popmesh.ConfigError(f"{world.size} ranks: need a trainer, --buffers {ns.buffers} manager(s) and the "
                                   f"coordinator: popmesh launch -n {ns.buffers + 2} or more")
-    ctx = popmesh.assign_roles(world, num_buffers=ns.buffers, use_coordinator=True)
+    ctx = popmesh.assign_roles(world, num_buffers=ns.buffers, use_coordinator=served)
     check(ns, world, ctx)
     grid = Grid(ns.ndim, ns.height, ns.r0)
     if ctx.is_training_rank():

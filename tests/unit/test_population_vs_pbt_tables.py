@@ -103,3 +103,30 @@ def test_the_later_of_repeated_runs_is_used() -> None:
     kept, dropped = tables.latest(runs)
     assert dropped == 1 and sorted(r["steps"] for r in kept) == [20, 30]
     assert "1 run(s) repeat" in tables.report(runs)
+
+
+def grid_run(contender: str, seed: int, steps: int | None, final: float) -> dict[str, Any]:
+    """A hypergrid run as the benchmark's JSON lines hold it: steps are trajectories, the target an L1."""
+    return {"contender": contender, "task": "hypergrid", "seed": seed, "steps": steps, "budget": 12_800,
+            "wall_s": None if steps is None else 10.0, "total_s": 60.0, "env": "hypergrid 2-D, height 16, R0 0.01",
+            "l1_target": 0.1, "lr_range": [1e-5, 0.1], "batch": 16, "ranks": 4, "every": 25, "warmup": 0,
+            "final_mean_l1": final, "final_worst_l1": final + 0.5, "mean_mean_l1": final + 0.25,
+            "initial": [[1e-3], [2e-4], [6e-4], [1e-5]]}
+
+
+def test_the_hypergrid_task_reports_its_target_and_final_l1() -> None:
+    runs = [grid_run("popmesh", 0, 4_000, 0.05), grid_run("none", 0, None, 0.8), grid_run("popmesh", 1, None, 0.2),
+            grid_run("none", 1, None, 0.9)]
+    text = tables.task_report(runs)
+    assert "### hypergrid: hypergrid 2-D, height 16, R0 0.01, target: an agent's exact L1" in text
+    assert "at most 0.1 at a validation (every 25 iterations)" in text and "budget 12,800 trajectories" in text
+    assert "| popmesh | 0.125 (0.050–0.200) | 0.625 (0.550–0.700) | 0.375 (0.300–0.450) | 0.050 | 0.200 |" in text
+    assert "| none | 0.850 (0.800–0.900) |" in text
+    assert "| popmesh steps | 4,000 | 12,800† |" in text  # a miss charged as the budget, in trajectories
+    assert "Warning" not in text  # the same initial learning rates in every run of a seed
+    assert "entropy" not in tables.task_heading(runs)  # the hypergrid explores the learning rate only
+
+
+def test_l1_table_leaves_out_the_ppo_tasks() -> None:
+    assert "final L1" not in tables.task_report([run("popmesh", 0, 10), run("none", 0, 20)])
+    assert tables.l1_spread([]) == "—" and tables.l1_spread([0.5, 0.5]) == "0.500"

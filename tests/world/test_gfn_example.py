@@ -3,7 +3,9 @@ trainers, a replay-buffer manager and the coordinator. Once through ``popmesh de
 its files are there and sane (history, events, TensorBoard scalars, the trace, the service's counts)
 and the population learns; once under ``popmesh launch --max-restarts 1`` with trainer 1 killed at
 iteration 30: the other trainer trains on, the manager and the coordinator re-form, and the restarted
-process rejoins seeded from it, so both finish every iteration."""
+process rejoins seeded from it, so both finish every iteration; once with ``--buffers 0 --decide
+complete`` on 2 ranks, both trainers: each rank's first validation is the shared agent's
+(examples/hypergrid_agent.py)."""
 
 import json
 import subprocess
@@ -13,6 +15,8 @@ from pathlib import Path
 import pytest
 
 from popmesh.demo import hypergrid
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 pytest.importorskip("torch")
 pytest.importorskip("gfn")
@@ -121,3 +125,29 @@ def _traced(run, ranks):
     labels = {e["pid"]: e["args"]["name"] for e in data["traceEvents"] if e["name"] == "process_name"}
     assert sorted(labels) == list(range(ranks)) and data["metadata"]["missing_ranks"] == [], data["metadata"]
     return [{e["name"] for e in data["traceEvents"] if e["ph"] == "X" and e["pid"] == r} for r in range(ranks)]
+
+
+@pytest.mark.timeout(60)
+def test_without_the_service_every_rank_trains_the_shared_agent(tmp_path):
+    """--buffers 0: two trainer ranks and nothing else, --decide complete; each rank's first validation is
+    that of the example's agent (hypergrid_agent.Agent) trained in this process."""
+    import torch
+    from hypergrid_agent import Agent, Grid, start_lr
+
+    cmd = [sys.executable, "-m", "popmesh", "launch", "-n", "2", "--preload", ",".join(hypergrid.PRELOAD), str(EXAMPLE),
+           *SMALL, "--buffers", "0", "--decide", "complete", "--seed", "2", "--out", str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=50)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["ranks"] == 2 and summary["config"]["decide"] == "complete", summary
+    agents = summary["agents"]
+    assert summary["population_modes"] == len({m for a in agents for m in a["mode_found_at"]})
+    assert "(the agents' own samples)" in done.stdout and not list(tmp_path.glob("manager-*.json"))
+    torch.set_num_threads(1)
+    for a in agents:
+        lr = start_lr((1e-5, 0.1), 2, a["rank"])
+        assert a["lr_start"] == lr
+        agent = Agent(Grid(2, 8, 0.1), seed=2, rank=a["rank"], lr=lr)
+        agent.step()
+        assert _history(tmp_path, a["rank"])[0]["l1"] == pytest.approx(agent.l1(), abs=1e-6)
+        assert [r["iteration"] for r in _history(tmp_path, a["rank"])] == VALIDATED
