@@ -18,8 +18,8 @@ Run = dict[str, Any]
 # Every contender, in the order the tables list them, with what it runs.
 CONTENDERS: dict[str, str] = {
     "popmesh": "`popmesh demo`: asynchronous selective averaging (policy async, decide latest): an agent is "
-               "judged the moment it reports, against every member's latest report; one in the bottom quarter "
-               "that trails the top by both gaps takes the mean of the two best agents' weights, its learning "
+               "judged the moment it reports, against every member's latest report; one in the bottom half "
+               "that trails the best by both gaps takes the best agent's weights, its learning "
                "rate and entropy coefficient explored; nobody waits for anybody",
     "popmesh-complete": "`popmesh demo --decide complete`: the same policy deciding once every agent has "
                         "reported an iteration",

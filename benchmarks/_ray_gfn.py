@@ -31,9 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import math
-import random
 import sys
 import tempfile
 import time
@@ -41,7 +39,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from _ray_pbt import append, read_jsonl, scheduler, significant, spawn
+from _ray_pbt import append, read_jsonl, scheduler, significant, spawn, start_ray
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -191,15 +189,11 @@ def space(s: GridSetup) -> dict[str, Any]:
 
 def child(s: GridSetup) -> None:
     """The Ray side of one run: ``s.ranks`` concurrent trials, one CPU each; Ray's files in ``s.out``."""
-    import numpy as np
     import ray
     from ray import tune
 
-    random.seed(s.seed)  # PBT draws donors and perturbations from Python's random, PB2 also numpy's
-    np.random.seed(s.seed)
     out = Path(s.out)
-    ray.init(num_cpus=s.ranks, include_dashboard=False, log_to_driver=False, _temp_dir=str(out / "ray"),
-             logging_level=logging.WARNING)
+    start_ray(s.seed, s.ranks, out)
     fn = tune.with_resources(tune.with_parameters(trainable, setup=asdict(s)), {"cpu": 1})
     tuner = tune.Tuner(fn, param_space=space(s),
                        tune_config=tune.TuneConfig(scheduler=scheduler(s), reuse_actors=True,

@@ -282,17 +282,24 @@ def space(s: RaySetup) -> dict[str, Any]:
     return {"rank": tune.grid_search(list(range(s.ranks))), **{f"{prefix}{n}": start(n) for n in EXPLORED}}
 
 
+def start_ray(seed: int, ranks: int, out: Path) -> None:
+    """Seed the schedulers' draws and start Ray with ``ranks`` CPUs, its files under ``out``."""
+    import numpy as np
+    import ray
+
+    random.seed(seed)  # PBT draws donors and perturbations from Python's random, PB2 also numpy's
+    np.random.seed(seed)
+    ray.init(num_cpus=ranks, include_dashboard=False, log_to_driver=False, _temp_dir=str(out / "ray"),
+             logging_level=logging.WARNING)
+
+
 def child(s: RaySetup) -> None:
     """The Ray side of one run: ``s.ranks`` concurrent trials, one CPU each; Ray's files in ``s.out``."""
-    import numpy as np
     import ray
     from ray import tune
 
-    random.seed(s.seed)  # PBT draws donors and perturbations from Python's random, PB2 also numpy's
-    np.random.seed(s.seed)
     out = Path(s.out)
-    ray.init(num_cpus=s.ranks, include_dashboard=False, log_to_driver=False, _temp_dir=str(out / "ray"),
-             logging_level=logging.WARNING)
+    start_ray(s.seed, s.ranks, out)
 
     class Stopper(TargetStopper, tune.Stopper):
         """The target stopper as Ray Tune takes it."""

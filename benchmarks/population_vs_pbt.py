@@ -25,8 +25,8 @@ Contenders (`--contenders`, default all), run one after another for each seed (o
 order), each in its own process, timed from its start. On the PPO tasks:
 
 * `popmesh`: `popmesh demo --stop-at-target --decide latest` (its default asynchronous policy: each
-  agent judged the moment it reports, against every member's latest report; a bottom-quarter agent that
-  trails by both gaps takes the mean of the two best, its lr and ent_coef explored);
+  agent judged the moment it reports, against every member's latest report; an agent in the bottom half
+  that trails the best by both gaps takes the best agent's weights, its lr and ent_coef explored);
 * `popmesh-complete`: the same with `--decide complete` (decides once every agent reported an iteration);
 * `none`: `popmesh demo --policy none`, the same agents without a population policy;
 * `ray-pbt`: Ray Tune `PopulationBasedTraining` around the same learner (benchmarks/_ray_pbt.py): 4

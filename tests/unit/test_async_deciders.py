@@ -207,3 +207,22 @@ def test_a_round_waits_for_every_member_and_names_the_missing_ones():
     assert decider.stalled(11.0, 10.0) == (0, [2])
     decider.record(2, Up(BYE, -1, math.nan, 0, -1, -1, 0), 12.0)
     assert [d.iteration for d in decider.ready()][-1] == 0, "a member that said BYE is not waited for"
+
+
+def test_after_a_resume_a_member_known_from_the_state_alone_compares_but_never_donates():
+    """A resumed coordinator's state holds every member's entries, but a member that has not reported
+    since has no weights to stream nor values to hand on (the demo's MPI job restarted whole failed so)."""
+    before = LatestDecider(4, SelectiveOptions.build(10, {}, "test"), EASY)
+    for r, m in ((1, 2.0), (2, 3.0), (3, 9.0)):
+        before.record(r, report(0, m), 0.0)
+    resumed = LatestDecider(4, SelectiveOptions.build(10, {}, "test"), LatestRules(relative_gap=0.0, absolute_gap=0.0,
+                                                                                     quantile_fraction=0.5))
+    resumed.load_state_dict(json.loads(json.dumps(before.state_dict())))
+    resumed.record(2, report(1, 3.0), 0.0)
+    verdict = resumed.book.record(0, report(1, 1.0))
+    assert verdict.replace and verdict.donors == (2,), verdict  # 3 leads, from the state: it compares, 2 donates
+    assert verdict.objectives[3] == 9.0
+    alone = LatestDecider(4, SelectiveOptions.build(10, {}, "test"), EASY)
+    alone.load_state_dict(json.loads(json.dumps(before.state_dict())))
+    verdict = alone.book.record(0, report(1, 1.0))
+    assert not verdict.replace and "no top-1 member can donate yet" in verdict.reason, verdict

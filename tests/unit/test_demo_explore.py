@@ -204,3 +204,9 @@ def test_an_mpi_job_that_restarts_needs_a_checkpoint_to_resume_from():
     with pytest.raises(ConfigError, match=r"restarts the whole job .* add --checkpoint-every K"):
         DemoConfig(engine="mpi", max_restarts=1)
     assert DemoConfig(engine="mpi", max_restarts=1, checkpoint_every=10).max_restarts == 1
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.6, -0.25])
+def test_the_replaced_fraction_is_at_most_a_half(ratio):
+    with pytest.raises(ConfigError, match=r"--ratio .*in \(0, 0\.5\]"):
+        DemoConfig(ratio=ratio)

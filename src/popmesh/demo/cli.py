@@ -55,7 +55,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizer", choices=OPTIMIZER_STATES, default=defaults.optimizer,
                    help="what a replaced agent's Adam state starts from: reset (a fresh Adam, default), keep (its "
                         "own), copy (its best donor's, streamed with the weights)")
-    p.add_argument("--donors", type=int, default=defaults.donors, help="best agents that donate (default 2)")
+    p.add_argument("--donors", type=int, default=defaults.donors,
+                   help=f"best agents that donate; several give the mean of their weights (default {defaults.donors})")
+    p.add_argument("--ratio", type=float, default=defaults.ratio,
+                   help=f"the bottom fraction of agents that may be replaced, in (0, 0.5] (default {defaults.ratio:g})")
     p.add_argument("--warmup", type=int, default=defaults.warmup, help="iterations before the first decision")
     p.add_argument("--out", default=defaults.out_dir, help="where runs/<timestamp>/ goes (default ./runs)")
     p.add_argument("--stop-at-target", action="store_true",
@@ -128,7 +131,7 @@ def run_command(ns: argparse.Namespace) -> int:
     config = DemoConfig(task=ns.task, ranks=ranks, engine=ns.engine, policy=ns.policy, env=ns.env, seed=ns.seed,
                         steps=ns.steps, every=ns.every, strategy=ns.strategy, decide=ns.decide,
                         explore_method=ns.explore_method, reference=ns.reference, optimizer=ns.optimizer,
-                        donors=ns.donors, warmup=ns.warmup, out_dir=ns.out,
+                        donors=ns.donors, ratio=ns.ratio, warmup=ns.warmup, out_dir=ns.out,
                         live=not ns.no_live, stop_at_target=ns.stop_at_target,
                         checkpoint_every=ns.checkpoint_every,
                         checkpoint_keep=ns.checkpoint_keep, resume=ns.resume, max_restarts=ns.max_restarts,

@@ -26,7 +26,7 @@ TASKS = ("cartpole", "hypergrid")  # PPO agents on a gymnasium task, or GFlowNet
 # Options of the CartPole task that --task hypergrid does not take (its own go after --)
 CARTPOLE_ONLY = ("env", "steps", "every", "decide", "strategy", "optimizer", "donors", "warmup", "stop_at_target",
                  "checkpoint_every", "checkpoint_keep", "resume", "baseline", "explore", "explore_method", "reference",
-                 "ent_range")
+                 "ent_range", "ratio")
 EXPLORABLE = EXPLORED  # what --explore may name: the hyper-parameters the model carries with its weights
 LR_RANGE = (1e-5, 1e-1)  # where each rank draws its learning rate (log-uniform); explore stays within it
 ENT_RANGE = (1e-4, 1e-1)  # likewise for the entropy coefficient
@@ -43,13 +43,13 @@ class DemoConfig:
     seed: int = 0
     steps: int = 120_000
     every: int = 10
-    ratio: float = 0.25
+    ratio: float = 0.5  # the bottom half may be replaced: on CartPole it took fewer steps than the bottom quarter
     strategy: str = "mean"
     decide: str = "latest"  # the async policy judges a rank against every member's latest report
     explore_method: str = "perturb"  # how the explore step moves values: Ray PBT's perturbation, or PB2's model
     reference: bool = False  # rank 0 trains as a reference agent: never replaced, compared or a donor
     optimizer: str = "reset"  # a replaced agent's Adam state: a fresh one, its own kept, or its best donor's
-    donors: int = 2
+    donors: int = 1  # the best agent donates (PBT's exploit): fewer steps on CartPole than the mean of two
     warmup: int = 20
     out_dir: str = "runs"
     live: bool = True
@@ -113,6 +113,9 @@ class DemoConfig:
             raise ConfigError(f"--engine {self.engine!r}: choose torch or mpi")
         if self.steps < 1 or self.every < 1:
             raise ConfigError("--steps and --every must be positive")
+        if not 0 < self.ratio <= 0.5:
+            raise ConfigError(f"--ratio {self.ratio:g}: give the bottom fraction of agents that may be replaced, in "
+                              "(0, 0.5] (above a half, the bottom and the top that donates would overlap)")
         if self.strategy not in STRATEGIES:
             raise ConfigError(f"--strategy {self.strategy!r}: choose one of {', '.join(STRATEGIES)}")
         if self.decide not in ("latest", "complete"):

@@ -300,7 +300,8 @@ def _leads(own: float, donor: float, rules: LatestRules) -> bool:
 
 
 def judge(rank: int, reports: Sequence[Report], state: LatestState, rules: LatestRules | None = None, *,
-          excluded: Collection[int] = (), reference: Collection[int] = ()) -> tuple[Verdict, LatestState]:
+          excluded: Collection[int] = (), reference: Collection[int] = (),
+          donors_from: Collection[int] | None = None) -> tuple[Verdict, LatestState]:
     """Judge ``rank`` against the latest report of every member; return the verdict and the new state.
 
     ``reports`` holds at most one report per member (its latest), ``rank``'s own included; what
@@ -311,7 +312,9 @@ def judge(rank: int, reports: Sequence[Report], state: LatestState, rules: Lates
     to the weights it loses: they never count for it again, but stand for it in the others'
     comparisons until it reports with its new weights (as Ray PBT keeps an exploited trial's last
     score), so that one replacement does not move the next member into the bottom quantile.
-    Same inputs, same verdict.
+    ``donors_from``: the members that can donate now (None: all); the others still compare (a
+    coordinator that resumed its state from a checkpoint passes those heard from since: a member
+    known from the state alone has no weights to stream yet). Same inputs, same verdict.
     """
     rules = LatestRules() if rules is None else rules
     by_rank, gone = _checked(rank, reports, state, rules, excluded)
@@ -338,11 +341,13 @@ def judge(rank: int, reports: Sequence[Report], state: LatestState, rules: Lates
         why = f"not replaced: no other member has a report at or below {_fmt(clock)} {rules.clock}"
         return Verdict(rank, False, (), why, values), state
     members = sum(1 for r in range(len(state.history)) if r not in gone) if rules.count_absent else len(values)
-    return _rank_and_choose(rank, values, by_rank, state, rules, members)
+    able = None if donors_from is None else frozenset(int(r) for r in donors_from)
+    return _rank_and_choose(rank, values, by_rank, state, rules, members, able)
 
 
 def _rank_and_choose(rank: int, values: dict[int, float], by_rank: Mapping[int, Report], state: LatestState,
-                     rules: LatestRules, members: int) -> tuple[Verdict, LatestState]:
+                     rules: LatestRules, members: int,
+                     able: frozenset[int] | None = None) -> tuple[Verdict, LatestState]:
     """The quantile and gap rules over the comparable ``values``, in a population of ``members`` (the
     ones without a value count below ``rank``)."""
     n = len(values)
@@ -355,7 +360,11 @@ def _rank_and_choose(rank: int, values: dict[int, float], by_rank: Mapping[int, 
         why = f"not replaced: objective {_fmt(own)} is {_ordinal(place)} of {members}, above the bottom {k}{absent}"
         return Verdict(rank, False, (), why, values), state
     top = best_first[:k]
-    chosen = [d for d in top if _leads(own, values[d], rules)][:rules.max_donors]
+    chosen = [d for d in top if (able is None or d in able) and _leads(own, values[d], rules)][:rules.max_donors]
+    if not chosen and able is not None and not able & set(top):
+        why = (f"not replaced: bottom {k} of {members} (objective {_fmt(own)}), but no top-{k} member can donate "
+               "yet (none has reported since this state was resumed)")
+        return Verdict(rank, False, (), why, values), state
     if not chosen:
         lead = values[top[0]] - own
         why = (f"not replaced: bottom {k} of {members} (objective {_fmt(own)}), but no top-{k} member leads by both "

@@ -142,7 +142,8 @@ class LatestBook:
     def judge_rank(self, rank: int, report: Report) -> Verdict:
         """:func:`judge` ``rank`` (whose latest report is ``report``) against every member's latest."""
         verdict, self.state = judge(rank, list(self.reports.values()), self.state, self.rules,
-                                    excluded=self.excluded, reference=self.reference)
+                                    excluded=self.excluded, reference=self.reference,
+                                    donors_from=self.reports)  # after a resume the state knows more members
         self.judged += 1
         if verdict.replace:
             self._dispatched(rank, report.iteration, report.generation + 1)
