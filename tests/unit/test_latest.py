@@ -343,3 +343,11 @@ def test_the_state_goes_through_json_for_a_checkpoint():
     assert "cooldown" in again.reason, "the cap holds across a resume"
     with pytest.raises(ConfigError, match="holds 2 members, this population has 3"):
         latest_from_json(latest_to_json(state), 3)
+
+
+def test_only_members_that_can_donate_do():
+    rules = LatestRules(relative_gap=0.0, absolute_gap=0.0, quantile_fraction=0.5)
+    verdict = judge(0, reports([0, 10, 20, 30]), init_latest(4), rules, donors_from=(0, 1, 2))[0]
+    assert verdict.replace and verdict.donors == (2,) and verdict.objectives[3] == 30.0  # 3 ranks, never donates
+    verdict = judge(0, reports([0, 10, 20, 30]), init_latest(4), rules, donors_from=(0, 1))[0]
+    assert not verdict.replace and "no top-2 member can donate yet" in verdict.reason
