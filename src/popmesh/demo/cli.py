@@ -89,7 +89,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-keep", type=int, default=2, metavar="N",
                    help="keep the newest N complete checkpoints (default 2)")
     p.add_argument("--max-restarts", type=int, default=0, metavar="N",
-                   help="restart a lost rank up to N times; it rejoins, seeded by the best agents")
+                   help="restart a lost rank up to N times; it rejoins, seeded by the best agents (--engine mpi: "
+                        "the whole job restarts, resuming from the newest --checkpoint-every checkpoint)")
     p.add_argument("--kill", default="", metavar="RANK:ITERATION",
                    help="that rank kills itself once at that iteration (to watch --max-restarts at work)")
     p.add_argument("--no-preload", action="store_true",
