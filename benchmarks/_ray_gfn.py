@@ -35,11 +35,11 @@ import math
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _ray_pbt import append, read_jsonl, scheduler, significant, spawn, start_ray
+from _ray_pbt import append, fit, read_jsonl, significant, spawn, start_ray
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -189,20 +189,8 @@ def space(s: GridSetup) -> dict[str, Any]:
 
 def child(s: GridSetup) -> None:
     """The Ray side of one run: ``s.ranks`` concurrent trials, one CPU each; Ray's files in ``s.out``."""
-    import ray
-    from ray import tune
-
-    out = Path(s.out)
-    start_ray(s.seed, s.ranks, out)
-    fn = tune.with_resources(tune.with_parameters(trainable, setup=asdict(s)), {"cpu": 1})
-    tuner = tune.Tuner(fn, param_space=space(s),
-                       tune_config=tune.TuneConfig(scheduler=scheduler(s), reuse_actors=True,
-                                                   max_concurrent_trials=s.ranks),
-                       run_config=tune.RunConfig(name=s.scheduler, storage_path=str(out / "results"), verbose=0))
-    results = tuner.fit()
-    ray.shutdown()
-    if results.errors:
-        raise SystemExit(f"{len(results.errors)} trial(s) failed; the first: {results.errors[0]!r}")
+    start_ray(s.seed, s.ranks, Path(s.out))
+    fit(trainable, s, space(s))
 
 
 if __name__ == "__main__":

@@ -295,21 +295,28 @@ def start_ray(seed: int, ranks: int, out: Path) -> None:
 
 def child(s: RaySetup) -> None:
     """The Ray side of one run: ``s.ranks`` concurrent trials, one CPU each; Ray's files in ``s.out``."""
-    import ray
     from ray import tune
 
-    out = Path(s.out)
-    start_ray(s.seed, s.ranks, out)
+    start_ray(s.seed, s.ranks, Path(s.out))
 
     class Stopper(TargetStopper, tune.Stopper):
         """The target stopper as Ray Tune takes it."""
 
+    fit(trainable, s, space(s), stop=Stopper(s.steps, s.target))
+
+
+def fit(trainable: Any, s: Any, param_space: dict[str, Any], stop: Any = None) -> None:
+    """Run ``s.ranks`` concurrent trials of ``trainable`` (one CPU each, actors reused) under ``s``'s
+    scheduler, Ray's files in ``s.out``; shut Ray down after; SystemExit naming the first failed trial."""
+    import ray
+    from ray import tune
+
     fn = tune.with_resources(tune.with_parameters(trainable, setup=asdict(s)), {"cpu": 1})
-    tuner = tune.Tuner(fn, param_space=space(s),
+    tuner = tune.Tuner(fn, param_space=param_space,
                        tune_config=tune.TuneConfig(scheduler=scheduler(s), reuse_actors=True,
                                                    max_concurrent_trials=s.ranks),
-                       run_config=tune.RunConfig(name=s.scheduler, storage_path=str(out / "results"), verbose=0,
-                                                 stop=Stopper(s.steps, s.target)))
+                       run_config=tune.RunConfig(name=s.scheduler, storage_path=str(Path(s.out) / "results"),
+                                                 verbose=0, stop=stop))
     results = tuner.fit()
     ray.shutdown()
     if results.errors:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from popmesh.comm.agreement import describe_leaves, device_advice, device_type, shape_row, shapes_mismatch
-from popmesh.comm.collectives import _device, describe_one
+from popmesh.comm.collectives import describe_one, device_of
 from popmesh.comm.guard import signature_of
 from popmesh.comm.mismatch import mismatch_error
 from popmesh.core.errors import CollectiveMismatch, ConfigError
@@ -65,9 +65,9 @@ def test_the_always_on_guard_tells_a_call_on_another_device_from_a_host_one():
     key (and describe) a different call, or a rank on CUDA and one on the host would pass the guard."""
     host, other = torch.zeros(4), torch.empty(4, device="meta")
     assert describe_one(ReduceOp.SUM, host) != describe_one(ReduceOp.SUM, other)
-    assert signature_of(("k", _device(host)), lambda: describe_one(ReduceOp.SUM, host)) != \
-        signature_of(("k", _device(other)), lambda: describe_one(ReduceOp.SUM, other))
-    assert _device(np.zeros(4)) == "cpu" and _device(host) != _device(other)
+    assert signature_of(("k", device_of(host)), lambda: describe_one(ReduceOp.SUM, host)) != \
+        signature_of(("k", device_of(other)), lambda: describe_one(ReduceOp.SUM, other))
+    assert device_of(np.zeros(4)) == "cpu" and device_of(host) != device_of(other)
 
 
 def test_a_mismatch_lists_each_rank_s_device_and_says_what_to_do():
