@@ -19,7 +19,8 @@ rank: some agents learn, some crawl, some collapse); the agent, one per trainer,
 * survival: ``--kill-rank R --kill-at I`` makes trainer R's first process SIGKILL itself at iteration I.
   Under ``popmesh launch --max-restarts 1`` the other trainers train on alone (``world.try_reform()``),
   the managers and the coordinator re-form by themselves, and the restarted process rejoins, seeded
-  from the best agents (``seed_newcomers``);
+  from the best agents (``seed_newcomers``); ``--policy average`` then waits until every trainer has
+  reached the furthest one's iteration, since its averages are collectives at fixed iterations;
 * the trace timeline (``trace.json``, open it in https://ui.perfetto.dev) and one TensorBoard run per
   trainer (``tensorboard --logdir OUT/tb``): exact L1, modes found, loss, logZ, learning rate.
 
@@ -152,6 +153,7 @@ class Trainer:
         self.events, self.history = (EventLog(out / f"{name}.jsonl", self.rank) for name in ("events", "history"))
         self.first_life = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"  # not a restarted process
         self.iteration, self.replaced, self.lost = 0, 0, False
+        self.policy_from = 0  # after a rejoin, a lockstep policy acts from here on (every trainer caught up)
         self.found_at: dict[int, int] = {}  # mode -> iteration at which this rank first sampled it
         self.l1, self.best_l1 = math.nan, math.inf
         self.losses: list[float] = []  # since the last validation
@@ -245,7 +247,7 @@ class Trainer:
         """The replay-buffer service gets the terminal cells; the population policy acts."""
         if self.client is not None:
             self.client.add({"states": cells, "log_rewards": log_rewards})
-        if self.policy is None:
+        if self.policy is None or it < self.policy_from:
             return
         group, lr = self.ctx.train_global_group, self.lr
         objective = -self.l1 if it % self.ns.every == 0 else None  # what selection ranks by, on decision points
@@ -301,13 +303,20 @@ class Trainer:
 
     def seed(self) -> None:
         """Collective over the trainers after a re-form: a newcomer takes the mean of the best two agents'
-        weights (ranked by -L1), the best one's optimizer state (its learning rate too) and iteration."""
-        seeding = seed_newcomers(self.gflownet, self.optimizer, -self.l1, {"iteration": self.iteration},
-                                 group=self.ctx.train_global_group)
+        weights (ranked by -L1), the best one's optimizer state (its learning rate too) and iteration. The
+        trainers then stand at different iterations (the survivors trained on alone, each at its pace), so
+        a lockstep policy (``average``: a collective at the same iterations on every trainer) waits until
+        each has reached the furthest one."""
+        group = self.ctx.train_global_group
+        seeding = seed_newcomers(self.gflownet, self.optimizer, -self.l1, {"iteration": self.iteration}, group=group)
         if seeding is not None and self.rank in seeding.newcomers:
             self.iteration = int(seeding.counters["iteration"])
+        if self.ns.policy == "average":
+            self.policy_from = int(popmesh.all_reduce(np.array([self.iteration]), "max", group=group)[0])
+        if seeding is not None and self.rank in seeding.newcomers:
             self.events.write({"event": "rejoined", "rank": self.rank, "iteration": self.iteration,
-                               "donors": list(seeding.donors), "generation": self.world.generation})
+                               "donors": list(seeding.donors), "generation": self.world.generation,
+                               "policy_from": self.policy_from})
 
     def finish(self) -> None:
         """Every trainer at the end: the policy wound down, the population's modes asked for, the client
@@ -386,9 +395,9 @@ def check(ns: argparse.Namespace, world: Any, ctx: Any) -> None:
         if not world.restarts_lost_ranks:
             raise popmesh.ConfigError("--kill-rank needs a launcher that restarts the lost rank: popmesh launch "
                                       "--max-restarts 1 (torch engine)")
-        if ns.policy not in ("selective", "none"):
-            raise popmesh.ConfigError(f"--kill-rank with --policy {ns.policy}: its decisions are collective at "
-                                      "fixed iterations; use --policy selective or none")
+        if ns.policy == "torchgfn":
+            raise popmesh.ConfigError("--kill-rank with --policy torchgfn: on MPI a lost rank ends the whole job; "
+                                      "use --policy selective, average or none")
     if ns.policy == "torchgfn" and world.engine_name != "mpi":
         raise popmesh.ConfigError("--policy torchgfn runs torchgfn's one-sided MPI policy: launch with popmesh "
                                   "launch --engine mpi")

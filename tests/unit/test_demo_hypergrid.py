@@ -62,3 +62,26 @@ def test_the_source_tree_has_the_script():
 def test_the_cores_note_says_who_waits():
     assert "never waits for a trainer" in hypergrid.cores_note(6, 2)
     assert "--policy average-all waits for the slowest trainer" in hypergrid.cores_note(6, 2, "average-all")
+
+
+@pytest.mark.parametrize("policy, refused", [("selective", False), ("average", False), ("none", False),
+                                             ("torchgfn", True)])
+def test_the_example_kills_a_trainer_under_every_policy_but_torchgfns(policy, refused):
+    """``--kill-rank`` goes with every policy whose world restarts a lost rank; torchgfn's own policy runs
+    on MPI, where a lost rank ends the job, so the example says which policies to use instead."""
+    pytest.importorskip("torch")
+    pytest.importorskip("gfn")
+    import sys
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+    import gfn_hypergrid
+
+    ns = gfn_hypergrid.parse(["--policy", policy, "--kill-rank", "1", "--kill-at", "30"])
+    world = SimpleNamespace(restarts_lost_ranks=True, engine_name="torch")
+    ctx = SimpleNamespace(training_ranks=[0, 1])
+    if refused:
+        with pytest.raises(ConfigError, match="use --policy selective, average or none"):
+            gfn_hypergrid.check(ns, world, ctx)
+    else:
+        gfn_hypergrid.check(ns, world, ctx)

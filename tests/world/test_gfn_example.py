@@ -2,8 +2,9 @@
 trainers, a replay-buffer manager and the coordinator. Once through ``popmesh demo --task hypergrid``:
 its files are there and sane (history, events, TensorBoard scalars, the trace, the service's counts)
 and the population learns; once under ``popmesh launch --max-restarts 1`` with trainer 1 killed at
-iteration 30: the other trainer trains on, the manager and the coordinator re-form, and the restarted
-process rejoins seeded from it, so both finish every iteration; once with ``--buffers 0 --decide
+iteration 30 (with the selective policy, and with the lockstep averaging, which waits until both trainers
+stand at the same iteration): the other trainer trains on, the manager and the coordinator re-form, and
+the restarted process rejoins seeded from it, so both finish every iteration; once with ``--buffers 0 --decide
 complete`` on 2 ranks, both trainers: each rank's first validation is the shared agent's
 (examples/hypergrid_agent.py)."""
 
@@ -75,10 +76,11 @@ def test_the_demo_trains_a_population_of_gflownets(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_a_killed_trainer_leaves_the_others_finishing(tmp_path):
+@pytest.mark.parametrize("policy", ["selective", "average"])
+def test_a_killed_trainer_leaves_the_others_finishing(tmp_path, policy):
     cmd = [sys.executable, "-m", "popmesh", "launch", "-n", "4", "--max-restarts", "1", "--preload",
            ",".join(hypergrid.PRELOAD), str(EXAMPLE), *SMALL, "--kill-rank", "1", "--kill-at", "30", "--out",
-           str(tmp_path)]
+           str(tmp_path), "--policy", policy]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=50)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "rank 1 was killed by SIGKILL" in done.stderr and "restarted (1 of 1)" in done.stderr, done.stderr[-3000:]
@@ -88,6 +90,10 @@ def test_a_killed_trainer_leaves_the_others_finishing(tmp_path):
     assert lost["ranks"] == [1] and lost["seen_by"] == 0 and 0 < lost["iteration"] < ITERATIONS, lost
     assert back["rank"] == 1 and back["donors"] == [0] and back["generation"] == 1, back
     assert back["iteration"] >= lost["iteration"], events
+    if policy == "average":  # its collective averages wait until both trainers stand at the furthest iteration
+        assert back["policy_from"] >= back["iteration"], back
+    else:
+        assert back["policy_from"] == 0, back
     survivor, restarted = _history(tmp_path, 0), _history(tmp_path, 1)
     assert [r["iteration"] for r in survivor] == VALIDATED, survivor  # it never stopped nor repeated an iteration
     assert {r["generation"] for r in survivor} == {0, 1}
