@@ -151,7 +151,7 @@ class Trainer:
                        if ns.buffers else None)  # --buffers 0: no service, the population's modes counted at the end
         self.board = popmesh.Board(out / "tb")  # one TensorBoard run per trainer: tb/rank-R
         self.events, self.history = (EventLog(out / f"{name}.jsonl", self.rank) for name in ("events", "history"))
-        self.first_life = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"  # not a restarted process
+        self.first_life = world.restart_count == 0  # not a restarted process
         self.iteration, self.replaced, self.lost = 0, 0, False
         self.policy_from = 0  # after a rejoin, a lockstep policy acts from here on (every trainer caught up)
         self.found_at: dict[int, int] = {}  # mode -> iteration at which this rank first sampled it

@@ -58,7 +58,7 @@ else:
         recover(e)
 sync = GradientSync(model)
 while step < args.steps:
-    if step == args.kill_at and world.rank == 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+    if step == args.kill_at and world.rank == 1 and world.restart_count == 0:
         os.kill(os.getpid(), signal.SIGKILL)  # the demonstration's lost rank
     x = torch.randn(32, 8)
     loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()

@@ -119,3 +119,14 @@ def test_every_public_timeout_goes_through_the_check():
                 make()
     finally:
         world.finalize()
+
+
+def test_the_restart_count_is_the_launchers_and_zero_in_a_first_life():
+    from popmesh.core.launch_env import restart_count
+
+    assert restart_count({}) == 0 and restart_count({"TORCHELASTIC_RESTART_COUNT": ""}) == 0
+    assert restart_count({"TORCHELASTIC_RESTART_COUNT": "2"}) == 2
+    with pytest.raises(ConfigError, match="TORCHELASTIC_RESTART_COUNT='x' is not an integer"):
+        restart_count({"TORCHELASTIC_RESTART_COUNT": "x"})
+    with pytest.raises(ConfigError, match="negative"):
+        restart_count({"TORCHELASTIC_RESTART_COUNT": "-1"})

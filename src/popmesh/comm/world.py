@@ -19,7 +19,7 @@ from popmesh.comm.agreement import exchange_texts
 from popmesh.comm.signature import History
 from popmesh.core import trace as timeline
 from popmesh.core.errors import ConfigError, NotInGroup, PeerFailure, know_hosts
-from popmesh.core.launch_env import detect_engine, launcher_restarts, read_check, read_timeout
+from popmesh.core.launch_env import detect_engine, launcher_restarts, read_check, read_timeout, restart_count
 from popmesh.core.timeouts import check_timeout, resolve_timeout
 from popmesh.core.trace import DEFAULT_CAPACITY, TRACE_ENV
 from popmesh.engines import Engine, GroupSpec, create_engine
@@ -146,6 +146,13 @@ class World(Comm):
         """The ranks that joined the current generation as new processes (restarted for lost ranks);
         () in the world as first formed. A newcomer sees its own rank here: it has state to receive."""
         return self.engine.newcomers
+
+    @property
+    def restart_count(self) -> int:
+        """How many times the launcher started this process again: 0 in its first life, 1 after the first
+        restart (``popmesh launch --max-restarts N``; on MPI and under torchrun the whole job restarts).
+        A script's own fault injection checks it, so that the restarted process does not fail again."""
+        return restart_count()
 
     @property
     def restarts_lost_ranks(self) -> bool:

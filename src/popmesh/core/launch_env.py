@@ -170,6 +170,17 @@ def launcher_restarts(environ: Mapping[str, str] | None = None) -> int:
     return int(raw) if raw.isdecimal() and environ.get("POPMESH_ENGINE") == "torch" else 0
 
 
+def restart_count(environ: Mapping[str, str] | None = None) -> int:
+    """How many times the launcher started this process again (``TORCHELASTIC_RESTART_COUNT``): 0 in its
+    first life; under ``popmesh launch --engine mpi --max-restarts N`` and torchrun, the whole job's
+    restarts. ConfigError for a value that is not a whole number."""
+    environ = os.environ if environ is None else environ
+    count = _int_var(environ, "TORCHELASTIC_RESTART_COUNT", required=False) or 0
+    if count < 0:
+        raise ConfigError(f"TORCHELASTIC_RESTART_COUNT={count} is negative: the launcher counts restarts from 0")
+    return count
+
+
 def read_number(name: str, default: float, *, hint: str, whole: bool = False,
                 environ: Mapping[str, str] | None = None) -> float:
     """Setting ``name`` from the environment: a finite number ≥ 0 (``whole``: an integer), ``default``

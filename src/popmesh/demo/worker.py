@@ -120,7 +120,7 @@ def _resume(world: Any, config: DemoConfig, learner: PPOLearner,
     every rank takes its agent (and its policy's state) back from the newest complete checkpoint; a rank
     that was lost when the survivors wrote it is seeded from them instead, as at a rejoin. The iteration
     to go on from, and where it came from with the ranks seeded (None when nothing was resumed)."""
-    job_restarted = config.engine == "mpi" and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    job_restarted = config.engine == "mpi" and world.restart_count > 0
     if not config.resume and not job_restarted:
         return 0, None
     root = Path(config.resume or config.run_dir)
@@ -170,7 +170,7 @@ def _train(world: Any, config: DemoConfig, learner: PPOLearner, policy: Any, rep
     kill = config.kill_at()
     lost: _Lost | None = None  # set while this rank trains on alone, the world short of a lost rank
     while learner.total_steps < config.steps and not reporter.should_stop():
-        if kill == (world.rank, iteration) and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        if kill == (world.rank, iteration) and world.restart_count == 0:
             os.kill(os.getpid(), signal.SIGKILL)  # --kill: the demonstration's lost rank
         try:
             failed = world.failure(None if lost is None else lost.members)  # the heartbeat's finding, if any
@@ -465,7 +465,7 @@ def _finish(world: Any, config: DemoConfig, learner: PPOLearner, reporter: Repor
                "explored": sum(bool(e.get("explored")) for e in reporter.events), "engine": world.engine_name,
                "ranks": world.size, "resumed_from": None if resumed is None else resumed["path"],
                "generation": world.generation, "restarts": [e for e in survival if e["kind"] == "rejoined"],
-               "job_restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) if config.engine == "mpi" else 0}
+               "job_restarts": world.restart_count if config.engine == "mpi" else 0}
     if resumed is not None and resumed["seeded"]:  # lost when the survivors wrote the checkpoint
         summary["resumed_seeded"] = resumed["seeded"]
     if checkpoints is not None and checkpoints.every:
