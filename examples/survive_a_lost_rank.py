@@ -3,7 +3,8 @@
 
 The launcher restarts a rank that dies (--max-restarts); the survivors catch the PeerFailure, call
 world.reform(), and hand the newcomer the model, the optimizer state and the step; the newcomer finds
-itself in world.newcomers after init() and takes the same hand-off. No rank starts over.
+itself in world.newcomers after init() and takes the same hand-off. No rank starts over, and the step
+during which the rank was lost is applied by none (``applied=``).
 """
 
 import argparse
@@ -33,7 +34,7 @@ def catch_up() -> None:
     global step
     while True:
         try:
-            step = hand_over(model, opt, step)
+            step = hand_over(model, opt, step, applied=step)  # a step applied by some survivors only is undone
             break
         except popmesh.PeerFailure as e:
             print(f"rank {world.rank} lost a peer while catching up: re-forming ({e.ranks})")
@@ -63,8 +64,8 @@ while step < args.steps:
     x = torch.randn(32, 8)
     loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
     opt.zero_grad()
-    loss.backward()
     try:
+        loss.backward()  # the buckets filled first are reduced during backward
         sync()
     except popmesh.PeerFailure as e:
         sync.close()

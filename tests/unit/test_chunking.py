@@ -13,6 +13,7 @@ from popmesh.torch.chunking import (
     Piece,
     TensorSpec,
     compare_specs,
+    fewest_applied,
     hand_over_roles,
     plan_chunks,
     plan_stream,
@@ -141,6 +142,30 @@ def test_hand_over_roles():
         hand_over_roles([0, 1], src=4)
     with pytest.raises(ConfigError, match="at least 1"):
         hand_over_roles([0, 1], src=0, donors=0)
+
+
+def test_the_survivors_that_applied_the_fewest_steps_hold_the_state_to_give():
+    assert fewest_applied([0, 1, 2], [7, 7, 7]) == (0, 1, 2)
+    assert fewest_applied([0, 1, 2, 3], [8, 7, None, 7], newcomers=[2]) == (1, 3)  # rank 0 applied a failed step
+    assert fewest_applied([4, 6], [3, 0], newcomers=[6]) == (4,)  # a newcomer's count is ignored
+    with pytest.raises(ConfigError, match="rank 1 passed applied=None"):
+        fewest_applied([0, 1], [3, None])
+    with pytest.raises(ConfigError, match="rank 0 passed applied=-1"):
+        fewest_applied([0, 1], [-1, 2])
+    with pytest.raises(ConfigError, match="rank 0 passed applied=True"):
+        fewest_applied([0, 1], [True, 2])
+    with pytest.raises(ConfigError, match="no survivor"):
+        fewest_applied([0, 1], [None, None], newcomers=[0, 1])
+    with pytest.raises(ConfigError, match="one per rank"):
+        fewest_applied([0, 1], [1])
+
+
+def test_a_survivor_ahead_of_the_holders_takes_the_state_too():
+    # rank 0 applied the step that failed: rank 1 gives, ranks 0 and 2 (the newcomer) take
+    assert hand_over_roles([0, 1, 2], src=1, newcomers=[2], donors=2, holders=[1]) == ((1,), (0, 2))
+    assert hand_over_roles([0, 1, 2, 3], src=1, newcomers=[3], donors=2, holders=[1, 2]) == ((1, 2), (0, 3))
+    with pytest.raises(ConfigError, match="not among the ranks that hold"):
+        hand_over_roles([0, 1, 2], src=0, newcomers=[2], donors=2, holders=[1])
 
 
 def test_compare_specs_names_the_tensor():

@@ -34,6 +34,7 @@ __all__ = [
     "plan_stream",
     "compare_specs",
     "hand_over_roles",
+    "fewest_applied",
 ]
 
 DEFAULT_CHUNK_BYTES = 64 * 2**20
@@ -218,13 +219,14 @@ def compare_specs(theirs: Sequence[TensorSpec], mine: Sequence[TensorSpec], *, t
     return None
 
 
-def hand_over_roles(ranks: Sequence[int], src: int, newcomers: Sequence[int] = (),
-                    donors: int = 1) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def hand_over_roles(ranks: Sequence[int], src: int, newcomers: Sequence[int] = (), donors: int = 1,
+                    holders: Sequence[int] | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Who sends and who takes in a hand-over among ``ranks``: ``(donors, receivers)``.
 
     One donor: ``src`` gives every other rank its state. ``donors`` > 1: ``src`` and the lowest other
-    survivors (ranks not in ``newcomers``), up to ``donors`` of them, share the sending, and only the
-    newcomers take the state (the survivors are taken to hold it already, as data-parallel ranks do).
+    ``holders`` (the ranks that hold ``src``'s state; default the survivors, ranks not in
+    ``newcomers``, as data-parallel ranks do), up to ``donors`` of them, share the sending, and only the
+    other ranks take the state.
     """
     if not _is_int(donors) or isinstance(donors, bool) or donors < 1:
         raise ConfigError(f"donors={donors!r} must be an int of at least 1")
@@ -234,8 +236,37 @@ def hand_over_roles(ranks: Sequence[int], src: int, newcomers: Sequence[int] = (
         return (src,), tuple(r for r in ranks if r != src)
     if src in newcomers:
         raise ConfigError(f"src={src} joined as a new process and holds no state to give: pick a survivor")
-    survivors = [r for r in ranks if r not in newcomers and r != src]
-    return (src, *survivors[: donors - 1]), tuple(r for r in ranks if r in newcomers)
+    held = [r for r in ranks if r not in newcomers] if holders is None else [r for r in ranks if r in holders]
+    if src not in held:
+        raise ConfigError(f"src={src} is not among the ranks that hold the state to give ({held})")
+    givers = (src, *[r for r in held if r != src][: donors - 1])
+    return givers, tuple(r for r in ranks if r not in held)
+
+
+def fewest_applied(ranks: Sequence[int], applied: Sequence[object], newcomers: Sequence[int] = ()) -> tuple[int, ...]:
+    """The survivors (``ranks`` not in ``newcomers``) that applied the fewest steps, ascending.
+
+    ``applied[i]``: how many steps ``ranks[i]`` had applied when its world lost a rank (a newcomer's
+    value is ignored). Every survivor held the same state before the step that failed, and a survivor
+    that applied no step past it still holds that state: handing it to everyone leaves the failed step
+    applied by no rank, whichever ranks saw their reduction complete. ConfigError for a survivor whose
+    count is not a non-negative int, or when every rank is new.
+    """
+    if len(applied) != len(ranks):
+        raise ConfigError(f"applied has {len(applied)} counts for {len(ranks)} ranks: one per rank")
+    counts: dict[int, int] = {}
+    for rank, count in zip(ranks, applied):
+        if rank in newcomers:
+            continue
+        if isinstance(count, bool) or not isinstance(count, numbers.Integral) or int(count) < 0:
+            raise ConfigError(f"rank {rank} passed applied={count!r}: every surviving rank passes the number of "
+                              "steps it has applied (a non-negative int)")
+        counts[rank] = int(count)
+    if not counts:
+        raise ConfigError(f"every rank of {list(ranks)} joined as a new process: no survivor holds the run's "
+                          "state to hand over; resume from a checkpoint instead")
+    fewest = min(counts.values())
+    return tuple(r for r in ranks if counts.get(r) == fewest)
 
 
 def _is_int(value: object) -> bool:
