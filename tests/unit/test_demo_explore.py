@@ -210,3 +210,26 @@ def test_an_mpi_job_that_restarts_needs_a_checkpoint_to_resume_from():
 def test_the_replaced_fraction_is_at_most_a_half(ratio):
     with pytest.raises(ConfigError, match=r"--ratio .*in \(0, 0\.5\]"):
         DemoConfig(ratio=ratio)
+
+
+@pytest.mark.parametrize("last", [-1, 21])
+def test_selection_looks_at_one_to_twenty_episodes(last):
+    with pytest.raises(ConfigError, match=r"--select-last .* last 1 to 20 episodes"):
+        DemoConfig(select_last=last)
+    with pytest.raises(ConfigError, match="--select-last"):  # the hypergrid ranks its GFlowNets by L1
+        DemoConfig(task="hypergrid", ranks=6, select_last=5)
+
+
+def test_an_agent_can_be_ranked_by_its_last_episodes_alone():
+    pytest.importorskip("torch")
+    pytest.importorskip("gymnasium")
+    from popmesh.demo.learner import PPOLearner
+
+    learner = PPOLearner(0, rank_hyper(0, 0), init_seed=0)
+    learner.recent.extend([10.0] * 15 + [100.0] * 5)  # a jump the 20-episode mean sees late
+    assert learner.score() == learner.mean_return() == pytest.approx(32.5)
+    assert learner.score(5) == pytest.approx(100.0) and learner.score(20) == pytest.approx(32.5)
+    learner.recent.clear()
+    learner.recent.extend([200.0, 300.0])  # fewer episodes than asked: all of them
+    assert learner.score(5) == pytest.approx(250.0)
+    learner.close()

@@ -60,6 +60,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ratio", type=float, default=defaults.ratio,
                    help=f"the bottom fraction of agents that may be replaced, in (0, 0.5] (default {defaults.ratio:g})")
     p.add_argument("--warmup", type=int, default=defaults.warmup, help="iterations before the first decision")
+    p.add_argument("--select-last", type=int, default=defaults.select_last, metavar="K",
+                   help="the population ranks agents by the mean return of their last K episodes (1 to 20; default: "
+                        "the last 20, the metric and the target's)")
     p.add_argument("--out", default=defaults.out_dir, help="where runs/<timestamp>/ goes (default ./runs)")
     p.add_argument("--stop-at-target", action="store_true",
                    help="stop as soon as one agent's last 20 episodes average the task's target")
@@ -132,7 +135,8 @@ def run_command(ns: argparse.Namespace) -> int:
     config = DemoConfig(task=ns.task, ranks=ranks, engine=ns.engine, policy=ns.policy, env=ns.env, seed=ns.seed,
                         steps=ns.steps, every=ns.every, strategy=ns.strategy, decide=ns.decide,
                         explore_method=ns.explore_method, reference=ns.reference, optimizer=ns.optimizer,
-                        donors=ns.donors, ratio=ns.ratio, warmup=ns.warmup, out_dir=ns.out,
+                        donors=ns.donors, ratio=ns.ratio, warmup=ns.warmup, select_last=ns.select_last,
+                        out_dir=ns.out,
                         live=not ns.no_live, stop_at_target=ns.stop_at_target,
                         checkpoint_every=ns.checkpoint_every,
                         checkpoint_keep=ns.checkpoint_keep, resume=ns.resume, max_restarts=ns.max_restarts,

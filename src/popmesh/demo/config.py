@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from popmesh.core.errors import ConfigError
-from popmesh.demo.learner import EXPLORED, Hyper
+from popmesh.demo.learner import EXPLORED, WINDOW, Hyper
 from popmesh.demo.outputs import history_file
 from popmesh.population import Continuous, sample_hparams
 from popmesh.population import explore as pbt_explore
@@ -26,7 +26,7 @@ TASKS = ("cartpole", "hypergrid")  # PPO agents on a gymnasium task, or GFlowNet
 # Options of the CartPole task that --task hypergrid does not take (its own go after --)
 CARTPOLE_ONLY = ("env", "steps", "every", "decide", "strategy", "optimizer", "donors", "warmup", "stop_at_target",
                  "checkpoint_every", "checkpoint_keep", "resume", "baseline", "explore", "explore_method", "reference",
-                 "ent_range", "ratio")
+                 "ent_range", "ratio", "select_last")
 EXPLORABLE = EXPLORED  # what --explore may name: the hyper-parameters the model carries with its weights
 LR_RANGE = (1e-5, 1e-1)  # where each rank draws its learning rate (log-uniform); explore stays within it
 ENT_RANGE = (1e-4, 1e-1)  # likewise for the entropy coefficient
@@ -51,6 +51,7 @@ class DemoConfig:
     optimizer: str = "reset"  # a replaced agent's Adam state: a fresh one, its own kept, or its best donor's
     donors: int = 1  # the best agent donates (PBT's exploit): fewer steps on CartPole than the mean of two
     warmup: int = 20
+    select_last: int = 0  # the population ranks agents by their last K episodes' mean return (0: the last 20)
     out_dir: str = "runs"
     live: bool = True
     stop_at_target: bool = False
@@ -126,6 +127,9 @@ class DemoConfig:
             raise ConfigError(f"--optimizer {self.optimizer!r}: choose one of {', '.join(OPTIMIZER_STATES)}")
         if self.donors < 1 or self.warmup < 0:
             raise ConfigError("--donors must be at least 1 and --warmup not negative")
+        if not 0 <= self.select_last <= WINDOW:
+            raise ConfigError(f"--select-last {self.select_last}: rank agents by the mean return of their last 1 to "
+                              f"{WINDOW} episodes (0: the last {WINDOW}, the metric and the target's)")
         if self.checkpoint_every < 0:
             raise ConfigError(f"--checkpoint-every {self.checkpoint_every}: give 0 (none) or a number of iterations")
         if self.checkpoint_keep < 1:

@@ -208,11 +208,14 @@ class PPOLearner:
         """Mean return of the last 20 finished episodes (NaN before the first one)."""
         return float(np.mean(self.recent)) if self.recent else float("nan")
 
-    def score(self) -> float:
-        """What the population compares: :meth:`mean_return`, or before the first episode has finished
-        (Acrobot's first ones last 500 steps, 8 iterations) the mean return so far of the unfinished
-        ones. Finite either way."""
-        return self.mean_return() if self.recent else float(np.mean(self.running))
+    def score(self, last: int = 0) -> float:
+        """What the population compares: :meth:`mean_return`, or with ``last`` the mean return of the last
+        ``last`` episodes (a selection that sees a recent collapse or jump sooner than the 20-episode
+        metric); before the first episode has finished (Acrobot's first ones last 500 steps, 8
+        iterations) the mean return so far of the unfinished ones. Finite either way."""
+        if not self.recent:
+            return float(np.mean(self.running))
+        return float(np.mean(list(self.recent)[-last:])) if last else self.mean_return()
 
     def iterate(self, timer: Any = None) -> IterationStats:
         """Collect one rollout and train on it (timed as ``rollout`` and ``train`` when given a Timer)."""

@@ -231,7 +231,8 @@ def _iterate(world: Any, config: DemoConfig, learner: PPOLearner, policy: Any, r
             if config.library_explores else {}  # the learning rate is read from the optimizer
         with timer.section("population"):
             learner.model, optimizer, info = policy(iteration - config.warmup, learner.model,
-                                                    learner.optimizer, learner.score(), group=group, **loop)
+                                                    learner.optimizer, learner.score(config.select_last), group=group,
+                                                    **loop)
         learner.optimizer = optimizer if optimizer is not None else learner.optimizer
         if info.replaced:
             learner.adopt_returns()
