@@ -6,7 +6,8 @@ barrier with it (tests/world/scripts/gfn_buffer_failure.py).
 * mpiexec: the failing rank tells its peers and aborts MPI, and mpiexec ends the job;
 * torchrun and ``popmesh launch``: the launcher ends the others once rank 0 exits;
 * no launcher that ends the job (three processes started by hand, or as srun starts a step's tasks, with
-  only Slurm's variables): the peers, told by rank 0, end themselves:
+  only Slurm's variables, and under a real ``srun`` where Slurm runs): the peers, told by rank 0, end
+  themselves:
   trainer 1's barrier fails at once and names rank 0, and the buffer rank, blocked where popmesh
   cannot interrupt it, is ended within the take-down grace, saying where it was.
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -149,6 +151,34 @@ def test_without_a_launcher_the_peers_end_themselves(starter: str, tmp_path: Pat
            "rank 2 was still running" in output, output[-4000:]
     assert "replay_buffer_manager.py" in taken_down and "dist.recv(" in taken_down, taken_down
     assert "popmesh: ending rank 2 (exit status 1)" in taken_down, taken_down
+
+
+def _slurm_answers() -> bool:
+    """Whether srun is installed and a Slurm controller answers (sinfo within 10 s)."""
+    if shutil.which("srun") is None or shutil.which("sinfo") is None:
+        return False
+    try:
+        return subprocess.run(["sinfo", "-h"], capture_output=True, timeout=10).returncode == 0
+    except subprocess.TimeoutExpired:
+        return False
+
+
+@needs_torchgfn
+@pytest.mark.timeout(HARD_S + 20)
+def test_under_a_real_srun_the_world_ends_when_a_rank_fails(tmp_path: Path) -> None:
+    """``srun -n 3`` itself (Slurm's step launcher, which keeps the other tasks running when one fails
+    unless told ``--kill-on-bad-exit``): the world forms from Slurm's variables alone, and the peers
+    of the failed rank end themselves."""
+    if not _slurm_answers():
+        pytest.skip("no Slurm here: srun is not installed or no controller answers (sinfo)")
+    cmd = ["srun", "-n", "3", "--overcommit", "--kill-on-bad-exit=0", sys.executable, SCRIPT]
+    ended, codes, output = _launch(cmd, tmp_path / "world.log")
+    seconds = ended - _failed_at(output)
+    print(f"srun: the world ended {seconds:.2f} s after rank 0 failed")
+    assert seconds < TAKE_DOWN_END_S and codes == [1], (seconds, codes, output[-4000:])
+    assert output.count("READY rank=") == 3 and "backend=gloo" in output, output[-4000:]
+    assert FAILED in output and "popmesh: ending rank 2 (exit status 1)" in output, output[-4000:]
+    assert all(f"task {t}: Exited with exit code 1" in output for t in range(3)), output[-4000:]
 
 
 PEERS = """\
