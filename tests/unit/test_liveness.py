@@ -84,3 +84,36 @@ def test_settings(monkeypatch):
     assert beat_interval(2.0) == 0.1 and beat_interval(100.0) == 1.0
     assert "no heartbeat for 21.0 s" in silence_text(4, 21.0, 20.0) and "rank 4" in silence_text(4, 21.0, 20.0)
     assert "closed its connection" in silence_text(4, 0.0, 20.0)
+
+
+class _Transport:
+    """What the heartbeat reads of its point-to-point transport: rank 1 of 3, whose connection to rank 2
+    reads as closed (gloo closed it with rank 0's, the failing rank's)."""
+
+    rank, size = 1, 3
+
+    def gone(self, rank):
+        from popmesh.core.errors import PeerFailure
+
+        return PeerFailure("receiving from rank 2: Application timeout caused pair closure", (2,)) if rank == 2 else None
+
+    def holding_back(self):
+        return False
+
+    def isend(self, note, dst, tag):
+        return None
+
+
+@pytest.mark.parametrize("told", [False, True])
+def test_a_rank_told_of_a_failing_peer_names_no_other_from_its_closed_connections(monkeypatch, told):
+    from popmesh.engines import liveness
+
+    monkeypatch.setattr(liveness.failing, "take_down", lambda *args: None)  # the test process stays
+    found = []
+    heartbeat = liveness.Heartbeat(_Transport(), 20.0, lambda rank, error: found.append(rank))
+    if told:
+        heartbeat._failing(0, "ValueError: trainer 0 gives up")  # rank 0's note: this rank goes down with it
+    else:
+        heartbeat._failed(0, "rank 0 closed its connection (did it die?)")  # rank 0 died: the others carry on
+    heartbeat._check_predecessor()  # the watch moved on to rank 2, whose connection reads as closed
+    assert found == ([0] if told else [0, 2]) and sorted(heartbeat.errors()) == found
