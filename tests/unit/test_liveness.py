@@ -95,7 +95,9 @@ class _Transport:
     def gone(self, rank):
         from popmesh.core.errors import PeerFailure
 
-        return PeerFailure("receiving from rank 2: Application timeout caused pair closure", (2,)) if rank == 2 else None
+        if rank != 2:
+            return None
+        return PeerFailure("receiving from rank 2: Application timeout caused pair closure", (2,))
 
     def holding_back(self):
         return False
