@@ -309,11 +309,12 @@ class Trainer:
         each has reached the furthest one."""
         group = self.ctx.train_global_group
         seeding = seed_newcomers(self.gflownet, self.optimizer, -self.l1, {"iteration": self.iteration}, group=group)
-        if seeding is not None and self.rank in seeding.newcomers:
+        newcomer = seeding is not None and self.rank in seeding.newcomers
+        if newcomer:
             self.iteration = int(seeding.counters["iteration"])
         if self.ns.policy == "average":
             self.policy_from = int(popmesh.all_reduce(np.array([self.iteration]), "max", group=group)[0])
-        if seeding is not None and self.rank in seeding.newcomers:
+        if newcomer:
             self.events.write({"event": "rejoined", "rank": self.rank, "iteration": self.iteration,
                                "donors": list(seeding.donors), "generation": self.world.generation,
                                "policy_from": self.policy_from})

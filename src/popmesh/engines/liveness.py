@@ -190,7 +190,7 @@ class Heartbeat:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._errors: dict[int, PeerFailure] = dict(known or {})
-        self._told: int | None = None  # the failing rank this one was told of: it goes down with it
+        self._told = False  # told that a rank fails: this one goes down with it
         self.watch.failed.update({rank: str(error) for rank, error in self._errors.items()})
         self._thread = threading.Thread(target=self._run, name="popmesh-heartbeat", daemon=True)
         self._unregister: Callable[[], None] | None = None
@@ -264,7 +264,7 @@ class Heartbeat:
             self._stop.wait(max(0.0, min(self.interval / 2, next_beat - time.monotonic())))
 
     def _check_predecessor(self) -> None:
-        if self._told is not None:
+        if self._told:
             # This rank goes down with the failing rank it was told of. Its engine closed the connection
             # to that rank while it still ran, which on gloo closes every connection of the group: a
             # closed connection or a silence from now on says nothing of another failure.
@@ -309,8 +309,7 @@ class Heartbeat:
 
     def _failing(self, rank: int, text: str) -> None:
         """``rank`` fails with ``text``: its waits end now, and this process is taken down with it."""
-        if self._told is None:
-            self._told = rank
+        self._told = True
         self._failed(rank, f"rank {rank} failed: {text} (an uncaught exception)")
         failing.take_down(self.watch.rank, rank, text, min(self.timeout, TAKE_DOWN_S))
 

@@ -35,6 +35,7 @@ __all__ = [
     "compare_specs",
     "hand_over_roles",
     "fewest_applied",
+    "survivors_of",
 ]
 
 DEFAULT_CHUNK_BYTES = 64 * 2**20
@@ -262,11 +263,18 @@ def fewest_applied(ranks: Sequence[int], applied: Sequence[object], newcomers: S
             raise ConfigError(f"rank {rank} passed applied={count!r}: every surviving rank passes the number of "
                               "steps it has applied (a non-negative int)")
         counts[rank] = int(count)
-    if not counts:
-        raise ConfigError(f"every rank of {list(ranks)} joined as a new process: no survivor holds the run's "
-                          "state to hand over; resume from a checkpoint instead")
+    survivors_of(ranks, newcomers)  # ConfigError when every rank is new
     fewest = min(counts.values())
     return tuple(r for r in ranks if counts.get(r) == fewest)
+
+
+def survivors_of(ranks: Sequence[int], newcomers: Sequence[int]) -> list[int]:
+    """The ranks not in ``newcomers``, in order; ConfigError when there are none (nobody holds a state)."""
+    survivors = [r for r in ranks if r not in newcomers]
+    if not survivors:
+        raise ConfigError(f"every rank of {list(ranks)} joined as a new process: no survivor holds the run's "
+                          "state to hand over; resume from a checkpoint instead")
+    return survivors
 
 
 def _is_int(value: object) -> bool:

@@ -21,7 +21,7 @@ import torch
 from popmesh.comm.collectives import all_gather_object, broadcast_object
 from popmesh.comm.world import Comm, resolve_group
 from popmesh.core.errors import ConfigError
-from popmesh.torch.chunking import fewest_applied, hand_over_roles
+from popmesh.torch.chunking import fewest_applied, hand_over_roles, survivors_of
 from popmesh.torch.stream import stream_state_
 
 __all__ = ["hand_over", "donor_of", "broadcast_optimizer_state"]
@@ -34,11 +34,7 @@ def donor_of(group: Comm | None = None) -> int:
 
 
 def _first_survivor(comm: Comm, newcomers: Sequence[int]) -> int:
-    survivors = [r for r in comm.ranks if r not in newcomers]
-    if not survivors:
-        raise ConfigError(f"every rank of {list(comm.ranks)} joined as a new process: no survivor holds the run's "
-                          "state to hand over; resume from a checkpoint instead")
-    return survivors[0]
+    return survivors_of(comm.ranks, newcomers)[0]
 
 
 def hand_over(module: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
