@@ -177,6 +177,40 @@ def test_error_record_round_trip(tmp_path, monkeypatch) -> None:
     assert errorfile.read_error_file(str(tmp_path / "none.json")) is None
 
 
+def test_a_record_names_the_peers_an_exact_peer_failure_in_its_chain_blamed(tmp_path) -> None:
+    try:
+        try:
+            raise PeerFailure("rank 1 died", [1])
+        except PeerFailure as lost:
+            raise RuntimeError("the save failed") from lost
+    except RuntimeError as exc:
+        record = errorfile.make_record(exc)
+    assert record.peers == (1,)
+    path = str(tmp_path / "r.json")
+    errorfile.write_error_file(record, path)
+    assert errorfile.read_error_file(path) == record
+    assert errorfile.make_record(PeerFailure("one of 1, 2", [1, 2], exact=False)).peers == ()
+    assert errorfile.make_record(ValueError("x")).peers == ()
+
+
+def test_a_rank_killed_outright_is_the_root_cause_though_its_peer_recorded_the_loss_before_it_was_reaped(
+        tmp_path) -> None:
+    """Rank 1 is SIGKILLed; rank 0 records the PeerFailure at 100.0 and is then torn down by the launcher,
+    which reaped rank 1 only at 100.5 (a loaded machine): rank 1 is the root cause, with its own code."""
+    from popmesh.launch.output import OutputPump
+    from popmesh.launch.runner import Child
+    from popmesh.launch.verdict import judge_local
+
+    record = errorfile.ErrorRecord(0, "popmesh.core.errors.PeerFailure", "rank 1 died", "", 100.0, 10, "h", (1,))
+    errorfile.write_error_file(record, str(tmp_path / "rank-0.json"))
+    children = [Child(0, None, returncode=-15, exited_at=100.6, signalled=True),  # type: ignore[arg-type]
+                Child(1, None, returncode=-9, exited_at=100.5)]  # type: ignore[arg-type]
+    result = judge_local(children, error_dir=str(tmp_path), pump=OutputPump(sys.stdout, sys.stderr),
+                         teardown_at=100.5, received=None, world_size=2, engine="torch")
+    assert result.returncode == 137 and result.failure is not None and result.failure.rank == 1
+    assert [f.rank for f in result.other_failures] == [0]
+
+
 def test_exit_status_and_summary() -> None:
     assert exit_status(0) == (0, None) and exit_status(3) == (3, None)
     assert exit_status(-9) == (137, "SIGKILL") and exit_status(-15) == (143, "SIGTERM")

@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import TracebackType
 
+from popmesh.core.errors import PeerFailure
+
 __all__ = [
     "ErrorRecord",
     "error_file_path",
@@ -32,7 +34,9 @@ _RANK_VARS = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
 
 @dataclass(frozen=True)
 class ErrorRecord:
-    """What one rank reported about the exception that ended it."""
+    """What one rank reported about the exception that ended it. ``peers``: the ranks a
+    :class:`~popmesh.core.errors.PeerFailure` in the exception's chain named exactly; this rank failed
+    because of them, so it is not the root cause when one of them failed too."""
 
     rank: int
     type: str
@@ -41,6 +45,7 @@ class ErrorRecord:
     time: float
     pid: int
     host: str
+    peers: tuple[int, ...] = ()
 
 
 def rank_from_env(env: Mapping[str, str] | None = None) -> int:
@@ -73,6 +78,18 @@ def format_exception(exc: BaseException, skip_files: tuple[str, ...] = ()) -> st
     return "".join(traceback.format_exception(type(exc), exc, _trimmed(exc.__traceback__, skip_files)))
 
 
+def blamed_peers(exc: BaseException) -> tuple[int, ...]:
+    """The ranks the first exact :class:`PeerFailure` in ``exc``'s chain (its causes and contexts) names."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, PeerFailure) and current.exact:
+            return current.ranks
+        current = current.__cause__ or current.__context__
+    return ()
+
+
 def make_record(exc: BaseException, skip_files: tuple[str, ...] = ()) -> ErrorRecord:
     """An :class:`ErrorRecord` of ``exc`` raised in this process."""
     return ErrorRecord(
@@ -83,6 +100,7 @@ def make_record(exc: BaseException, skip_files: tuple[str, ...] = ()) -> ErrorRe
         time=time.time(),
         pid=os.getpid(),
         host=socket.gethostname(),
+        peers=blamed_peers(exc),
     )
 
 
@@ -99,6 +117,7 @@ def read_error_file(path: str) -> ErrorRecord | None:
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
-        return ErrorRecord(**{key: data[key] for key in ErrorRecord.__dataclass_fields__})
+        fields = {key: data[key] for key in ErrorRecord.__dataclass_fields__ if key != "peers"}
+        return ErrorRecord(**fields, peers=tuple(int(r) for r in data.get("peers", ())))
     except (OSError, ValueError, KeyError, TypeError):
         return None

@@ -59,8 +59,7 @@ def judge_local(
         host = record.host if record is not None else socket.gethostname()  # this launcher's ranks run here
         failure = RankFailure(child.rank, code, sig, record, tuple(pump.tail(child.rank)), host)
         timed.append((record.time if record else child.exited_at or 0.0, child.rank, failure))
-    timed.sort(key=lambda item: item[:2])
-    failures = [failure for _, _, failure in timed]
+    failures = _causes_first(timed)
     return LaunchResult(
         returncode=failures[0].exitcode if failures else _interrupted_code(received),
         world_size=world_size,
@@ -71,6 +70,18 @@ def judge_local(
         interrupted_by=_signal_name(received),
         restarts=tuple(restarts),
     )
+
+
+def _causes_first(timed: list[tuple[float, int, RankFailure]]) -> list[RankFailure]:
+    """The failures, earliest first, except that a rank whose error names a failed peer as its cause comes
+    after every failure that names none: a rank killed outright is only seen to end when the launcher reaps
+    it, which under load can be after its peer recorded the loss. Pure."""
+    failed = {rank for _, rank, _ in timed}
+
+    def consequence(failure: RankFailure) -> bool:
+        return failure.error is not None and bool(set(failure.error.peers) & (failed - {failure.rank}))
+
+    return [failure for _, _, failure in sorted(timed, key=lambda item: (consequence(item[2]), item[0], item[1]))]
 
 
 def _records(error_dir: str) -> list[ErrorRecord]:
