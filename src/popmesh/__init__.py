@@ -20,9 +20,9 @@ from popmesh.core.errors import (
     PeerClosed,
     PeerFailure,
     PopmeshError,
+    WorldTooSmall,
 )
-
-__version__ = "0.2.0"
+from popmesh.core.version import __version__ as __version__
 
 _LAZY = {
     "comm.collectives": (
@@ -43,7 +43,7 @@ _HOME = {name: module for module, names in _LAZY.items() for name in names}
 
 __all__ = [name for names in _LAZY.values() for name in names] + [
     "PopmeshError", "ConfigError", "EngineUnavailable", "PeerFailure", "PeerClosed", "CommTimeout",
-    "CollectiveMismatch", "MessageError", "NotInGroup",
+    "CollectiveMismatch", "MessageError", "NotInGroup", "WorldTooSmall",
 ]
 
 

@@ -33,3 +33,9 @@ class MemoryStore:
     def multi_get(self, keys):
         with self.lock:
             return [self.data[k] for k in keys]
+
+    def add(self, key, amount):
+        with self.lock:
+            value = int(self.data.get(key, b"0")) + int(amount)
+            self.data[key] = str(value).encode()
+            return value

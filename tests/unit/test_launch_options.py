@@ -70,12 +70,42 @@ def test_nproc_aliases_and_values(capsys) -> None:
         assert "usage: popmesh launch" in err and "-n/-np/--nproc-per-node/--nproc_per_node" in err and words in err
 
 
-def test_nnodes_accepts_a_fixed_min_max_only(capsys) -> None:
-    assert options("--nnodes", "2:2", "--master-port", "5")["nnodes"] == 2
-    for bad, words in (("1:4", "elastic range"), ("x", "not a number of nodes"), ("1:2:3", "not a number")):
+def test_nnodes_takes_a_number_or_an_elastic_range(capsys) -> None:
+    fixed = options("--nnodes", "2:2", "--master-port", "5")
+    assert fixed["nnodes"] == 2 and fixed["max_nodes"] is None
+    elastic = options("--nnodes", "1:3", "--rdzv-endpoint", "h:5", "--node-rank", "2")
+    assert (elastic["nnodes"], elastic["max_nodes"], elastic["node_rank"]) == (1, 3, 2)
+    for bad, words in (("3:1", "MIN is above MAX"), ("x", "not a number of nodes"), ("1:2:3", "not a number")):
         with pytest.raises(SystemExit):
             parse("--nnodes", bad)
         assert words in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="give each node its --node-rank"):
+        options("--nnodes", "1:3", "--rdzv-endpoint", "h:5")
+
+
+def test_an_elastic_range_is_checked_against_the_engine_and_the_node_rank() -> None:
+    from popmesh.launch.plan import LaunchSpec, validate
+
+    base = dict(nproc=2, nnodes=1, max_nodes=3, master_port=5)
+    validate(LaunchSpec(**base, node_rank=2))
+    with pytest.raises(ConfigError, match=r"outside 0\.\.2"):
+        validate(LaunchSpec(**base, node_rank=3))
+    with pytest.raises(ConfigError, match="only the torch engine"):
+        validate(LaunchSpec(**base, engine="jax"))
+    with pytest.raises(ConfigError, match="MIN < MAX"):
+        validate(LaunchSpec(nproc=2, nnodes=3, max_nodes=2, master_port=5))
+
+
+def test_a_joining_node_s_ranks_are_told_to_join_and_numbered_past_the_first_world() -> None:
+    from popmesh.launch.plan import LaunchSpec, plan_ranks
+
+    first = plan_ranks(LaunchSpec(nproc=2, nnodes=1, max_nodes=3, master_port=5), 5, "/e")
+    assert [p.env["RANK"] for p in first] == ["0", "1"] and first[0].env["WORLD_SIZE"] == "2"
+    assert first[0].env["POPMESH_MIN_NODES"] == "1" and "POPMESH_JOIN" not in first[0].env
+    assert first[0].env["TORCHELASTIC_USE_AGENT_STORE"] == "True"  # node 0's launcher serves the store
+    later = plan_ranks(LaunchSpec(nproc=2, nnodes=1, max_nodes=3, master_port=5, node_rank=2), 5, "/e")
+    assert [p.env["RANK"] for p in later] == ["4", "5"] and later[0].env["WORLD_SIZE"] == "6"
+    assert later[1].env["POPMESH_JOIN"] == "1"
 
 
 @pytest.mark.parametrize(

@@ -148,6 +148,14 @@ class World(Comm):
         return self.engine.newcomers
 
     @property
+    def roster(self) -> tuple[int, ...]:
+        """The launcher's number of each rank (its ``RANK`` variable), in rank order. Ranks are renumbered
+        when an elastic world (``popmesh launch --nnodes MIN:MAX``) loses one for good, and these are
+        not: key what must survive a re-form (an agent's identity, its files) by them. A joined rank's
+        number comes from its node: ``node_rank * nproc_per_node + local_rank``."""
+        return self.engine.roster
+
+    @property
     def restart_count(self) -> int:
         """How many times the launcher started this process again: 0 in its first life, 1 after the first
         restart (``popmesh launch --max-restarts N``; on MPI and under torchrun the whole job restarts).
@@ -193,8 +201,23 @@ class World(Comm):
     def newcomer_waiting(self) -> bool:
         """Whether the process restarted for a lost rank waits to join (two reads of the rendezvous store,
         no wait): survivors working together (:meth:`survivors`) poll this once per step, wind down
-        what runs on their group, and then :meth:`reform`, which waits only for the other survivors."""
+        what runs on their group, and then :meth:`reform`, which waits only for the other survivors. In
+        an elastic world also true for a later launcher's ranks waiting to join, and once a rank was
+        marked left for good (the re-form is then without it; three reads)."""
         return self.engine.newcomer_waiting()
+
+    def admit(self, timeout: float | None = None) -> tuple[int, ...]:
+        """At a safe point of the training loop (every rank calls it at the same step: a step boundary, a
+        population's decision point), take in the processes that wait to join: a launcher's ranks started
+        later in an elastic world (``popmesh launch --nnodes MIN:MAX``), or processes restarted for lost
+        ranks. If any rank sees one waiting (two store reads each), every rank forms the next generation
+        with them (:meth:`reform`) and gets :attr:`newcomers`, whose state it hands over; else ``()`` at
+        the cost of one one-byte all-gather. torch engine; on other engines always ``()``."""
+        seconds = resolve_timeout(timeout, self.default_timeout, "timeout", "admit")
+        if self.engine_name != "torch":
+            return ()
+        said = exchange_texts(self, "1" if self.engine.newcomer_waiting() else "0", 1, seconds)
+        return self.reform(seconds) if "1" in said else ()
 
     def survivors(self, timeout: float | None = None) -> Group:
         """After a lost rank (a PeerFailure, ``failure()``), the ranks still alive as a group of their own,
@@ -216,13 +239,16 @@ class World(Comm):
         return self._survivors
 
     def _formed_again(self, timeout: float) -> None:
-        """After the engine formed the next generation: the world's group and host map are new."""
+        """After the engine formed the next generation: the world's group, its size in an elastic world (ranks
+        joined or left for good), and its host map are new."""
         self._survivors = None
         self._next_gid = 1
+        self.spec = GroupSpec(0, tuple(range(self.engine.size)))
         self.handle = self.engine.make_group(self.spec, timeout)
         self.history = History()  # the mismatch guard's predictions start over: a newcomer has no history
         self.hostnames = self._gather_hostnames()
         know_hosts(self.hostnames)
+        self.local_rank, self.local_size = self.engine.local_topology() or self._local_from_hostnames()
 
     def new_group(self, ranks: Sequence[int]) -> Group:
         """A sub-communicator over ``ranks`` (global). Every rank of the world must call this, in the

@@ -15,6 +15,7 @@ __all__ = [
     "EngineUnavailable",
     "PeerFailure",
     "PeerClosed",
+    "WorldTooSmall",
     "CommTimeout",
     "CollectiveMismatch",
     "MessageError",
@@ -78,6 +79,19 @@ class PeerClosed(PeerFailure):
     Raised where the engine can tell a goodbye from a broken connection (gloo). Still a failure to
     whoever waits for a message from that peer; a service that only listens may take it as "done".
     """
+
+
+class WorldTooSmall(PopmeshError):
+    """An elastic world (``popmesh launch --nnodes MIN:MAX``) lost ranks for good and would go on with
+    fewer than MIN nodes: the run stops. Not a PeerFailure, so survival loops that re-form after one
+    do not try again. ``lost``: the ranks of the last formed world that left for good."""
+
+    def __init__(self, message: str, lost: Iterable[int]) -> None:
+        super().__init__(message)
+        self.lost = tuple(int(r) for r in lost)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (str(self), self.lost)
 
 
 class CommTimeout(PopmeshError, TimeoutError):

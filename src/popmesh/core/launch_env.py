@@ -75,6 +75,8 @@ class TorchEnv:
     store_fd: int | None
     agent_store: bool = False  # torchrun's agent serves the store (TORCHELASTIC_USE_AGENT_STORE): rank 0 only connects
     restart_count: int = 0  # this rank's restarts (TORCHELASTIC_RESTART_COUNT): > 0 rejoins a formed world
+    joining: bool = False  # a process of a launcher started later (POPMESH_JOIN=1): joins a formed world
+    min_nodes: int | None = None  # an elastic world's MIN nodes (POPMESH_MIN_NODES): it stops below them
 
 
 def _int_var(environ: Mapping[str, str], name: str, *, required: bool) -> int | None:
@@ -131,6 +133,8 @@ def read_torch_env(environ: Mapping[str, str] | None = None) -> TorchEnv:
         store_fd=_int_var(environ, "POPMESH_STORE_FD", required=False),
         agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE", "").strip().lower() == "true",
         restart_count=_int_var(environ, "TORCHELASTIC_RESTART_COUNT", required=False) or 0,
+        joining=environ.get("POPMESH_JOIN", "").strip() == "1",
+        min_nodes=_int_var(environ, "POPMESH_MIN_NODES", required=False),
     )
 
 

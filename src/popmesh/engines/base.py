@@ -89,6 +89,9 @@ class Engine(Protocol):
     newcomers: tuple[int, ...]  # ranks that joined the current generation as new processes
     tuning: Tuning
 
+    @property
+    def roster(self) -> tuple[int, ...]: ...  # the launcher's number (RANK) of each rank: kept across re-forms
+
 
     def hostname(self) -> str: ...
     def local_topology(self) -> tuple[int, int] | None: ...  # (local rank, size); None: World compares hostnames

@@ -23,6 +23,7 @@ class LocalEngine:
     one_sided = False
     generation = 0  # worlds of this engine never re-form
     newcomers: tuple[int, ...] = ()
+    roster: tuple[int, ...] = (0,)  # a world of one never changes size
     tuning = Tuning()
     _p2p: Any = None
 

@@ -22,6 +22,7 @@ from typing import TextIO
 from popmesh.core.errors import ConfigError
 from popmesh.core.interfaces import choose_interface, list_interfaces, source_address
 from popmesh.launch import mpirun
+from popmesh.launch.errorfile import read_error_file
 from popmesh.launch.hosts import Slots, hydra_hosts, parse_hosts, read_hostfile
 from popmesh.launch.inject import RECORD_FILE, FailureInjection, FailureInjector, check_injection
 from popmesh.launch.logs import LogRequest, RankLogs, log_request, make_attempt_dir, plan_routes
@@ -64,6 +65,7 @@ def launch(
     module: bool = False,
     engine: str = "torch",
     nnodes: int = 1,
+    max_nodes: int | None = None,
     node_rank: int = 0,
     master_addr: str = "127.0.0.1",
     master_port: int = 0,
@@ -121,7 +123,7 @@ def launch(
     spec = LaunchSpec(
         nproc=nproc, engine=engine, nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
         master_port=master_port, run_id=_run_id(run_id, master_port), role=role, max_restarts=max_restarts,
-        hosts=_hosts(hosts, hostfile, nproc), preload=tuple(preload),
+        hosts=_hosts(hosts, hostfile, nproc), preload=tuple(preload), max_nodes=max_nodes,
     )
     validate(spec)
     if inject is not None:
@@ -233,7 +235,7 @@ def _supervise(
         segments = SegmentSweep() if spec.engine == "mpi" else None
         ranks = (RankWatch(error_dir, on_failure=lambda _: supervisor.request_teardown()) if spec.engine == "mpi"
                  else contextlib.nullcontext())
-        restarts = _Restarts(spec, supervisor, worker, error_dir, err)
+        restarts = _Restarts(spec, supervisor, worker, error_dir, err, python[0])
         store: subprocess.Popen[bytes] | None = None
         injector: FailureInjector | None = None
         try:
@@ -243,6 +245,7 @@ def _supervise(
                 else:
                     store = _start_local(supervisor, spec, worker, parent_env, error_dir, store_fd, rank0_terminal,
                                          python, restarts)
+                    restarts.start_marker()
                     injector = _injector(inject, supervisor, restarts, logs, err)
                 supervisor.watch()
         except BaseException:
@@ -252,6 +255,7 @@ def _supervise(
             if injector is not None:
                 injector.stop()
             supervisor.close()
+            restarts.close()
             if store is not None:
                 _stop(store)
             if logs is not None:
@@ -284,12 +288,16 @@ class _Restarts:
     """``--max-restarts``: a failed rank's replacement, the same command and variables plus its restart
     count, while the rank's budget lasts; each restart is said on stderr and kept for the summary."""
 
-    def __init__(self, spec: LaunchSpec, sup: Supervisor, worker: list[str], error_dir: str, err: TextIO) -> None:
+    def __init__(self, spec: LaunchSpec, sup: Supervisor, worker: list[str], error_dir: str, err: TextIO,
+                 python: str = sys.executable) -> None:
         self._spec, self._sup, self._worker, self._dir, self._err = spec, sup, worker, error_dir, err
+        self._python = python
         self._envs: dict[int, tuple[dict[str, str], bool]] = {}
         self._counts: dict[int, int] = {}
+        self._marker: subprocess.Popen[bytes] | None = None
+        self._marked: list[int] = []
         self.notes: list[str] = []
-        if spec.max_restarts > 0 and spec.engine == "torch":
+        if (spec.max_restarts > 0 or spec.elastic) and spec.engine == "torch":
             sup.set_restart(self)
 
     def left(self, rank: int) -> int:
@@ -305,6 +313,9 @@ class _Restarts:
         how = f"was killed by {sig}" if sig else f"exited with code {code}"
         count = self._counts.get(child.rank, 0) + 1
         if count > self._spec.max_restarts:
+            if self._spec.elastic and not self._stopped_world(child.rank):
+                self._leave(child, how)
+                return None
             _say(self._err, f"popmesh launch: rank {child.rank} {how}; its {self._spec.max_restarts} restart(s) are "
                             "used up: tearing the world down")
             return None
@@ -319,6 +330,64 @@ class _Restarts:
         self.notes.append(note)
         return self._sup.spawn(self._worker, {**env, "TORCHELASTIC_RESTART_COUNT": str(count)}, child.rank,
                                inherit_output=inherit_output)
+
+
+    def _stopped_world(self, rank: int) -> bool:
+        """Whether ``rank`` ended because its elastic world fell below MIN nodes (WorldTooSmall): then the
+        world is torn down, not left."""
+        record = read_error_file(os.path.join(self._dir, error_file_name(rank)))
+        if record is None or not record.type.endswith("WorldTooSmall"):
+            return False
+        _say(self._err, f"popmesh launch: rank {rank}'s world fell below --nnodes MIN={self._spec.nnodes}: "
+                        "tearing it down")
+        return True
+
+    def _leave(self, child: Child, how: str) -> None:
+        """An elastic world goes on without ``child``: its slot is marked left in the store (through the
+        marker process, :mod:`popmesh.engines.torch.store_client`), so the next generation forms without it."""
+        assert child.rank is not None
+        child.left = True
+        note = (f"rank {child.rank} {how} at {time.strftime('%H:%M:%S')}; no restart left (--max-restarts "
+                f"{self._spec.max_restarts}): it left the world for good, which goes on without it")
+        _say(self._err, f"popmesh launch: {note}")
+        self.notes.append(note)
+        marker = self._marker
+        if marker is None or marker.stdin is None or marker.poll() is not None:
+            _say(self._err, f"popmesh launch: cannot mark rank {child.rank} left: the store marker process ended")
+            return
+        with contextlib.suppress(OSError):
+            marker.stdin.write(f"left {child.rank}\n".encode())
+            marker.stdin.flush()
+            self._marked.append(child.rank)
+
+    def start_marker(self) -> None:
+        """Start the process that marks lost ranks left (elastic worlds), with the ranks: it imports torch
+        and connects while they start, so a mark costs milliseconds when a rank is lost."""
+        if not self._spec.elastic or self._marker is not None:
+            return
+        command = [self._python, "-m", "popmesh.engines.torch.store_client", self._spec.master_addr,
+                   str(self._spec.master_port)]
+        self._marker = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """End the marker once its marks are written (each gives up within its own timeout); say which failed
+        (the store is gone where the whole world ended meanwhile)."""
+        marker, self._marker = self._marker, None
+        if marker is None:
+            return
+        try:
+            said, _ = marker.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _stop(marker)
+            said, _ = marker.communicate()
+        for line in said.decode(errors="replace").splitlines():
+            if line.startswith("error "):
+                _, rank, *why = line.split(" ", 2)
+                _say(self._err, f"popmesh launch: could not mark rank {rank} left in the rendezvous store "
+                                f"({' '.join(why)})")
+        if not said and self._marked:
+            _say(self._err, f"popmesh launch: the store marker ended without marking rank(s) {self._marked} left")
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
@@ -353,7 +422,7 @@ def _start_local(
     store = None
     port = spec.master_port
     if spec.engine == "torch" and (store_fd or spec.serves_store_apart) and spec.hosts_store:
-        sock = _listen(spec.master_addr, port, backlog=max(1024, spec.world_size), anywhere=spec.nnodes > 1)
+        sock = _listen(spec.master_addr, port, backlog=max(1024, spec.world_size), anywhere=spec.spans_nodes)
         port = sock.getsockname()[1]
     elif port == 0:
         port = _free_port(spec.master_addr)

@@ -78,18 +78,16 @@ def parse_nproc(value: str) -> int:
         raise argparse.ArgumentTypeError(f"{value!r} is not a number of ranks; give e.g. -n 4 (or 'cpu')") from None
 
 
-def parse_nnodes(value: str) -> int:
-    """``--nnodes``: ``N``, or torchrun's ``MIN:MAX`` when both are the same (elastic ranges are not supported)."""
+def parse_nnodes(value: str) -> tuple[int, int | None]:
+    """``--nnodes``: ``N`` (a world of N nodes), or torchrun's ``MIN:MAX``: the world forms on MIN nodes, and
+    grows to MAX as later launchers join (``(MIN, MAX)``; ``(N, None)`` where MIN equals MAX)."""
     parts = value.strip().split(":")
     if len(parts) > 2 or not all(part.isdigit() for part in parts):
-        raise argparse.ArgumentTypeError(f"{value!r} is not a number of nodes; give e.g. --nnodes 2")
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of nodes; give e.g. --nnodes 2 or --nnodes 2:4")
     low, high = int(parts[0]), int(parts[-1])
-    if low != high:
-        raise argparse.ArgumentTypeError(
-            f"{value!r} is an elastic range, which popmesh launch does not support yet; give a fixed "
-            f"number, e.g. --nnodes {high}"
-        )
-    return low
+    if low > high:
+        raise argparse.ArgumentTypeError(f"--nnodes {value}: MIN is above MAX; give MIN:MAX like 2:4")
+    return low, (high if high != low else None)
 
 
 def parse_endpoint(value: str, backend: str = "static") -> tuple[str, int]:
@@ -142,6 +140,7 @@ class Rendezvous:
     nnodes: int = 1
     node_rank: int = 0
     run_id: str | None = None
+    max_nodes: int | None = None
 
 
 def rendezvous(ns: argparse.Namespace) -> tuple[Rendezvous, list[str]]:
@@ -156,7 +155,7 @@ def rendezvous(ns: argparse.Namespace) -> tuple[Rendezvous, list[str]]:
     slurm = _slurm_nodes(ns)
     if slurm is not None:
         return slurm, []
-    nnodes = 1 if ns.nnodes is None else ns.nnodes
+    nnodes, max_nodes = (1, None) if ns.nnodes is None else ns.nnodes
     addr, port = _strip_brackets(ns.master_addr), ns.master_port
     if ns.rdzv_endpoint is not None:
         host, endpoint_port = parse_endpoint(ns.rdzv_endpoint, ns.rdzv_backend)
@@ -167,12 +166,12 @@ def rendezvous(ns: argparse.Namespace) -> tuple[Rendezvous, list[str]]:
                 )
         addr, port = host, endpoint_port
     node_rank = ns.node_rank
-    if node_rank is None and ns.rdzv_backend == "c10d" and nnodes > 1:
+    if node_rank is None and ((ns.rdzv_backend == "c10d" and nnodes > 1) or max_nodes is not None):
         raise ConfigError(
-            "--rdzv-backend c10d: popmesh launch does not hand out node ranks at the rendezvous; give each node "
-            "its --node-rank (0 to --nnodes minus one)"
+            "popmesh launch does not hand out node ranks at the rendezvous; give each node its --node-rank (0 to "
+            "--nnodes minus one; with MIN:MAX, nodes MIN to MAX-1 join the running world)"
         )
-    return Rendezvous(addr or "127.0.0.1", port or 0, nnodes, node_rank or 0, ns.rdzv_id), []
+    return Rendezvous(addr or "127.0.0.1", port or 0, nnodes, node_rank or 0, ns.rdzv_id, max_nodes), []
 
 
 def _slurm_nodes(ns: argparse.Namespace) -> Rendezvous | None:
@@ -193,8 +192,10 @@ def _slurm_nodes(ns: argparse.Namespace) -> Rendezvous | None:
 
 def _standalone(ns: argparse.Namespace) -> tuple[Rendezvous, list[str]]:
     """torchrun's ``--standalone``: one node, a free port on loopback, a new run id."""
-    if ns.nnodes not in (None, 1):
-        raise ConfigError(f"--standalone is one node, but --nnodes is {ns.nnodes}; drop one of them")
+    if ns.nnodes not in (None, (1, None)):
+        low, high = ns.nnodes
+        raise ConfigError(f"--standalone is one node, but --nnodes is {low if high is None else f'{low}:{high}'}; "
+                          "drop one of them")
     ignored = [
         f"{option} {value}" for option, value in (
             ("--master-addr", ns.master_addr), ("--master-port", ns.master_port),
@@ -236,7 +237,8 @@ def launch_options(ns: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
     if ns.monitor_interval <= 0:
         raise ConfigError(f"--monitor-interval {ns.monitor_interval} must be > 0 seconds")
     kwargs: dict[str, Any] = dict(
-        nproc=ns.nproc, module=ns.module, engine=ns.engine, nnodes=rdzv.nnodes, node_rank=rdzv.node_rank,
+        nproc=ns.nproc, module=ns.module, engine=ns.engine, nnodes=rdzv.nnodes, max_nodes=rdzv.max_nodes,
+        node_rank=rdzv.node_rank,
         master_addr=rdzv.master_addr, master_port=rdzv.master_port, run_id=rdzv.run_id, role=ns.role,
         max_restarts=ns.max_restarts, quiet_others=ns.quiet_others, grace=ns.grace, store_fd=ns.store_fd,
         log_dir=ns.log_dir, tee=ns.tee, redirects=ns.redirects,

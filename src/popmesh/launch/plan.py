@@ -114,15 +114,33 @@ class LaunchSpec:
     max_restarts: int = 0
     hosts: Slots = ()
     preload: tuple[str, ...] = ()
+    max_nodes: int | None = None  # --nnodes MIN:MAX with MIN < MAX: ``nnodes`` is MIN (torch engine)
 
     @property
     def world_size(self) -> int:
+        """The ranks of the world as it first forms (MIN nodes' in an elastic world)."""
         return ranks_on(self.hosts) if self.hosts else self.nnodes * self.nproc
 
     @property
+    def elastic(self) -> bool:
+        """``--nnodes MIN:MAX``: nodes past MIN join the running world, and a rank lost for good leaves it."""
+        return self.max_nodes is not None
+
+    @property
+    def joins(self) -> bool:
+        """This node starts after the world formed and joins it (its node rank is MIN or more)."""
+        return self.elastic and self.node_rank >= self.nnodes
+
+    @property
+    def spans_nodes(self) -> bool:
+        """More than one launcher may take part (``--nnodes`` above 1, or an elastic range)."""
+        return (self.max_nodes or self.nnodes) > 1
+
+    @property
     def serves_store_apart(self) -> bool:
-        """True when the rendezvous store runs in a process of node 0's launcher, not in rank 0 (restarts)."""
-        return self.engine == "torch" and self.max_restarts > 0
+        """True when the rendezvous store runs in a process of node 0's launcher, not in rank 0 (restarts,
+        an elastic world)."""
+        return self.engine == "torch" and (self.max_restarts > 0 or self.elastic)
 
     @property
     def hosts_store(self) -> bool:
@@ -147,7 +165,9 @@ def validate(spec: LaunchSpec) -> None:
         raise ConfigError(f"need at least one process per node, got -n {spec.nproc}; pass -n 1 or more")
     if spec.nnodes < 1:
         raise ConfigError(f"need at least one node, got --nnodes {spec.nnodes}")
-    if not 0 <= spec.node_rank < spec.nnodes:
+    if spec.elastic:
+        _validate_range(spec)
+    elif not 0 <= spec.node_rank < spec.nnodes:
         raise ConfigError(
             f"--node-rank {spec.node_rank} is outside 0..{spec.nnodes - 1}; "
             f"number the nodes 0 to --nnodes minus one"
@@ -156,7 +176,7 @@ def validate(spec: LaunchSpec) -> None:
         raise ConfigError(f"--master-port {spec.master_port} is not a TCP port; use 0 (pick a free one) to 65535")
     if not spec.master_addr:
         raise ConfigError("--master-addr is empty; give the host name or IP of node rank 0")
-    if spec.nnodes > 1 and spec.master_port == 0:
+    if spec.spans_nodes and spec.master_port == 0:
         raise ConfigError(
             "with --nnodes > 1 every node must agree on the port: pass the same --master-port (or "
             "--rdzv-endpoint HOST:PORT) to all nodes"
@@ -173,6 +193,22 @@ def validate(spec: LaunchSpec) -> None:
         )
     _validate_elastic(spec)
     _validate_preload(spec)
+
+
+def _validate_range(spec: LaunchSpec) -> None:
+    """``--nnodes MIN:MAX``: a range the torch engine can grow and shrink within, and a node rank inside it."""
+    assert spec.max_nodes is not None
+    if not 1 <= spec.nnodes < spec.max_nodes:
+        raise ConfigError(f"--nnodes {spec.nnodes}:{spec.max_nodes}: give 1 <= MIN < MAX (or one number for a "
+                          "world of fixed size)")
+    if spec.engine != "torch":
+        raise ConfigError(
+            f"--nnodes {spec.nnodes}:{spec.max_nodes} with --engine {spec.engine}: only the torch engine can take "
+            "ranks into a running world or go on without one; MPI restarts the whole job from its last checkpoint "
+            "(--max-restarts N, docs/survival.md), and jax.distributed has a fixed size")
+    if not 0 <= spec.node_rank < spec.max_nodes:
+        raise ConfigError(f"--node-rank {spec.node_rank} is outside 0..{spec.max_nodes - 1}: nodes 0 to MIN-1 "
+                          f"({spec.nnodes - 1}) start the world, nodes MIN to MAX-1 join it later")
 
 
 def _validate_preload(spec: LaunchSpec) -> None:
@@ -263,7 +299,7 @@ def loopback_env(parent: Mapping[str, str], spec: LaunchSpec, iface: str | None)
     A variable the user set (in ``parent``) is left alone; on several nodes, or without a loopback
     interface, nothing is pinned.
     """
-    if spec.nnodes > 1 or spec.hosts or not iface:
+    if spec.spans_nodes or spec.hosts or not iface:
         return {}
     return {name: iface for name in LOOPBACK_VARS.get(spec.engine, ()) if name not in parent}
 
@@ -320,7 +356,8 @@ def plan_ranks(spec: LaunchSpec, port: int, error_dir: str, *, store_fd: int | N
         error_file = os.path.join(error_dir, error_file_name(rank))
         env = {
             "RANK": str(rank),
-            "WORLD_SIZE": str(spec.world_size),
+            # a joining node's ranks are numbered past the world's first size: WORLD_SIZE bounds them
+            "WORLD_SIZE": str(spec.nproc * spec.max_nodes if spec.joins and spec.max_nodes else spec.world_size),
             "LOCAL_RANK": str(local_rank),
             "LOCAL_WORLD_SIZE": str(spec.nproc),
             "GROUP_RANK": str(spec.node_rank),
@@ -336,6 +373,10 @@ def plan_ranks(spec: LaunchSpec, port: int, error_dir: str, *, store_fd: int | N
             env["JAX_PROCESS_ID"] = str(rank)
         if spec.engine == "torch" and store_fd is not None and rank == 0 and not spec.serves_store_apart:
             env["POPMESH_STORE_FD"] = str(store_fd)
+        if spec.elastic:
+            env["POPMESH_MIN_NODES"] = str(spec.nnodes)
+            if spec.joins:
+                env["POPMESH_JOIN"] = "1"
         plans.append(RankPlan(rank=rank, local_rank=local_rank, env=env))
     return plans
 

@@ -44,6 +44,7 @@ class Child:
     exited_at: float | None = None  # wall clock, comparable with error records
     signalled: bool = False  # the launcher sent it a teardown signal before it exited
     replaced: bool = False  # it failed and a restarted process took its rank
+    left: bool = False  # it failed with no restart left in an elastic world, which went on without it
 
 
 class Supervisor:
@@ -68,7 +69,8 @@ class Supervisor:
         os.set_blocking(self._wake_w, False)
 
     def set_restart(self, restart: Callable[[Child], Child | None]) -> None:
-        """Offer every failed child to ``restart`` first: it spawns a replacement, or returns None."""
+        """Offer every failed child to ``restart`` first: it spawns a replacement, or returns None (having
+        marked the child ``left`` where the world goes on without it)."""
         self._restart = restart
 
     def spawn(
@@ -182,7 +184,7 @@ class Supervisor:
     def _step(self) -> None:
         """Start teardown on the first failure or signal; escalate to SIGKILL after the grace period."""
         if self.teardown_at is None:
-            failed = any(c.returncode not in (None, 0) and not c.replaced for c in self.children)
+            failed = any(c.returncode not in (None, 0) and not c.replaced and not c.left for c in self.children)
             if self.received is not None or failed or self.requested:
                 sig = self.received if self.received is not None else signal.SIGTERM
                 self.teardown_at = time.time()

@@ -28,7 +28,14 @@ from popmesh.core.ops import ReduceOp
 from popmesh.engines.base import GroupSpec, SnapshotWindow, Tuning, timeout_message
 from popmesh.engines.interop import numpy_to_torch, torch_to_numpy
 from popmesh.engines.liveness import Heartbeat, start_heartbeat
-from popmesh.engines.torch.generations import mark_formed, newcomer_attempt, start_counting
+from popmesh.engines.torch.generations import (
+    await_node,
+    mark_formed,
+    newcomer_attempt,
+    refuse_joiner,
+    register_joiner,
+    start_counting,
+)
 from popmesh.engines.torch.network import pin_interface
 from popmesh.engines.torch.pumps import CLOSE_TAG, CLOSE_WAIT
 from popmesh.engines.torch.reforming import GroupHandle, Reforming
@@ -91,20 +98,28 @@ class TorchEngine(Reforming):
         self._heartbeat: Heartbeat | None = None
         self.generation = 0  # which forming of the world this process is in (see reform)
         self.newcomers: tuple[int, ...] = ()  # ranks that joined the current generation as new processes
+        self.roster: tuple[int, ...] = tuple(range(env.world_size))  # the launcher's slot of each rank
         self._left = False  # left a generation that lost a rank, not yet in the next one (try_reform)
         self._hole: frozenset[int] = frozenset()  # the lost ranks of this generation's survivors' group
+        self._left_seen = 0  # slots marked left when this generation formed (elastic worlds)
         self._unfinished = False  # a collective failed here (timed out, a peer gone): gloo may still run it
         _pick_cuda_device(torch, env)
         if self._owns:
             self._store = make_store(dist, env, timeout)
             self.backend: str = backend or _default_backend(torch)
-            if env.restart_count > 0 and env.world_size > 1:  # a restarted rank: join the world's next generation
+            elastic = env.min_nodes is not None
+            if (env.restart_count > 0 and (env.world_size > 1 or elastic)) or env.joining:  # join the next generation
                 pin_interface(env)  # as join_world does: on another host, gloo must listen where the others reach
-                self._join_generation(newcomer_attempt(self._store, env.rank, timeout), timeout, fresh=True)
+                attempt = newcomer_attempt(self._store, env.rank, timeout)
+                if env.joining and env.restart_count == 0:
+                    refuse_joiner(self._store, env.rank, env.local_world_size)
+                    register_joiner(self._store, env.rank)
+                    await_node(self._store, env.rank, env.local_world_size or 1, time.monotonic() + timeout)
+                self._join_generation(attempt, timeout, fresh=True)
             else:
                 join_world(dist, self._store, env, self.backend, timeout)
-                if env.world_size > 1:
-                    start_counting(self._store)
+                if env.world_size > 1 or elastic:  # it may re-form (an elastic world of one may grow)
+                    start_counting(self._store, env.world_size, env.local_world_size)
                     mark_formed(self._store, 0)
         else:
             self.backend = str(dist.get_backend())

@@ -22,7 +22,14 @@ from popmesh.core.errors import CommTimeout, ConfigError, PeerFailure, PopmeshEr
 from popmesh.core.launch_env import TorchEnv
 from popmesh.engines.base import GroupSpec
 from popmesh.engines.liveness import Heartbeat, start_heartbeat
-from popmesh.engines.torch.generations import ATTEMPT, newcomer_waiting, newcomers, next_attempt, restarted_ranks
+from popmesh.engines.torch.generations import (
+    ATTEMPT,
+    left_count,
+    newcomer_waiting,
+    newcomers,
+    next_attempt,
+    restarted_ranks,
+)
 from popmesh.engines.torch.holes import agree_survivors
 from popmesh.engines.torch.rendezvous import join_generation, store_lost
 
@@ -49,6 +56,7 @@ class Reforming:
     backend: str
     generation: int
     newcomers: tuple[int, ...]
+    roster: tuple[int, ...]
     _dist: Any
     _env: TorchEnv
     _owns: bool
@@ -60,6 +68,7 @@ class Reforming:
     _finished_works: deque[Any]
     _left: bool
     _hole: frozenset[int]
+    _left_seen: int  # slots marked left when this generation formed (elastic worlds)
 
     # the engine's methods this part calls
     p2p: Callable[[], Any]
@@ -68,6 +77,11 @@ class Reforming:
     _close_connections: Callable[[list[tuple[tuple[int, ...], Any]]], None]
     _all_groups: Callable[[], list[tuple[tuple[int, ...], Any]]]
 
+    @property
+    def _elastic(self) -> bool:
+        """Launched with ``--nnodes MIN:MAX``: even a world of one may grow."""
+        return self._env.min_nodes is not None
+
     def reform(self, timeout: float) -> tuple[int, ...]:
         """Leave this generation's process group and form the next one over the same store, with the
         processes restarted for lost ranks; the ranks that joined as new processes. Every survivor calls
@@ -75,13 +89,14 @@ class Reforming:
         if not self._owns:
             raise ConfigError("this world adopted a process group popmesh did not create, so popmesh cannot "
                               "re-form it: let popmesh.init() create the world")
-        if self.size == 1:
+        if self.size == 1 and not self._elastic:
             return ()
         with self._store_lost_says_so():
             if not self._left:
                 self._leave_generation()
             self._join_generation(next_attempt(self._store, self.generation), timeout, fresh=False)
-        self._heartbeat = start_heartbeat(self.p2p(), self._peer_failed)
+        if self.size > 1:
+            self._heartbeat = start_heartbeat(self.p2p(), self._peer_failed)
         return self.newcomers
 
     def try_reform(self, timeout: float) -> tuple[int, ...] | None:
@@ -90,20 +105,27 @@ class Reforming:
         (:meth:`survivors`), which lives on until then; each call returns None until a restarted process
         waits to join, then forms the next generation (waiting only for the other survivors, within
         ``timeout``) and returns its newcomers."""
-        if self._owns and self.size > 1:  # else reform() says what it says (an adopted group, a world of one)
+        if self._owns and (self.size > 1 or self._elastic):  # else reform() says what it says (adopted, of one)
             with self._store_lost_says_so():
                 if not self._left and not self._hole:
                     self._leave_generation()
-                if not newcomer_waiting(self._store, self.generation):
+                if not self._due():
                     return None
         return self.reform(timeout)
 
     def newcomer_waiting(self) -> bool:
-        """Whether a process restarted for a lost rank waits to join the next generation (two store reads)."""
-        if not self._owns or self.size == 1:
+        """Whether the world should form its next generation now: a process restarted for a lost rank (or, in
+        an elastic world, started by a later launcher) waits to join it, or a rank was marked left for good
+        since this generation formed (two store reads, three in an elastic world)."""
+        if not self._owns or (self.size == 1 and not self._elastic):
             return False
         with self._store_lost_says_so():
-            return newcomer_waiting(self._store, self.generation)
+            return self._due()
+
+    def _due(self) -> bool:
+        if newcomer_waiting(self._store, self.generation):
+            return True
+        return self._elastic and left_count(self._store) > self._left_seen
 
     def survivors(self, gid: int, timeout: float) -> tuple[tuple[int, ...], GroupHandle]:
         """The ranks of this generation still alive, agreed by all of them (:mod:`~popmesh.engines.torch.holes`),
@@ -136,7 +158,7 @@ class Reforming:
 
         def failed() -> frozenset[int]:
             """``lost`` is all the stopped heartbeat found; a rank whose restarted process waits is lost too."""
-            return lost | restarted_ranks(self._store, self.generation, self.size)
+            return lost | restarted_ranks(self._store, self.generation, self.roster)
 
         with self._store_lost_says_so():
             members, _ = agree_survivors(self._store, self.generation, self.rank, self.size, failed, deadline)
@@ -156,11 +178,15 @@ class Reforming:
 
     def _join_generation(self, attempt: int, timeout: float, *, fresh: bool) -> None:
         """Form the generation of ``attempt`` (or a newer one) with every rank (:func:`join_generation`)."""
-        attempt = join_generation(self._dist, self._store, self._env, self.backend, attempt, timeout, fresh=fresh)
+        attempt, members = join_generation(self._dist, self._store, self._env, self.backend, attempt, timeout,
+                                           fresh=fresh)
         self._left = False
         self._hole = frozenset()
         self.generation = attempt
-        self.newcomers = newcomers(self._store, attempt, self._env.world_size)
+        self.roster = members
+        self.rank, self.size = members.index(self._env.rank), len(members)
+        self._left_seen = left_count(self._store) if self._elastic else 0
+        self.newcomers = newcomers(self._store, attempt, members)
 
     @contextmanager
     def _store_lost_says_so(self) -> Iterator[None]:

@@ -33,17 +33,24 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from popmesh.core.errors import CommTimeout, ConfigError, PeerFailure, PopmeshError
+from popmesh.core.errors import CommTimeout, ConfigError, PeerFailure, PopmeshError, WorldTooSmall
 from popmesh.core.launch_env import TorchEnv
 from popmesh.engines.torch.generations import (
+    ATTEMPT,
+    FORMED,
     Superseded,
+    agree_roster,
     await_members,
     await_up,
     check_in,
+    has_left,
     mark_formed,
     mark_up,
     next_attempt,
+    nodes_of,
+    poll_store,
     prefix,
+    roster,
 )
 from popmesh.engines.torch.network import pin_interface, probe_ring, spans_hosts
 
@@ -135,21 +142,34 @@ def join_world(dist: Any, store: Any, env: TorchEnv, backend: str, timeout: floa
 
 
 def join_generation(dist: Any, store: Any, env: TorchEnv, backend: str, attempt: int, timeout: float, *,
-                    fresh: bool) -> int:
-    """Check in under ``attempt`` and form its process group once every rank is there; the attempt that
-    formed. A newer attempt is joined instead where one starts (a rank died while this one formed, and was
-    restarted) or where the group does not connect within :data:`_CONNECT_S` (a member died after checking
-    in), until ``timeout``, CommTimeout after; the formed group keeps ``timeout`` for its collectives."""
-    deadline, connect = time.monotonic() + timeout, _CONNECT_S
+                    fresh: bool) -> tuple[int, tuple[int, ...]]:
+    """Check in under ``attempt`` and form its process group once every member of its roster is there;
+    the attempt that formed and its roster (this process's slot is ``env.rank``; its rank there is the
+    slot's place in the roster). A newer attempt is joined instead where one starts (a rank died while this
+    one formed, and was restarted, or was marked left), where the roster leaves this slot out (it joined
+    after the roster was set), or where the group does not connect within :data:`_CONNECT_S` (a member died
+    after checking in), until ``timeout``, CommTimeout after; the formed group keeps ``timeout`` for its
+    collectives. An elastic world whose roster spans fewer than ``env.min_nodes`` nodes stops here
+    (:func:`too_small`)."""
+    deadline, connect, slot = time.monotonic() + timeout, _CONNECT_S, env.rank
     while True:
-        check_in(store, attempt, env.rank, fresh=fresh)
+        members = agree_roster(store, attempt)
+        if slot not in members:
+            if has_left(store, slot):
+                raise PopmeshError(f"slot {slot} was marked left for good (its launcher had no restart left), so this "
+                                   "process cannot join the world")
+            attempt = after_attempt(store, attempt, deadline, timeout)
+            continue
+        too_small(store, env, members)
+        rank, size = members.index(slot), len(members)
+        check_in(store, attempt, slot, fresh=fresh)
         try:
-            await_members(store, attempt, env.world_size, deadline)
+            await_members(store, attempt, members, deadline)
             left = (deadline - time.monotonic()) / _GLOO_CONNECT_FACTOR
-            dist.init_process_group(backend, store=dist.PrefixStore(prefix(attempt), store), rank=env.rank,
-                                    world_size=env.world_size, timeout=timedelta(seconds=max(min(connect, left), 0.1)))
-            mark_up(store, attempt, env.rank)
-            await_up(store, attempt, env.world_size, deadline)
+            dist.init_process_group(backend, store=dist.PrefixStore(prefix(attempt), store), rank=rank,
+                                    world_size=size, timeout=timedelta(seconds=max(min(connect, left), 0.1)))
+            mark_up(store, attempt, slot)
+            await_up(store, attempt, members, deadline)
             break
         except Superseded as e:
             _drop_group(dist)
@@ -164,8 +184,37 @@ def join_generation(dist: Any, store: Any, env: TorchEnv, backend: str, attempt:
             attempt, connect = next_attempt(store, attempt), 2 * connect
     dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout))  # the collectives' timeout, not the connect's
     mark_formed(store, attempt)
-    return attempt
+    return attempt, members
 
+
+def after_attempt(store: Any, attempt: int, deadline: float, timeout: float) -> int:
+    """The attempt to join after ``attempt``, whose roster left this process out (it registered to join after
+    the roster was set): once ``attempt`` formed or was given up, the one after it. Starting a newer attempt
+    while ``attempt`` forms would split its members (those that saw every group up take it, the others move
+    on)."""
+
+    def settled() -> bool:
+        return int(store.get(FORMED)) >= attempt or int(store.get(ATTEMPT)) > attempt
+
+    poll_store(settled, deadline, lambda: CommTimeout(f"could not join the world within {timeout:g} s: generation "
+                                                      f"{attempt}, which formed without this process, never settled",
+                                                      None))
+    return next_attempt(store, attempt)
+
+
+def too_small(store: Any, env: TorchEnv, members: tuple[int, ...]) -> None:
+    """:class:`WorldTooSmall` when an elastic world (``popmesh launch --nnodes MIN:MAX``) would form on fewer than MIN
+    nodes; it names the ranks of the last formed world that were lost for good."""
+    if env.min_nodes is None or not env.local_world_size:
+        return
+    nodes = nodes_of(members, env.local_world_size)
+    if len(nodes) >= env.min_nodes:
+        return
+    formed = roster(store, int(store.get(FORMED)))
+    gone = [rank for rank, slot in enumerate(formed) if slot not in members]
+    raise WorldTooSmall(f"the world stops: after losing rank(s) {gone} for good it would go on with {len(nodes)} "
+                      f"node(s), below --nnodes MIN={env.min_nodes}. Start a node to take their place (popmesh launch "
+                      "--node-rank K with the same --nnodes), or give a lower MIN", gone)
 
 def _drop_group(dist: Any) -> None:
     """Destroy the process group of an attempt that did not form (if its init got that far). A failed init
