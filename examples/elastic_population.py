@@ -30,6 +30,7 @@ import torch
 import popmesh
 from popmesh.population import Explore, SelectiveAveraging
 from popmesh.population.state.rejoin import seed_newcomers
+from popmesh.torch import model_fingerprint
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--iterations", type=int, default=400)
@@ -38,14 +39,21 @@ parser.add_argument("--pace", type=float, default=0.02, help="seconds each itera
 parser.add_argument("--kill", default="", metavar="K:ITERATION", help="the rank numbered K kills itself there")
 args = parser.parse_args()
 
-world = popmesh.init(timeout=60)
+
+
+def build() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(1, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+
+
+# A process that would join with another model is refused before the running world sees it.
+world = popmesh.init(timeout=60, fingerprint=model_fingerprint(build()))
 me = world.roster[world.rank]  # the launcher's number for this rank: it stays when ranks are renumbered
 victim, kill_at = (int(part) for part in args.kill.split(":")) if args.kill else (-1, -1)
 
 inputs = torch.linspace(-2, 2, 256).unsqueeze(1)
 targets = torch.sin(3 * inputs) + 0.1 * torch.randn(inputs.shape, generator=torch.Generator().manual_seed(0))
 torch.manual_seed(me)
-model = torch.nn.Sequential(torch.nn.Linear(1, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+model = build()
 lr = 10 ** float(torch.empty(1).uniform_(-4, -1))
 opt = torch.optim.Adam(model.parameters(), lr=lr)
 policy = SelectiveAveraging(args.every, optimizer_policy="copy", explore=Explore(keys=("lr",)))

@@ -245,3 +245,14 @@ def test_a_joiner_is_refused_for_another_launcher_size_a_slot_in_use_or_another_
     store.set("popmesh/version", "0.0.1")
     with pytest.raises(ConfigError, match=r"the running world popmesh 0\.0\.1"):
         g.refuse_joiner(store, 4, 2)
+
+
+def test_a_joiner_whose_model_fingerprint_differs_is_refused_before_it_registers():
+    store = MemoryStore()
+    g.start_counting(store, 2, per_node=2, fingerprint="Net: 2 tensors, 10 elements, aaa")
+    g.mark_formed(store, 0)
+    g.refuse_joiner(store, 2, 2, "Net: 2 tensors, 10 elements, aaa")
+    g.refuse_joiner(store, 2, 2, None)  # a joiner that names none is not checked
+    with pytest.raises(ConfigError, match=r"this process's model \(Net: 2 tensors, 12 elements, bbb\) is not"):
+        g.refuse_joiner(store, 2, 2, "Net: 2 tensors, 12 elements, bbb")
+    assert g.joiners(store) == []  # the running world never saw it

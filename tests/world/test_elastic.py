@@ -25,9 +25,9 @@ _STALE = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
           "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TORCHELASTIC_RESTART_COUNT")
 
 
-def _env() -> dict[str, str]:
+def _env(timeout: str = "60") -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in _STALE and not k.startswith(("SLURM_", "PMI_"))}
-    return {**env, "POPMESH_TIMEOUT": "60"}
+    return {**env, "POPMESH_TIMEOUT": timeout}
 
 
 def _free_port() -> int:
@@ -60,8 +60,8 @@ def _ranks(out: str) -> dict[int, tuple[int, int, str, str]]:
     return {int(m[0]): (int(m[1]), int(m[2]), m[3], m[4]) for m in _LINE.findall(out)}
 
 
-def _start(argv: list[str]) -> subprocess.Popen[str]:
-    return subprocess.Popen(argv, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env(),
+def _start(argv: list[str], timeout: str = "60") -> subprocess.Popen[str]:
+    return subprocess.Popen(argv, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env(timeout),
                             start_new_session=True)
 
 
@@ -105,6 +105,30 @@ def test_below_min_nodes_the_world_stops_and_names_what_was_lost():
     assert code_a == 1, out_a[-3000:]
     assert "WorldTooSmall" in out_a and "after losing rank(s) [1] for good" in out_a, out_a[-3000:]
     assert "below --nnodes MIN=2" in out_a and "fell below --nnodes MIN=2: tearing it down" in out_a, out_a[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_a_launcher_with_another_model_is_refused_and_the_running_world_is_undisturbed():
+    endpoint = f"127.0.0.1:{_free_port()}"
+    first = _start(_launch("1:2", 0, 2, endpoint, 150, 0.04, -1, 0, 2, "Net: 4 tensors, 97 elements, aaa"))
+    time.sleep(1.0)
+    later = _start(_launch("1:2", 1, 2, endpoint, 150, 0.04, -1, 0, 2, "Net: 4 tensors, 129 elements, bbb"))
+    (code_b, out_b), (code_a, out_a) = _finish([later, first], timeout=100)
+    assert code_b == 1 and "this process's model (Net: 4 tensors, 129 elements, bbb) is not the running world's " \
+                           "(Net: 4 tensors, 97 elements, aaa)" in out_b, out_b[-3000:]
+    assert code_a == 0, out_a[-3000:]
+    seen = _ranks(out_a)
+    assert {slot: (size, sizes) for slot, (_, size, sizes, _) in seen.items()} == {0: (2, "[(2, 2)]"),
+                                                                                 1: (2, "[(2, 2)]")}, out_a[-3000:]
+
+
+@pytest.mark.timeout(60)
+def test_a_joining_launcher_whose_endpoint_does_not_answer_ends_naming_the_address():
+    endpoint = f"127.0.0.1:{_free_port()}"  # nobody serves it
+    start = time.monotonic()
+    (code, out), = _finish([_start(_launch("1:2", 1, 1, endpoint, 30, 0.02, -1, 0, 2), timeout="3")], timeout=50)
+    assert code == 1 and f"could not reach the rendezvous store at {endpoint} within 3 s" in out, out[-3000:]
+    assert time.monotonic() - start < 40, out[-3000:]
 
 
 @pytest.mark.timeout(180)

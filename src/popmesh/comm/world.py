@@ -349,7 +349,10 @@ def init(engine: str = "auto", timeout: float | None = None, check: bool | None 
     ``torch`` or ``mpi``. ``timeout``: default seconds for every blocking call (``POPMESH_TIMEOUT``,
     else 300). ``check``: verify op, shape and dtype across ranks before each collective
     (``POPMESH_CHECK=1``). ``trace``: record the trace timeline into this folder (``POPMESH_TRACE``,
-    set by ``popmesh launch --trace DIR``); see :meth:`World.start_trace`.
+    set by ``popmesh launch --trace DIR``); see :meth:`World.start_trace`. ``fingerprint`` (torch engine,
+    elastic worlds): a text that names what every rank trains, such as
+    ``popmesh.torch.model_fingerprint(model)``; a process that would join the running world with
+    another is refused (ConfigError) before the world sees it.
     """
     global _CURRENT
     name = detect_engine() if engine == "auto" else engine

@@ -39,7 +39,8 @@ def _start(name: str, timeout: float, **options: Any) -> Engine:
     if name == "torch":
         from popmesh.engines.torch.engine import TorchEngine
 
-        return TorchEngine(read_torch_env(), timeout, backend=options.get("backend"))
+        return TorchEngine(read_torch_env(), timeout, backend=options.get("backend"),
+                           fingerprint=options.get("fingerprint"))
     if name == "mpi":
         from popmesh.engines.mpi.engine import MpiEngine
 

@@ -26,6 +26,7 @@ _LAZY = {
     "popmesh.torch.sync": ("GradientSync", "default_cap_bytes"),
     "popmesh.torch.handover": ("hand_over", "donor_of", "broadcast_optimizer_state"),
     "popmesh.torch.stream": ("stream_state_",),
+    "popmesh.torch.fingerprint": ("model_fingerprint",),
 }
 _HOME = {name: module for module, names in _LAZY.items() for name in names}
 

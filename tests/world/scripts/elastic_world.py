@@ -2,7 +2,7 @@
 a one (the sum is the world's size) and admits whoever waits to join; the step count is shared with the
 newcomers and after every re-form. The loop ends after ``STEPS`` steps once the world has had ``GROWN``
 ranks (and, with a victim, once the world shrank); from then on, launcher rank ``VICTIM`` (-1: none)
-kills itself at step ``AT`` or later. Each rank
+kills itself at step ``AT`` or later; an optional 6th argument is the world's ``fingerprint``. Each rank
 prints what it saw: its launcher rank, the sizes with their sums, its final rank, size and roster."""
 
 import os
@@ -15,7 +15,7 @@ import numpy as np
 import popmesh
 
 steps, pause, victim, at, grown = (float(a) if i == 1 else int(a) for i, a in enumerate(sys.argv[1:6]))
-world = popmesh.init(timeout=60)
+world = popmesh.init(fingerprint=sys.argv[6] if len(sys.argv) > 6 else None)  # POPMESH_TIMEOUT: the tests set it
 slot = world.roster[world.rank]
 
 

@@ -75,7 +75,8 @@ class TorchEngine(Reforming):
     mismatch guard of a blocking call runs first; from 8 MiB up the payload's transfer hides it (16 MB:
     0.99x unguarded beside, 1.08x first; 1 MB: 1.26x beside, 1.18x first)."""
 
-    def __init__(self, env: TorchEnv, timeout: float, backend: str | None = None) -> None:
+    def __init__(self, env: TorchEnv, timeout: float, backend: str | None = None,
+                 fingerprint: str | None = None) -> None:
         import torch
 
         self._torch = torch
@@ -112,14 +113,14 @@ class TorchEngine(Reforming):
                 pin_interface(env)  # as join_world does: on another host, gloo must listen where the others reach
                 attempt = newcomer_attempt(self._store, env.rank, timeout)
                 if env.joining and env.restart_count == 0:
-                    refuse_joiner(self._store, env.rank, env.local_world_size)
+                    refuse_joiner(self._store, env.rank, env.local_world_size, fingerprint)
                     register_joiner(self._store, env.rank)
                     await_node(self._store, env.rank, env.local_world_size or 1, time.monotonic() + timeout)
                 self._join_generation(attempt, timeout, fresh=True)
             else:
                 join_world(dist, self._store, env, self.backend, timeout)
                 if env.world_size > 1 or elastic:  # it may re-form (an elastic world of one may grow)
-                    start_counting(self._store, env.world_size, env.local_world_size)
+                    start_counting(self._store, env.world_size, env.local_world_size, fingerprint)
                     mark_formed(self._store, 0)
         else:
             self.backend = str(dist.get_backend())

@@ -71,13 +71,15 @@ def prefix(attempt: int) -> str:
     return f"popmesh/gen/{attempt}/pg"
 
 
-def start_counting(store: KeyStore, size: int, per_node: int | None = None) -> None:
-    """Create the counters and the roster of the first world of ``size`` ranks, ``per_node`` on each node
-    (every rank may call it; only the first call sets them)."""
+def start_counting(store: KeyStore, size: int, per_node: int | None = None, fingerprint: str | None = None) -> None:
+    """Create the counters and the roster of the first world of ``size`` ranks, ``per_node`` on each node,
+    and what a joiner must match (its ``fingerprint``); every rank may call it, only the first call sets them."""
     store.compare_set(_roster_key(0), "", _text(range(size)))
     store.compare_set(_VERSION, "", __version__)
     if per_node:
         store.compare_set(_PER_NODE, "", str(per_node))
+    if fingerprint:
+        store.compare_set(_FINGERPRINT, "", fingerprint)
     store.compare_set(ATTEMPT, "", "0")
 
 
@@ -98,11 +100,17 @@ def agree_roster(store: KeyStore, attempt: int) -> tuple[int, ...]:
     return _slots(bytes(store.compare_set(key, "", _text(kept + fresh))).decode())
 
 
-def refuse_joiner(store: KeyStore, slot: int, per_node: int | None = None) -> None:
+def refuse_joiner(store: KeyStore, slot: int, per_node: int | None = None, fingerprint: str | None = None) -> None:
     """ConfigError for a process that would join a formed world where it cannot: its launcher starts
     another number of ranks than the world's nodes (``per_node``: the launchers' numbering would overlap),
-    its slot is in the world already (another launcher runs its node), or its popmesh is another version
-    than the world's."""
+    its slot is in the world already (another launcher runs its node), its popmesh is another version
+    than the world's, or its ``fingerprint`` (``popmesh.init(fingerprint=...)``, a model's architecture)
+    is not the world's. Checked before it registers: the running world never sees it."""
+    theirs_model = bytes(store.get(_FINGERPRINT)).decode() if store.check([_FINGERPRINT]) else None
+    if fingerprint and theirs_model and fingerprint != theirs_model:
+        raise ConfigError(f"this process's model ({fingerprint}) is not the running world's ({theirs_model}): a "
+                          "newcomer takes the others' state, so it must build the same model; start it with the "
+                          "world's script and options")
     theirs_per_node = int(store.get(_PER_NODE)) if store.check([_PER_NODE]) else None
     if per_node and theirs_per_node and per_node != theirs_per_node:
         raise ConfigError(f"this launcher starts {per_node} rank(s) (-n {per_node}), the running world's nodes "
@@ -165,6 +173,7 @@ def nodes_of(slots: tuple[int, ...], per_node: int) -> tuple[int, ...]:
 _JOINS = "popmesh/joins"
 _VERSION = "popmesh/version"
 _PER_NODE = "popmesh/per_node"
+_FINGERPRINT = "popmesh/fingerprint"
 _LEFT = "popmesh/left"
 _LEFT_COUNT = "popmesh/left_count"
 
