@@ -14,7 +14,9 @@ at that safe point ``world.admit()`` takes in the ranks of a launcher started la
 from the best agents (``seed_newcomers``: the mean of the two best agents' weights, the best one's Adam
 state and learning rate, its iteration). A rank lost with no restart left leaves for good: the others
 re-form without it (``world.reform()``) and go on. ``--kill K:ITERATION`` makes the rank that its
-launcher numbered K kill itself there, to watch a leave.
+launcher numbered K kill itself there, to watch a leave; ``--target`` ends the run once the best agent
+fits the curve that well (benchmarks/elastic_population.py compares a population that grows with
+fixed ones).
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ parser.add_argument("--iterations", type=int, default=400)
 parser.add_argument("--every", type=int, default=20, help="iterations between the population's decisions")
 parser.add_argument("--pace", type=float, default=0.02, help="seconds each iteration takes at least (a real step's)")
 parser.add_argument("--kill", default="", metavar="K:ITERATION", help="the rank numbered K kills itself there")
+parser.add_argument("--seed", type=int, default=0, help="the agents' initial weights and learning rates")
+parser.add_argument("--target", type=float, default=0.0, help="stop once the best agent's squared error is this low")
+parser.add_argument("--log-every", type=int, default=0, help="rank 0 says the best error every this many iterations")
 args = parser.parse_args()
 
 
@@ -52,11 +57,11 @@ victim, kill_at = (int(part) for part in args.kill.split(":")) if args.kill else
 
 inputs = torch.linspace(-2, 2, 256).unsqueeze(1)
 targets = torch.sin(3 * inputs) + 0.1 * torch.randn(inputs.shape, generator=torch.Generator().manual_seed(0))
-torch.manual_seed(me)
+torch.manual_seed(1000 * args.seed + me)
 model = build()
 lr = 10 ** float(torch.empty(1).uniform_(-4, -1))
 opt = torch.optim.Adam(model.parameters(), lr=lr)
-policy = SelectiveAveraging(args.every, optimizer_policy="copy", explore=Explore(keys=("lr",)))
+policy = SelectiveAveraging(args.every, optimizer_policy="copy", explore=Explore(keys=("lr",)), seed=args.seed)
 
 
 def metric() -> float:
@@ -102,6 +107,13 @@ while iteration < args.iterations:
         continue
     if world.rank == 0 and world.size != size:
         print(f"iteration {iteration}: the world grew from {size} to {world.size} ranks", flush=True)
+    best_error = -max(info.metrics.values())  # every rank saw every agent's metric at this decision
+    if world.rank == 0 and args.log_every and iteration % args.log_every == 0:
+        print(f"iteration {iteration}: best squared error {best_error:.4f}, {world.size} agents", flush=True)
+    if best_error <= args.target:
+        if world.rank == 0:
+            print(f"target {args.target:g} reached at iteration {iteration} with {world.size} agents", flush=True)
+        break
 
 best = popmesh.all_reduce(torch.tensor([metric()]), op=popmesh.ReduceOp.MAX)
 if world.rank == 0:
