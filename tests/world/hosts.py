@@ -22,7 +22,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Host", "TwoHosts", "unavailable"]
+import pytest
+
+__all__ = ["Host", "TwoHosts", "finish_launchers", "unavailable"]
 
 _SETUP_TIMEOUT_S = 10
 # Runs as `sh -c SCRIPT sh NAME HOSTS_FILE CMD...` inside the new UTS and mount namespaces.
@@ -166,3 +168,19 @@ def _ip(*args: str) -> None:
     done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=_SETUP_TIMEOUT_S)
     if done.returncode != 0:
         raise RuntimeError(f"ip {' '.join(args)} failed: {done.stderr.strip()}")
+
+
+def finish_launchers(procs: list[subprocess.Popen[str]], timeout: float) -> list[tuple[int, str]]:
+    """Each launcher's exit code and output; every one still running at ``timeout`` is killed, with its whole
+    session, and the test fails."""
+    deadline = time.monotonic() + timeout
+    ended = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            out, _ = p.communicate()
+            pytest.fail(f"a launcher was still running after {timeout} s:\n{out[-3000:]}")
+        ended.append((p.returncode, out))
+    return ended

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from hosts import TwoHosts, unavailable
+from hosts import TwoHosts, finish_launchers, unavailable
 
 pytestmark = pytest.mark.world
 SCRIPT = str(Path(__file__).parent / "scripts" / "elastic_world.py")
@@ -41,20 +40,6 @@ def _launch(nodes: str, node: int, nproc: int, endpoint: str, *script: object) -
             "--rdzv-endpoint", endpoint, SCRIPT, *map(str, script)]
 
 
-def _finish(procs: list[subprocess.Popen[str]], timeout: float) -> list[tuple[int, str]]:
-    deadline = time.monotonic() + timeout
-    ended = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=max(deadline - time.monotonic(), 0.1))
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            out, _ = p.communicate()
-            pytest.fail(f"a launcher was still running after {timeout} s:\n{out[-3000:]}")
-        ended.append((p.returncode, out))
-    return ended
-
-
 def _ranks(out: str) -> dict[int, tuple[int, int, str, str]]:
     """Launcher rank -> (final rank, final size, sizes seen, roster)."""
     return {int(m[0]): (int(m[1]), int(m[2]), m[3], m[4]) for m in _LINE.findall(out)}
@@ -73,7 +58,7 @@ def test_a_launcher_started_later_joins_the_running_world_with_its_ranks():
     first = _start(_launch("1:2", 0, 2, endpoint, 30, 0.02, -1, 0, 4))
     time.sleep(2.0)
     later = _start(_launch("1:2", 1, 2, endpoint, 30, 0.02, -1, 0, 4))
-    (code_a, out_a), (code_b, out_b) = _finish([first, later], timeout=130)
+    (code_a, out_a), (code_b, out_b) = finish_launchers([first, later], timeout=130)
     assert (code_a, code_b) == (0, 0), out_a[-3000:] + out_b[-3000:]
     seen = _ranks(out_a + out_b)
     assert sorted(seen) == [0, 1, 2, 3], out_a[-3000:] + out_b[-3000:]
@@ -86,7 +71,7 @@ def test_a_launcher_started_later_joins_the_running_world_with_its_ranks():
 @pytest.mark.timeout(120)
 def test_a_rank_lost_with_no_restart_left_leaves_and_the_others_go_on_without_it():
     endpoint = f"127.0.0.1:{_free_port()}"
-    (code, out), = _finish([_start(_launch("1:2", 0, 3, endpoint, 30, 0.02, 2, 10, 3))], timeout=100)
+    (code, out), = finish_launchers([_start(_launch("1:2", 0, 3, endpoint, 30, 0.02, 2, 10, 3))], timeout=100)
     assert code == 137, out[-3000:]  # the launcher names its lost rank, though the world went on
     assert "rank 2 was killed by SIGKILL" in out and "left the world for good" in out, out[-3000:]
     seen = _ranks(out)
@@ -100,7 +85,7 @@ def test_a_rank_lost_with_no_restart_left_leaves_and_the_others_go_on_without_it
 def test_below_min_nodes_the_world_stops_and_names_what_was_lost():
     endpoint = f"127.0.0.1:{_free_port()}"
     procs = [_start(_launch("2:3", node, 1, endpoint, 30, 0.02, 1, 10, 2)) for node in (0, 1)]
-    (code_a, out_a), (code_b, out_b) = _finish(procs, timeout=100)
+    (code_a, out_a), (code_b, out_b) = finish_launchers(procs, timeout=100)
     assert code_b == 137 and "left the world for good" in out_b, out_b[-3000:]
     assert code_a == 1, out_a[-3000:]
     assert "WorldTooSmall" in out_a and "after losing rank(s) [1] for good" in out_a, out_a[-3000:]
@@ -113,7 +98,7 @@ def test_a_launcher_with_another_model_is_refused_and_the_running_world_is_undis
     first = _start(_launch("1:2", 0, 2, endpoint, 150, 0.04, -1, 0, 2, "Net: 4 tensors, 97 elements, aaa"))
     time.sleep(1.0)
     later = _start(_launch("1:2", 1, 2, endpoint, 150, 0.04, -1, 0, 2, "Net: 4 tensors, 129 elements, bbb"))
-    (code_b, out_b), (code_a, out_a) = _finish([later, first], timeout=100)
+    (code_b, out_b), (code_a, out_a) = finish_launchers([later, first], timeout=100)
     assert code_b == 1 and "this process's model (Net: 4 tensors, 129 elements, bbb) is not the running world's " \
                            "(Net: 4 tensors, 97 elements, aaa)" in out_b, out_b[-3000:]
     assert code_a == 0, out_a[-3000:]
@@ -126,7 +111,8 @@ def test_a_launcher_with_another_model_is_refused_and_the_running_world_is_undis
 def test_a_joining_launcher_whose_endpoint_does_not_answer_ends_naming_the_address():
     endpoint = f"127.0.0.1:{_free_port()}"  # nobody serves it
     start = time.monotonic()
-    (code, out), = _finish([_start(_launch("1:2", 1, 1, endpoint, 30, 0.02, -1, 0, 2), timeout="3")], timeout=50)
+    joining = _start(_launch("1:2", 1, 1, endpoint, 30, 0.02, -1, 0, 2), timeout="3")
+    (code, out), = finish_launchers([joining], timeout=50)
     assert code == 1 and f"could not reach the rendezvous store at {endpoint} within 3 s" in out, out[-3000:]
     assert time.monotonic() - start < 40, out[-3000:]
 
@@ -144,7 +130,7 @@ def test_across_two_hosts_a_third_launcher_joins_and_one_node_leaves_for_good():
                  b.start(_launch("2:3", 1, 1, endpoint, 30, 0.02, 1, 10, 3), **popen)]
         time.sleep(2.0)
         procs.append(b.start(_launch("2:3", 2, 1, endpoint, 30, 0.02, 1, 10, 3), **popen))
-        ended = _finish(procs, timeout=160)
+        ended = finish_launchers(procs, timeout=160)
     (code_0, out_0), (code_1, out_1), (code_2, out_2) = ended
     assert (code_0, code_1, code_2) == (0, 137, 0), out_0[-2000:] + out_1[-2000:] + out_2[-2000:]
     assert "left the world for good" in out_1, out_1[-2000:]
@@ -167,7 +153,7 @@ def test_the_elastic_population_example_takes_in_a_later_launcher_and_goes_on_wi
     first = launch(0, "--kill", "1:240")
     time.sleep(0.5)
     later = launch(1)
-    (code_a, out_a), (code_b, out_b) = _finish([first, later], timeout=130)
+    (code_a, out_a), (code_b, out_b) = finish_launchers([first, later], timeout=130)
     assert (code_a, code_b) == (137, 0), out_a[-3000:] + out_b[-3000:]
     grew = re.search(r"iteration (\d+): the world grew from 2 to 4 ranks", out_a)
     assert grew and int(grew[1]) < 240, out_a[-3000:]

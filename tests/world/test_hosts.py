@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from harness import mpiexec
-from hosts import TwoHosts, unavailable
+from hosts import TwoHosts, finish_launchers, unavailable
 
 pytestmark = [pytest.mark.world, pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))]
 SCRIPT = str(Path(__file__).parent / "scripts" / "hosts_world.py")
@@ -29,21 +29,6 @@ _STALE = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
 def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in _STALE and not k.startswith(("SLURM_", "PMI_"))}
     return {**env, "POPMESH_TIMEOUT": "60", **extra}
-
-
-def _finish(procs: list[subprocess.Popen[str]], timeout: float) -> list[tuple[int, str]]:
-    """Each process's exit code and output; every one still running at ``timeout`` is killed (a test failure)."""
-    deadline = time.monotonic() + timeout
-    ended = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=max(deadline - time.monotonic(), 0.1))
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            out, _ = p.communicate()
-            pytest.fail(f"a host's launcher was still running after {timeout} s:\n{out[-3000:]}")
-        ended.append((p.returncode, out))
-    return ended
 
 
 def _torch_nodes(th: TwoHosts, port: int, *script_args: str, **env: str) -> list[subprocess.Popen[str]]:
@@ -72,7 +57,7 @@ def test_a_torch_world_forms_across_two_hosts_whatever_their_names_resolve_to(na
     """Before: when a host's own name resolved to 127.0.1.1, gloo listened there and the world never
     formed ('connectFullMesh failed ... 127.0.1.1'). The interface that routes to the master is pinned."""
     with TwoHosts(names=names) as th:
-        ended = _finish(_torch_nodes(th, 29610), timeout=90)
+        ended = finish_launchers(_torch_nodes(th, 29610), timeout=90)
     assert [code for code, _ in ended] == [0, 0], "\n".join(out[-3000:] for _, out in ended)
     _assert_world("".join(out for _, out in ended), th)
 
@@ -83,7 +68,7 @@ def test_an_unreachable_transport_address_fails_fast_naming_it_and_the_variable(
     naming the address it could not reach and what to set, instead of gloo's error minutes later."""
     with TwoHosts() as th:
         start = time.monotonic()
-        ended = _finish(_torch_nodes(th, 29611, GLOO_SOCKET_IFNAME="lo"), timeout=90)
+        ended = finish_launchers(_torch_nodes(th, 29611, GLOO_SOCKET_IFNAME="lo"), timeout=90)
         elapsed = time.monotonic() - start
     for code, out in ended:
         assert code != 0
@@ -99,9 +84,9 @@ def test_the_loss_of_a_host_ends_the_other_within_seconds_naming_ranks_and_host(
         assert _wait_for_lines(procs[0], "HOLDING", 2, timeout=60)
         start = time.monotonic()
         os.killpg(procs[1].pid, signal.SIGKILL)  # host b's launcher and its ranks
-        (code, out), = _finish(procs[:1], timeout=30)
+        (code, out), = finish_launchers(procs[:1], timeout=30)
         elapsed = time.monotonic() - start
-        _finish(procs[1:], timeout=10)
+        finish_launchers(procs[1:], timeout=10)
     assert code != 0
     cause = next(line for line in out.splitlines() if "root cause:" in line)
     assert "PeerFailure" in cause and "on host pmhostb" in cause and re.search(r"rank\(s\) \[[23]", cause), out[-3000:]
@@ -135,7 +120,7 @@ def test_tasks_started_as_srun_starts_them_form_one_world_over_two_hosts():
                        SLURM_STEP_TASKS_PER_NODE="2(x2)", SLURM_NNODES="2")
             procs.append(th.hosts[node].start([sys.executable, SCRIPT], stdout=subprocess.PIPE,
                                               stderr=subprocess.STDOUT, env=env))
-        ended = _finish(procs, timeout=90)
+        ended = finish_launchers(procs, timeout=90)
     assert [code for code, _ in ended] == [0] * 4, "\n".join(out[-2000:] for _, out in ended)
     _assert_world("".join(out for _, out in ended), th)
 
@@ -157,7 +142,7 @@ def test_popmesh_launch_runs_an_mpi_world_across_two_hosts(how, tmp_path):
         proc = a.start([sys.executable, "-m", "popmesh", "launch", "--engine", "mpi", *placement, SCRIPT],
                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=tmp_path,
                        env=_env(HYDRA_LAUNCHER="ssh", HYDRA_LAUNCHER_EXEC=str(standin)))
-        (code, out), = _finish([proc], timeout=90)
+        (code, out), = finish_launchers([proc], timeout=90)
     assert code == 0, out[-3000:]
     _assert_world(out, th)
 
@@ -177,7 +162,7 @@ def test_a_rank_lost_on_one_host_is_restarted_there_and_the_world_reforms_across
                         "120", "3", "50"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env())
             for i, host in enumerate(th.hosts)
         ]
-        ended = _finish(procs, timeout=100)
+        ended = finish_launchers(procs, timeout=100)
     out = "".join(text for _, text in ended)
     assert [code for code, _ in ended] == [0, 0], out[-4000:]
     done = re.findall(r"DONE rank=(\d) gen=(\d+) step=(\d+) good=(\w+) restart=(\d)", out)
