@@ -13,7 +13,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
@@ -22,16 +21,14 @@ from typing import TextIO
 from popmesh.core.errors import ConfigError
 from popmesh.core.interfaces import choose_interface, list_interfaces, source_address
 from popmesh.launch import mpirun
-from popmesh.launch.errorfile import read_error_file
 from popmesh.launch.hosts import Slots, hydra_hosts, parse_hosts, read_hostfile
 from popmesh.launch.inject import RECORD_FILE, FailureInjection, FailureInjector, check_injection
 from popmesh.launch.logs import LogRequest, RankLogs, log_request, make_attempt_dir, plan_routes
-from popmesh.launch.output import OutputPump
+from popmesh.launch.output import OutputPump, say
 from popmesh.launch.plan import (
     LaunchSpec,
     base_env,
     cpu_count,
-    error_file_name,
     is_module_name,
     loopback_env,
     loopback_interface,
@@ -43,8 +40,9 @@ from popmesh.launch.plan import (
 )
 from popmesh.launch.preload import ForkServer
 from popmesh.launch.rankwatch import RankEnd, RankExit, RankWatch
-from popmesh.launch.result import LaunchResult, exit_status, format_summary
-from popmesh.launch.runner import Child, Supervisor
+from popmesh.launch.restarts import Restarts, stop_helper
+from popmesh.launch.result import LaunchResult, format_summary
+from popmesh.launch.runner import Supervisor
 from popmesh.launch.shm import SegmentSweep
 from popmesh.launch.timeline import merge_after_exit, trace_env
 from popmesh.launch.verdict import judge_local, judge_mpi
@@ -142,7 +140,7 @@ def launch(
     parent_env = {**os.environ, **(env or {}), **(trace_env(trace) if trace else {})}
     err = stderr or sys.stderr
     crowded = oversubscription_warning(spec.nproc, cpu_count())
-    _say(err, oversubscription_note if crowded and oversubscription_note else crowded)
+    say(err, oversubscription_note if crowded and oversubscription_note else crowded)
     logs = _open_logs(request, spec, err)
     try:
         pump = OutputPump(stdout or sys.stdout, err, quiet_others=quiet_others, sink=logs)
@@ -153,9 +151,9 @@ def launch(
                                 job_restarts=len(notes))
             if not _restart_job(spec, result, len(notes)):
                 break
-            _say(err, format_summary(result))
+            say(err, format_summary(result))
             notes.append(f"the whole MPI job after {result.failure.describe() if result.failure else 'a failure'}")
-            _say(err, f"popmesh launch: restarting the whole MPI job ({len(notes)} of {spec.max_restarts}): an MPI "
+            say(err, f"popmesh launch: restarting the whole MPI job ({len(notes)} of {spec.max_restarts}): an MPI "
                       "world cannot take one rank back, so every rank starts again (TORCHELASTIC_RESTART_COUNT="
                       f"{len(notes)}) and resumes from what the script saved")
         if notes:
@@ -166,7 +164,7 @@ def launch(
         if trace:
             merge_after_exit(trace, err)
     if not result.ok:
-        _say(err, format_summary(result))
+        say(err, format_summary(result))
     return result
 
 
@@ -188,13 +186,6 @@ def _run_id(run_id: str | None, master_port: int) -> str:
     return str(uuid.uuid4()) if master_port == 0 else "none"
 
 
-def _say(err: TextIO, line: str | None) -> None:
-    """Write one message of the launcher's own (if any) to ``err`` at once."""
-    if line:
-        err.write(line + "\n")
-        err.flush()
-
-
 def _open_logs(request: LogRequest, spec: LaunchSpec, err: TextIO) -> RankLogs | None:
     """The per-rank log files and console filter ``request`` asks for (None: all on the console)."""
     if not request.routes_output:
@@ -204,7 +195,7 @@ def _open_logs(request: LogRequest, spec: LaunchSpec, err: TextIO) -> RankLogs |
     logs = RankLogs(plan_routes(request, attempt, ranks))
     logs.folder = attempt
     if attempt is not None:
-        _say(err, f"popmesh launch: rank logs in {attempt}")
+        say(err, f"popmesh launch: rank logs in {attempt}")
     return logs
 
 
@@ -225,7 +216,7 @@ def _supervise(
     Under MPI, the rank watch ends the job when a rank fails where mpiexec does not act (a non-zero exit
     before MPI starts), and the shared-memory segments the job left (a rank died before finalizing) are
     removed once mpiexec has exited. The ranks' error records are copied into their log folders. With
-    ``spec.max_restarts`` a failed rank is restarted in place (:class:`_Restarts`), and node 0 serves
+    ``spec.max_restarts`` a failed rank is restarted in place (:class:`Restarts`), and node 0 serves
     the store from a process of its own, so that it outlives any rank; an MPI job is restarted whole by
     :func:`launch` instead, this being its ``job_restarts``-th start. ``inject`` starts the thread that
     kills random ranks within that budget once the ranks are started, stopped before the judgement.
@@ -235,7 +226,7 @@ def _supervise(
         segments = SegmentSweep() if spec.engine == "mpi" else None
         ranks = (RankWatch(error_dir, on_failure=lambda _: supervisor.request_teardown()) if spec.engine == "mpi"
                  else contextlib.nullcontext())
-        restarts = _Restarts(spec, supervisor, worker, error_dir, err, python[0])
+        restarts = Restarts(spec, supervisor, worker, error_dir, err, python[0])
         store: subprocess.Popen[bytes] | None = None
         injector: FailureInjector | None = None
         try:
@@ -257,7 +248,7 @@ def _supervise(
             supervisor.close()
             restarts.close()
             if store is not None:
-                _stop(store)
+                stop_helper(store)
             if logs is not None:
                 logs.keep_errors(error_dir)
             if segments is not None and supervisor.children:
@@ -266,7 +257,7 @@ def _supervise(
         return _judge(supervisor, spec, error_dir, pump, store_fd, killed, exits, restarts.notes)
 
 
-def _injector(inject: FailureInjection | None, sup: Supervisor, restarts: _Restarts, logs: RankLogs | None,
+def _injector(inject: FailureInjection | None, sup: Supervisor, restarts: Restarts, logs: RankLogs | None,
               err: TextIO) -> FailureInjector | None:
     """``--inject-failures``' thread, started: it picks among the live ranks with a restart left."""
     if inject is None:
@@ -279,126 +270,9 @@ def _injector(inject: FailureInjection | None, sup: Supervisor, restarts: _Resta
                 if c.rank is not None and c.returncode is None and restarts.left(c.rank) > 0}
 
     folder = None if logs is None or logs.folder is None else Path(logs.folder) / RECORD_FILE
-    injector = FailureInjector(inject, candidates, restarts.left, lambda line: _say(err, line), folder, restarts.notes)
+    injector = FailureInjector(inject, candidates, restarts.left, lambda line: say(err, line), folder, restarts.notes)
     injector.start()
     return injector
-
-
-class _Restarts:
-    """``--max-restarts``: a failed rank's replacement, the same command and variables plus its restart
-    count, while the rank's budget lasts; each restart is said on stderr and kept for the summary."""
-
-    def __init__(self, spec: LaunchSpec, sup: Supervisor, worker: list[str], error_dir: str, err: TextIO,
-                 python: str = sys.executable) -> None:
-        self._spec, self._sup, self._worker, self._dir, self._err = spec, sup, worker, error_dir, err
-        self._python = python
-        self._envs: dict[int, tuple[dict[str, str], bool]] = {}
-        self._counts: dict[int, int] = {}
-        self._marker: subprocess.Popen[bytes] | None = None
-        self._marked: list[int] = []
-        self.notes: list[str] = []
-        if (spec.max_restarts > 0 or spec.elastic) and spec.engine == "torch":
-            sup.set_restart(self)
-
-    def left(self, rank: int) -> int:
-        """The restarts ``rank`` has left."""
-        return self._spec.max_restarts - self._counts.get(rank, 0)
-
-    def remember(self, rank: int, env: dict[str, str], inherit_output: bool) -> None:
-        self._envs[rank] = (env, inherit_output)
-
-    def __call__(self, child: Child) -> Child | None:
-        assert child.rank is not None and child.returncode is not None
-        code, sig = exit_status(child.returncode)
-        how = f"was killed by {sig}" if sig else f"exited with code {code}"
-        count = self._counts.get(child.rank, 0) + 1
-        if count > self._spec.max_restarts:
-            if self._spec.elastic and not self._stopped_world(child.rank):
-                self._leave(child, how)
-                return None
-            _say(self._err, f"popmesh launch: rank {child.rank} {how}; its {self._spec.max_restarts} restart(s) are "
-                            "used up: tearing the world down")
-            return None
-        self._counts[child.rank] = count
-        record = os.path.join(self._dir, error_file_name(child.rank))
-        if os.path.exists(record):  # the replaced process's record stays, under another name
-            os.replace(record, record[: -len(".json")] + f".restart-{count}.json")
-        env, inherit_output = self._envs[child.rank]
-        budget = self._spec.max_restarts
-        note = f"rank {child.rank} {how} at {time.strftime('%H:%M:%S')}; restarted ({count} of {budget})"
-        _say(self._err, f"popmesh launch: {note}")
-        self.notes.append(note)
-        return self._sup.spawn(self._worker, {**env, "TORCHELASTIC_RESTART_COUNT": str(count)}, child.rank,
-                               inherit_output=inherit_output)
-
-
-    def _stopped_world(self, rank: int) -> bool:
-        """Whether ``rank`` ended because its elastic world fell below MIN nodes (WorldTooSmall): then the
-        world is torn down, not left."""
-        record = read_error_file(os.path.join(self._dir, error_file_name(rank)))
-        if record is None or not record.type.endswith("WorldTooSmall"):
-            return False
-        _say(self._err, f"popmesh launch: rank {rank}'s world fell below --nnodes MIN={self._spec.nnodes}: "
-                        "tearing it down")
-        return True
-
-    def _leave(self, child: Child, how: str) -> None:
-        """An elastic world goes on without ``child``: its slot is marked left in the store (through the
-        marker process, :mod:`popmesh.engines.torch.store_client`), so the next generation forms without it."""
-        assert child.rank is not None
-        child.left = True
-        note = (f"rank {child.rank} {how} at {time.strftime('%H:%M:%S')}; no restart left (--max-restarts "
-                f"{self._spec.max_restarts}): it left the world for good, which goes on without it")
-        _say(self._err, f"popmesh launch: {note}")
-        self.notes.append(note)
-        marker = self._marker
-        if marker is None or marker.stdin is None or marker.poll() is not None:
-            _say(self._err, f"popmesh launch: cannot mark rank {child.rank} left: the store marker process ended")
-            return
-        with contextlib.suppress(OSError):
-            marker.stdin.write(f"left {child.rank}\n".encode())
-            marker.stdin.flush()
-            self._marked.append(child.rank)
-
-    def start_marker(self) -> None:
-        """Start the process that marks lost ranks left (elastic worlds), with the ranks: it imports torch
-        and connects while they start, so a mark costs milliseconds when a rank is lost."""
-        if not self._spec.elastic or self._marker is not None:
-            return
-        command = [self._python, "-m", "popmesh.engines.torch.store_client", self._spec.master_addr,
-                   str(self._spec.master_port)]
-        self._marker = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        stderr=subprocess.STDOUT, start_new_session=True)
-
-    def close(self, timeout: float = 30.0) -> None:
-        """End the marker once its marks are written (each gives up within its own timeout); say which failed
-        (the store is gone where the whole world ended meanwhile)."""
-        marker, self._marker = self._marker, None
-        if marker is None:
-            return
-        try:
-            said, _ = marker.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            _stop(marker)
-            said, _ = marker.communicate()
-        for line in said.decode(errors="replace").splitlines():
-            if line.startswith("error "):
-                _, rank, *why = line.split(" ", 2)
-                _say(self._err, f"popmesh launch: could not mark rank {rank} left in the rendezvous store "
-                                f"({' '.join(why)})")
-        if not said and self._marked:
-            _say(self._err, f"popmesh launch: the store marker ended without marking rank(s) {self._marked} left")
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    """End a helper process of the launcher: SIGTERM, then SIGKILL after a second."""
-    with contextlib.suppress(ProcessLookupError):
-        proc.terminate()
-    try:
-        proc.wait(timeout=1.0)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def _check_target(target: str, module: bool) -> None:
@@ -413,7 +287,7 @@ def _check_target(target: str, module: bool) -> None:
 
 def _start_local(
     sup: Supervisor, spec: LaunchSpec, worker: list[str], parent_env: dict[str, str], error_dir: str, store_fd: bool,
-    rank0_terminal: bool = False, python: Sequence[str] = (sys.executable,), restarts: _Restarts | None = None,
+    rank0_terminal: bool = False, python: Sequence[str] = (sys.executable,), restarts: Restarts | None = None,
 ) -> subprocess.Popen[bytes] | None:
     """Spawn the ranks of this node; rank 0 of node 0 gets the pre-bound store socket (torch), or, with
     restarts, a store process of the launcher does (returned, for the caller to stop). With
@@ -450,7 +324,7 @@ def _start_local(
                 sock = None
     except BaseException:
         if store is not None:
-            _stop(store)
+            stop_helper(store)
         raise
     finally:
         if sock is not None:

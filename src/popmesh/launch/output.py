@@ -16,7 +16,7 @@ import time
 from collections import deque
 from typing import IO, Protocol, TextIO
 
-__all__ = ["OutputPump", "OutputSink", "PREFIX"]
+__all__ = ["OutputPump", "OutputSink", "PREFIX", "say"]
 
 PREFIX = "[rank {rank}] "
 _PREFIXED = re.compile(rb"^\[rank (\d+)\] ")
@@ -114,3 +114,10 @@ class OutputPump:
         deadline = time.monotonic() + timeout
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
+
+
+def say(err: TextIO, line: str | None) -> None:
+    """Write one message of the launcher's own (if any) to ``err`` at once."""
+    if line:
+        err.write(line + "\n")
+        err.flush()
