@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -33,6 +34,13 @@ def launch_json(script: str, n: int, engine: str, *args: str, timeout: float = 6
                "--quiet-others", *options, str(HERE / script), *args]
         subprocess.run(cmd, env=env, check=True, timeout=timeout)
         return json.loads(out.read_text())
+
+
+def free_port() -> int:
+    """A loopback port that was free a moment ago (a benchmark's rendezvous endpoint)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def write_result(result: dict) -> None:

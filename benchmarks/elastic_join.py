@@ -25,13 +25,14 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from _common import free_port
 
 STARTED = time.time()
 MODEL_FLOATS = 2_500_000  # 10 MB of float32
@@ -91,12 +92,6 @@ def worker(opts: argparse.Namespace) -> None:
     Path(opts.out, f"rank-{slot}.json").write_text(json.dumps(row))
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(node: int, port: int, out: str, *extra: str) -> subprocess.Popen[bytes]:
     env = dict(os.environ, BENCH_LAUNCHED=str(time.time()), POPMESH_TIMEOUT="60")
     cmd = [sys.executable, "-m", "popmesh", "launch", "--nnodes", "2:3", "--node-rank", str(node), "-n", "2",
@@ -111,7 +106,7 @@ def _rows(out: str) -> list[dict]:
 
 def join_once(opts: argparse.Namespace) -> dict[str, list[float]]:
     with tempfile.TemporaryDirectory() as out:
-        port, pace = _port(), ["--steps", str(opts.steps), "--pace", str(opts.pace)]
+        port, pace = free_port(), ["--steps", str(opts.steps), "--pace", str(opts.pace)]
         first = [_launch(node, port, out, *pace) for node in (0, 1)]
         time.sleep(opts.join_after)
         later = _launch(2, port, out, *pace)
@@ -130,7 +125,7 @@ def join_once(opts: argparse.Namespace) -> dict[str, list[float]]:
 
 def leave_once(opts: argparse.Namespace) -> dict[str, list[float]]:
     with tempfile.TemporaryDirectory() as out:
-        port, args = _port(), ["--steps", str(opts.steps), "--pace", str(opts.pace), "--victim", "3"]
+        port, args = free_port(), ["--steps", str(opts.steps), "--pace", str(opts.pace), "--victim", "3"]
         for proc in [_launch(node, port, out, *args) for node in (0, 1)]:
             proc.wait(timeout=600)
         killed = float(Path(out, "killed").read_text())

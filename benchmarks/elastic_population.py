@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,6 +28,7 @@ import threading
 import time
 from pathlib import Path
 
+from _common import free_port
 from _pbt_tables import sign_test
 
 EXAMPLE = str(Path(__file__).resolve().parents[1] / "examples" / "elastic_population.py")
@@ -36,12 +36,6 @@ CONTENDERS = ("grows 2 -> 4", "4 from the start", "stays at 2")
 _REACHED = re.compile(r"target \S+ reached at iteration (\d+) with (\d+) agents")
 _GREW = re.compile(r"iteration (\d+): the world grew from 2 to 4 ranks")
 _AT = re.compile(r"iteration (\d+): best squared error")
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _example(opts: argparse.Namespace, seed: int) -> list[str]:
@@ -69,7 +63,7 @@ def fixed(opts: argparse.Namespace, seed: int, ranks: int) -> dict:
 
 
 def grows(opts: argparse.Namespace, seed: int) -> dict:
-    endpoint = f"127.0.0.1:{_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
     common = ["--nnodes", "1:2", "-n", "2", "--rdzv-endpoint", endpoint]
     first = subprocess.Popen(_launcher(*common, "--node-rank", "0", *_example(opts, seed)), stdout=subprocess.PIPE,
                              stderr=subprocess.DEVNULL, text=True, env=dict(os.environ, POPMESH_TIMEOUT="60"))

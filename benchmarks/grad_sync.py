@@ -29,7 +29,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,7 +38,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import launch_json, threads_line, world_threads, write_result
+from _common import free_port, launch_json, threads_line, world_threads, write_result
 
 LAYERS, WIDTH, BATCH = 100, 316, 16
 SWEEP_CAPS = (256 << 10, 1 << 20, 4 << 20, 8 << 20, 16 << 20, 25 << 20, 64 << 20)
@@ -209,7 +208,7 @@ def _gloo_beside_mpi(world) -> None:
 
     import popmesh
 
-    port = popmesh.broadcast_object(_free_port() if world.rank == 0 else None, src=0)
+    port = popmesh.broadcast_object(free_port() if world.rank == 0 else None, src=0)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=world.rank,
                             world_size=world.size)
 
@@ -284,12 +283,6 @@ def worker() -> None:
     world.finalize()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn_json(n: int, engine: str, args: list[str]) -> dict:
     """Start a world the way tests/world/harness.py does (for when `popmesh launch` is absent)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -300,7 +293,7 @@ def _spawn_json(n: int, engine: str, args: list[str]) -> dict:
             exe = Path(sys.executable).with_name("mpiexec")
             subprocess.run([str(exe), "-n", str(n), *cmd], env=env, check=True, timeout=900)
         else:
-            port = str(_free_port())
+            port = str(free_port())
             procs = [subprocess.Popen(cmd, env=dict(env, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r),
                                                     LOCAL_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1",
                                                     MASTER_PORT=port)) for r in range(n)]

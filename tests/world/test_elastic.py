@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from hosts import TwoHosts, finish_launchers, unavailable
+from ports import refusing_port
 
 pytestmark = pytest.mark.world
 SCRIPT = str(Path(__file__).parent / "scripts" / "elastic_world.py")
@@ -109,10 +110,11 @@ def test_a_launcher_with_another_model_is_refused_and_the_running_world_is_undis
 
 @pytest.mark.timeout(60)
 def test_a_joining_launcher_whose_endpoint_does_not_answer_ends_naming_the_address():
-    endpoint = f"127.0.0.1:{_free_port()}"  # nobody serves it
-    start = time.monotonic()
-    joining = _start(_launch("1:2", 1, 1, endpoint, 30, 0.02, -1, 0, 2), timeout="3")
-    (code, out), = finish_launchers([joining], timeout=50)
+    with refusing_port() as port:  # bound by the test, never listened on: nobody serves it
+        endpoint = f"127.0.0.1:{port}"
+        start = time.monotonic()
+        joining = _start(_launch("1:2", 1, 1, endpoint, 30, 0.02, -1, 0, 2), timeout="3")
+        (code, out), = finish_launchers([joining], timeout=50)
     assert code == 1 and f"could not reach the rendezvous store at {endpoint} within 3 s" in out, out[-3000:]
     assert time.monotonic() - start < 40, out[-3000:]
 

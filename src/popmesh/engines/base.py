@@ -92,7 +92,6 @@ class Engine(Protocol):
     @property
     def roster(self) -> tuple[int, ...]: ...  # the launcher's number (RANK) of each rank: kept across re-forms
 
-
     def hostname(self) -> str: ...
     def local_topology(self) -> tuple[int, int] | None: ...  # (local rank, size); None: World compares hostnames
     def make_group(self, spec: GroupSpec, timeout: float) -> Any: ...

@@ -21,10 +21,10 @@ Each attempt has a *roster*: the launcher's slot (its ``RANK``) of every member,
 first world's is ``0..size-1``. The first rank to ask for an attempt's roster sets it, by compare-and-set,
 from the last formed world's: its members less the slots marked *left* (lost for good: their launcher
 had no restart left, ``popmesh launch --nnodes MIN:MAX``), then the slots of newly joined processes (a
-launcher started later, its ``--node-rank`` past MIN), in the order they joined. So a world grows with
-its ranks' numbers kept, and shrinks with the ranks above a lost one moved down. A rank whose slot a
-roster left out starts the next attempt (it joined after the roster was set); an attempt waiting for a
-slot that is then marked left is superseded by the next, formed without it.
+launcher started later, its ``--node-rank`` past MIN), lowest first. So a world grows with its ranks'
+numbers kept, and shrinks with the ranks above a lost one moved down. A rank whose slot a roster left
+out (it registered after the roster was set) waits for that attempt to settle, then starts the next; an
+attempt waiting for a slot that is then marked left is superseded by the next, formed without it.
 
 The logic is over a small store interface (``set``, ``get``, ``check``, ``compare_set``,
 ``multi_get``, ``add``) so that it is tested with an in-memory store, without processes.
@@ -106,12 +106,12 @@ def refuse_joiner(store: KeyStore, slot: int, per_node: int | None = None, finge
     its slot is in the world already (another launcher runs its node), its popmesh is another version
     than the world's, or its ``fingerprint`` (``popmesh.init(fingerprint=...)``, a model's architecture)
     is not the world's. Checked before it registers: the running world never sees it."""
-    theirs_model = bytes(store.get(_FINGERPRINT)).decode() if store.check([_FINGERPRINT]) else None
+    theirs_model = _stored(store, _FINGERPRINT)
     if fingerprint and theirs_model and fingerprint != theirs_model:
         raise ConfigError(f"this process's model ({fingerprint}) is not the running world's ({theirs_model}): a "
                           "newcomer takes the others' state, so it must build the same model; start it with the "
                           "world's script and options")
-    theirs_per_node = int(store.get(_PER_NODE)) if store.check([_PER_NODE]) else None
+    theirs_per_node = int(_stored(store, _PER_NODE) or 0)
     if per_node and theirs_per_node and per_node != theirs_per_node:
         raise ConfigError(f"this launcher starts {per_node} rank(s) (-n {per_node}), the running world's nodes "
                           f"{theirs_per_node} each: every launcher of an elastic world starts the same number of ranks "
@@ -119,7 +119,7 @@ def refuse_joiner(store: KeyStore, slot: int, per_node: int | None = None, finge
     if slot in roster(store, int(store.get(FORMED))):
         raise ConfigError(f"rank {slot} of the launchers' numbering is in the running world already: another "
                           "popmesh launch runs this --node-rank; give a node rank no launcher uses (MIN to MAX-1)")
-    theirs = bytes(store.get(_VERSION)).decode() if store.check([_VERSION]) else __version__
+    theirs = _stored(store, _VERSION) or __version__
     if theirs != __version__:
         raise ConfigError(f"this process runs popmesh {__version__}, the running world popmesh {theirs}: join with "
                           "the same version (pip install popmesh==" + theirs + ")")
@@ -178,6 +178,11 @@ _LEFT = "popmesh/left"
 _LEFT_COUNT = "popmesh/left_count"
 
 
+def _stored(store: KeyStore, key: str) -> str | None:
+    """The text under ``key``, or None where it was never set (no wait)."""
+    return bytes(store.get(key)).decode() if store.check([key]) else None
+
+
 def _roster_key(attempt: int) -> str:
     return f"popmesh/gen/{attempt}/roster"
 
@@ -227,7 +232,7 @@ def restarted_ranks(store: KeyStore, generation: int, members: tuple[int, ...]) 
     """The ranks of ``generation`` (whose roster is ``members``) whose restarted process waits to join a
     later one, or whose slot was marked left: their process in ``generation`` is gone, whatever its
     heartbeat peers have heard (the launcher restarts a rank, or marks it left, only once it died)."""
-    gone = {rank for rank, slot in enumerate(members) if has_left(store, slot)}
+    gone = {rank for rank, slot in enumerate(members) if has_left(store, slot)} if left_count(store) else set()
     newest = int(store.get(ATTEMPT))
     if newest <= generation or not store.check([f"popmesh/gen/{newest}/fresh"]):
         return frozenset(gone)
