@@ -9,14 +9,15 @@ form the world, and a launcher started later with ``--node-rank`` from MIN to MA
 
 Each agent fits a small network to a noisy curve at its own learning rate, drawn log-uniform over 1e-4
 to 1e-1. Every ``--every`` iterations the population decides together (SelectiveAveraging: the worst
-quarter take the best agents' weights and a perturbed learning rate, PBT's exploit and explore), and
-at that safe point ``world.admit()`` takes in the ranks of a launcher started later: they are seeded
-from the best agents (``seed_newcomers``: the mean of the two best agents' weights, the best one's Adam
-state and learning rate, its iteration). A rank lost with no restart left leaves for good: the others
-re-form without it (``world.reform()``) and go on. ``--kill K:ITERATION`` makes the rank that its
-launcher numbered K kill itself there, to watch a leave; ``--target`` ends the run once the best agent
-fits the curve that well (benchmarks/elastic_population.py compares a population that grows with
-fixed ones).
+quarter take the best agents' weights and a perturbed or resampled learning rate, PBT's exploit and
+explore), and at that safe point ``world.admit()`` takes in the ranks of a launcher started later: they
+are seeded from the best agents (``seed_newcomers``: the mean of the two best agents' weights, the best
+one's Adam state and learning rate, its iteration), then explore from there (the learning rate
+perturbed by 0.8 or 1.2, or drawn afresh with probability 0.25), so that they bring diversity of their
+own. A rank lost with no restart left leaves for good: the others re-form without it
+(``world.reform()``) and go on. ``--kill K:ITERATION`` makes the rank that its launcher numbered K kill
+itself there, to watch a leave; ``--target`` ends the run once the best agent fits the curve that well
+(benchmarks/elastic_population.py compares a population that grows with fixed ones).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import time
 import torch
 
 import popmesh
-from popmesh.population import Explore, SelectiveAveraging
+from popmesh.population import Continuous, Explore, SelectiveAveraging
 from popmesh.population.state.rejoin import seed_newcomers
 from popmesh.torch import model_fingerprint
 
@@ -43,7 +44,6 @@ parser.add_argument("--seed", type=int, default=0, help="the agents' initial wei
 parser.add_argument("--target", type=float, default=0.0, help="stop once the best agent's squared error is this low")
 parser.add_argument("--log-every", type=int, default=0, help="rank 0 says the best error every this many iterations")
 args = parser.parse_args()
-
 
 
 def build() -> torch.nn.Module:
@@ -61,7 +61,8 @@ torch.manual_seed(1000 * args.seed + me)
 model = build()
 lr = 10 ** float(torch.empty(1).uniform_(-4, -1))
 opt = torch.optim.Adam(model.parameters(), lr=lr)
-policy = SelectiveAveraging(args.every, optimizer_policy="copy", explore=Explore(keys=("lr",)), seed=args.seed)
+explore = Explore(keys=("lr",), space={"lr": Continuous(1e-4, 1e-1, log=True)})  # resampled within the initial range
+policy = SelectiveAveraging(args.every, optimizer_policy="copy", explore=explore, seed=args.seed)
 
 
 def metric() -> float:
@@ -72,13 +73,13 @@ def metric() -> float:
 
 def take_in(iteration: int) -> int:
     """Seed the ranks that just joined (or were restarted) from the best agents; everyone's iteration."""
-    seeding = seed_newcomers(model, opt, metric(), {"iteration": iteration}, donors=2)
+    seeding = seed_newcomers(model, opt, metric(), {"iteration": iteration}, donors=2, explore=explore, seed=args.seed)
     if seeding is None:
         return iteration
     if world.rank in seeding.newcomers:
         print(f"rank {world.rank} (launcher rank {me}) joined a world of {world.size} at iteration "
               f"{seeding.counters['iteration']}, seeded by mean(rank {', rank '.join(map(str, seeding.donors))}), "
-              f"lr {opt.param_groups[0]['lr']:.2e}", flush=True)
+              f"lr {seeding.explored['lr'][0]:.2e} explored to {seeding.explored['lr'][1]:.2e}", flush=True)
     return int(seeding.counters["iteration"])
 
 

@@ -130,3 +130,12 @@ def test_the_restart_count_is_the_launchers_and_zero_in_a_first_life():
         restart_count({"TORCHELASTIC_RESTART_COUNT": "x"})
     with pytest.raises(ConfigError, match="negative"):
         restart_count({"TORCHELASTIC_RESTART_COUNT": "-1"})
+
+
+def test_a_world_is_elastic_only_when_popmesh_launch_gave_it_min_nodes_on_the_torch_engine():
+    from popmesh.core.launch_env import launcher_elastic
+
+    assert launcher_elastic({"POPMESH_MIN_NODES": "2", "POPMESH_ENGINE": "torch"})
+    assert not launcher_elastic({"POPMESH_MIN_NODES": "2", "POPMESH_ENGINE": "mpi"})
+    assert not launcher_elastic({"POPMESH_ENGINE": "torch"})
+    assert not launcher_elastic({"POPMESH_MIN_NODES": "", "POPMESH_ENGINE": "torch"})

@@ -5,6 +5,7 @@ with two launchers on one host, and across two namespace hosts (tests/world/host
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -143,8 +144,9 @@ def test_across_two_hosts_a_third_launcher_joins_and_one_node_leaves_for_good():
 
 @pytest.mark.timeout(150)
 def test_the_elastic_population_example_takes_in_a_later_launcher_and_goes_on_without_a_lost_rank():
-    """examples/elastic_population.py: node 1's ranks join at a decision, seeded from the two best agents;
-    launcher rank 1 is then killed with no restart left, and the three others finish the run."""
+    """examples/elastic_population.py: node 1's ranks join at a decision, seeded from the two best agents,
+    each exploring the learning rate it inherited; launcher rank 1 is then killed with no restart left, and
+    the three others finish the run."""
     example = str(Path(__file__).resolve().parents[2] / "examples" / "elastic_population.py")
     endpoint = f"127.0.0.1:{_free_port()}"
 
@@ -159,7 +161,46 @@ def test_the_elastic_population_example_takes_in_a_later_launcher_and_goes_on_wi
     assert (code_a, code_b) == (137, 0), out_a[-3000:] + out_b[-3000:]
     grew = re.search(r"iteration (\d+): the world grew from 2 to 4 ranks", out_a)
     assert grew and int(grew[1]) < 240, out_a[-3000:]
-    joined = re.findall(r"joined a world of 4 at iteration (\d+), seeded by mean\(rank (\d), rank (\d)\)", out_b)
-    assert len(joined) == 2 and all(it == grew[1] and {a, b} == {"0", "1"} for it, a, b in joined), out_b[-3000:]
+    joined = re.findall(r"joined a world of 4 at iteration (\d+), seeded by mean\(rank (\d), rank (\d)\), "
+                        r"lr (\S+) explored to (\S+)", out_b)
+    assert len(joined) == 2 and all(it == grew[1] and {a, b} == {"0", "1"} for it, a, b, _, _ in joined), out_b[-3000:]
+    inherited = {old for *_, old, _ in joined}
+    assert len(inherited) == 1 and all(new != old for *_, old, new in joined), joined  # one donor's lr, each moved
     assert "it left the world for good" in out_a and "done: 3 agents at iteration 300" in out_a, out_a[-3000:]
     assert "(finite: True)" in out_a
+
+
+@pytest.mark.timeout(150)
+def test_the_buffer_service_keeps_everything_stored_while_agents_join_and_one_leaves():
+    """Node 0 runs an agent, the manager and the coordinator; node 1's three ranks join as agents of the same
+    manager; node 0's agent then leaves for good and every rank above it moves down. Every batch an agent
+    sent is stored exactly once (the agent that left: a prefix of its batches), its rows stay counted by
+    launcher number, the coordinator kept every agent's mode, and each rank saw the sizes 3, 6 and 5."""
+    script = str(Path(__file__).parent / "scripts" / "elastic_buffers.py")
+    endpoint = f"127.0.0.1:{_free_port()}"
+
+    def launch(node: int) -> subprocess.Popen[str]:
+        return _start([sys.executable, "-m", "popmesh", "launch", "--nnodes", "1:2", "--node-rank", str(node),
+                       "-n", "3", "--rdzv-endpoint", endpoint, script, "30"])
+
+    first = launch(0)
+    time.sleep(1.0)
+    later = launch(1)
+    (code_a, out_a), (code_b, out_b) = finish_launchers([first, later], timeout=130)
+    assert (code_a, code_b) == (137, 0), out_a[-3000:] + out_b[-3000:]
+    manager = json.loads(out_a.split("MANAGER ", 1)[1].splitlines()[0])
+    coordinator = json.loads(out_a.split("COORDINATOR ", 1)[1].splitlines()[0])
+    agents = {int(m[0]): json.loads(m[1]) for m in re.findall(r"AGENT (\d+) (\{.*\})", out_b)}
+    assert sorted(agents) == [3, 4, 5], out_b[-3000:]
+    pairs = [tuple(p) for p in manager["pairs"]]
+    rows = {slot: sorted(i for s, i in pairs if s == slot) for slot in range(6)}
+    for slot in (3, 4, 5):  # four rows a batch, each batch once
+        assert rows[slot] == sorted(i for i in range(120) for _ in range(4)), (slot, rows[slot][:40])
+    killed = sorted(set(rows[0]))
+    assert killed == list(range(len(killed))) and rows[0] == sorted(i for i in killed for _ in range(4)), rows[0]
+    assert manager["stats"]["left"] == {"0": len(rows[0])}, manager["stats"]
+    assert manager["served"] == [2, 3, 4] and sorted(manager["stats"]["rows_from"]) == ["2", "3", "4"], manager
+    assert sorted(manager["seen"], key=lambda s: s[0])[-1][1:] == [0, 5], manager["seen"]  # rank 1 -> 0 in 5
+    assert coordinator["stats"]["modes_found"] == 4 and coordinator["seen"][0][1:] == [1, 5], coordinator
+    for slot, report in agents.items():  # joined a world of 6 at rank `slot`, then moved down by one
+        assert report["seen"][0][1:] == [slot, 6] and report["seen"][-1][1:] == [slot - 1, 5], report

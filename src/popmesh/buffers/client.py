@@ -87,6 +87,7 @@ class ReplayBufferClient:
         self._seq = 0  # DATA sent so far: the manager answers a resent one again but stores it once
         self._id = uuid.uuid4().hex[:16]  # which client of this rank the seqs count for
         self._unanswered: tuple[dict[str, Any], int] | None = None  # the DATA whose SCORE has not arrived
+        self._roles: Any = None  # the Roles it was made from, if any: they say the manager's rank after a re-form
 
     @classmethod
     def from_context(cls, ctx: Any, **options: Any) -> ReplayBufferClient:
@@ -95,7 +96,9 @@ class ReplayBufferClient:
             raise ConfigError(f"rank {ctx.my_rank} is not a training rank")
         options.setdefault("coordinator_rank", ctx.coordinator_rank)
         options.setdefault("group", ctx.world)
-        return cls(ctx.assigned_buffer, **options)
+        client = cls(ctx.assigned_buffer, **options)
+        client._roles = ctx
+        return client
 
     def add(self, batch: dict[str, Any]) -> dict[str, Any] | None:
         """Store ``batch``; every ``remote_every`` adds, send to the manager. Returns a score or None."""
@@ -169,15 +172,26 @@ class ReplayBufferClient:
         except PeerFailure as e:
             if self.manager_rank not in e.ranks:
                 raise
+            world = resolve_group(self.group).world
+            if world.elastic and world.newcomer_waiting():
+                raise PeerFailure(f"the replay-buffer manager (rank {self.manager_rank}) left this generation of the "
+                                  "world, which re-forms (ranks join it, or one left it for good): call "
+                                  "world.reform(), then rebuild() the roles and reconnect() this client; its "
+                                  "unanswered batch is kept",
+                                  e.ranks, exact=e.exact) from e
             raise PeerFailure(f"the replay-buffer manager (rank {self.manager_rank}) was lost: {e}. The batches it "
                               "stored are gone with it; this agent's unanswered batch is kept (after world.reform(), "
                               "reconnect() sends it again)", e.ranks, exact=e.exact) from e
 
     def reconnect(self) -> dict[str, Any] | None:
-        """After ``world.reform()``: drop this client's traffic of the old generation and send again the
-        batch whose score had not arrived (the manager stores it once). In ``sync`` mode its score is
-        returned; in the async modes the next ``add`` collects it, as before."""
+        """After ``world.reform()`` (and ``rebuild()`` of the roles it was made from): drop this client's
+        traffic of the old generation and send again the batch whose score had not arrived (the manager
+        stores it once), to the manager's rank in the new generation (in an elastic world ranks are
+        renumbered). In ``sync`` mode its score is returned; in the async modes the next ``add`` collects
+        it, as before."""
         self._reply = self._sending = None
+        if self._roles is not None:
+            self.manager_rank, self.coordinator_rank = self._roles.assigned_buffer, self._roles.coordinator_rank
         if self._unanswered is None or self._drained:
             return None
         batch, seq = self._unanswered

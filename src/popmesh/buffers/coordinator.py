@@ -11,7 +11,8 @@ to downstream code; this is popmesh's version of it.
 A lost rank does not end the loop: where the launcher restarts lost ranks the coordinator re-forms
 the world and a restarted manager is coordinated again (its store starts empty); otherwise a lost
 manager is logged by rank, dropped from the baseline and listed in ``lost_managers`` of the stats,
-and the others are coordinated on.
+and the others are coordinated on. In an elastic world (``World.elastic``) it re-forms whenever the
+world does (ranks join, or leave for good), keeping its modes and baselines under the ranks' new numbers.
 
 Cross-rank contract: run :meth:`Coordinator.run` on the coordinator rank while the managers run;
 trainers ask for population stats before they drain (the coordinator leaves after the managers).
@@ -25,7 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from popmesh.buffers.baselines import reduce_baselines
-from popmesh.buffers.manager import Outgoing, next_message, reform_service, send_outgoing
+from popmesh.buffers.manager import Outgoing, WorldChanging, next_message, reform_service, send_outgoing
 from popmesh.buffers.protocol import (
     COORDINATOR_TAG,
     REQUEST_TAG,
@@ -153,6 +154,9 @@ class Coordinator:
             except PeerFailure as e:
                 pending = self._after_loss(comm, e, pending)
                 continue
+            except WorldChanging:
+                pending = self._reform(comm.world)
+                continue
             pending += [(out.dst, send_outgoing(out, self.group, self.timeout)) for out in outgoing]
             pending = [(dst, h) for dst, h in pending if not h.done()]
         for _, handle in pending:
@@ -165,12 +169,11 @@ class Coordinator:
         the log and in ``lost_managers``) and go on; the sends still pending to live ranks."""
         lost = set(error.ranks)
         managers = lost & set(self.managers)
-        if comm.world.restarts_lost_ranks:
-            logger.warning("replay-buffer coordinator: rank(s) %s lost; re-forming the world", sorted(lost))
-            for rank in reform_service(comm.world, self.roles) & set(self.managers):  # restarted: starts empty
-                self.exited.discard(rank)
-                self.baselines.pop(rank, None)
-            return []
+        world = comm.world
+        if world.restarts_lost_ranks or world.elastic:
+            logger.warning("replay-buffer coordinator: rank(s) %s lost, or left to re-form; re-forming the world",
+                           sorted(lost))
+            return self._reform(world)
         if not error.exact:
             raise error
         for rank in sorted(managers - self.lost - self.exited):
@@ -179,4 +182,23 @@ class Coordinator:
             self.baselines.pop(rank, None)
         self.lost |= managers
         return [(dst, h) for dst, h in pending if dst not in lost]
+
+    def _reform(self, world: Any) -> list[tuple[int, messages.SendHandle]]:
+        """Form the world's next generation with the others, keeping the modes and baselines: a restarted
+        manager starts empty; in an elastic world every rank may have a new number (the modes of agents
+        that left for good stay in ``modes``, no longer counted by rank). No send is pending after it."""
+        if self.roles is None and world.elastic:
+            raise ConfigError("a coordinator in an elastic world follows its roles across a change of size: make it "
+                              "with Coordinator.from_context(assign_roles(world, ...))")
+        fresh = reform_service(world, self.roles)
+        if self.roles is not None and world.elastic:
+            moved = self.roles.renumbered
+            self.managers = tuple(self.roles.layout.buffer_ranks)
+            self.exited = {moved[r] for r in self.exited if r in moved}
+            self.baselines = {moved[r]: b for r, b in self.baselines.items() if r in moved}
+            self.modes_by_rank = Counter({moved[r]: n for r, n in self.modes_by_rank.items() if r in moved})
+        for rank in fresh & set(self.managers):  # restarted: starts empty
+            self.exited.discard(rank)
+            self.baselines.pop(rank, None)
+        return []
 

@@ -23,6 +23,11 @@ the others are served on. Each DATA carries its client's id and sequence number,
 sends again after a re-form (it never saw the answer) is answered again but stored once. The loss of the
 coordinator ends the loop with a PeerFailure that says so.
 
+In an elastic world (``popmesh launch --nnodes MIN:MAX``, ``World.elastic``) the manager also re-forms
+when ranks wait to join (it polls ``World.newcomer_waiting()`` between requests) and when a served agent
+left for good. It keeps its store, follows the ranks' new numbers, serves the newcomers its roles assign
+it, and counts the rows of agents that left (``ManagerStats.left``, by launcher number).
+
 Cross-rank contract: run :meth:`ReplayBufferManager.run` on the manager rank while its agents use
 :class:`~popmesh.buffers.client.ReplayBufferClient`; every served agent must eventually call
 ``drain()`` (which sends EXIT).
@@ -61,8 +66,8 @@ from popmesh.core import trace
 from popmesh.core.errors import CommTimeout, ConfigError, PeerFailure, PopmeshError
 from popmesh.core.timeouts import check_timeout, resolve_timeout
 
-__all__ = ["ReplayBufferManager", "ManagerStats", "Outgoing", "ScoringFunction", "next_message", "novelty_score",
-           "reform_service", "send_outgoing"]
+__all__ = ["ReplayBufferManager", "ManagerStats", "Outgoing", "ScoringFunction", "WorldChanging", "next_message",
+           "novelty_score", "reform_service", "send_outgoing"]
 
 logger = logging.getLogger(__name__)
 _AGENT_REQUESTS = (MessageType.DATA, MessageType.GET_METADATA, MessageType.EXIT)
@@ -81,17 +86,29 @@ class Outgoing(NamedTuple):
 @dataclass
 class ManagerStats:
     """What a manager saw: messages per type, DATA rows per sender, error replies sent, served agents
-    lost (rank -> times) and batches sent again after a re-form (answered, not stored twice)."""
+    lost (rank -> times), batches sent again after a re-form (answered, not stored twice), and in an
+    elastic world the rows of served agents that left for good (launcher number -> rows; their ranks
+    went to others)."""
 
     messages: Counter[str] = field(default_factory=Counter)  # MessageType value -> count
     rows_from: Counter[int] = field(default_factory=Counter)  # sender rank -> DATA rows
     errors: int = 0
     lost: Counter[int] = field(default_factory=Counter)  # served rank -> times it was lost
     repeated: int = 0
+    left: Counter[int] = field(default_factory=Counter)  # launcher number -> DATA rows, for agents gone for good
 
     def to_dict(self) -> dict[str, Any]:
         return {"messages": dict(self.messages), "rows_from": {str(k): v for k, v in self.rows_from.items()},
-                "errors": self.errors, "lost": {str(k): v for k, v in self.lost.items()}, "repeated": self.repeated}
+                "errors": self.errors, "lost": {str(k): v for k, v in self.lost.items()}, "repeated": self.repeated,
+                "left": {str(k): v for k, v in self.left.items()}}
+
+    def renumber(self, moved: Mapping[int, int], roster: Sequence[int]) -> None:
+        """Follow a change of the world's size: ``moved`` maps each old rank still there to its new one;
+        the rows of those not there are kept under their launcher number (``roster``: the old one)."""
+        for rank in set(self.rows_from) - set(moved):
+            self.left[roster[rank]] += self.rows_from[rank]
+        self.rows_from = Counter({moved[r]: n for r, n in self.rows_from.items() if r in moved})
+        self.lost = Counter({moved[r]: n for r, n in self.lost.items() if r in moved})
 
 
 def novelty_score(key: str = "states", block_rows: int = 4096) -> ScoringFunction:
@@ -313,6 +330,9 @@ class ReplayBufferManager:
             except PeerFailure as e:
                 pending = self._after_loss(comm, e, pending)
                 continue
+            except WorldChanging:
+                pending = self._reform(comm.world)
+                continue
             pending += [(out.dst, send_outgoing(out, self.group, self.timeout)) for out in outs]
             pending = [(dst, h) for dst, h in pending if not h.done()]
         if self.coordinator_rank is not None:
@@ -329,18 +349,17 @@ class ReplayBufferManager:
         end: re-form where the launcher restarts them, else serve the others on. The sends still
         pending (to live ranks) after this, or ``error`` again if the manager cannot go on."""
         lost = set(error.ranks)
+        if comm.world.elastic and comm.world.newcomer_waiting():  # a rank that left this generation to re-form
+            return self._reform(comm.world)
         if self.coordinator_rank in lost:
             raise PeerFailure(f"replay-buffer manager {comm.rank}: its coordinator (rank {self.coordinator_rank}) "
                               f"was lost: {error}", error.ranks, exact=error.exact) from error
         world = comm.world
-        if world.restarts_lost_ranks:
-            for rank in sorted(lost & self.served):
+        if world.restarts_lost_ranks or world.elastic:
+            for rank in sorted(lost & self.served) if not world.elastic else ():  # elastic: counted at the re-form
                 self.stats.lost[rank] += 1
             logger.warning("replay-buffer manager %s: rank(s) %s lost; re-forming the world", comm.rank, sorted(lost))
-            for rank in reform_service(world, self.roles) & self.served:  # restarted: new process, new seqs
-                self.exited.discard(rank)
-                self._answered.pop(rank, None)
-            return []  # the old generation's sends went with it
+            return self._reform(world)
         if not error.exact or not lost <= self.served:
             raise error
         for rank in sorted(lost - self.gone - self.exited):
@@ -348,6 +367,32 @@ class ReplayBufferManager:
             logger.warning("replay-buffer manager %s: agent %s lost; serving the others on", comm.rank, rank)
         self.gone |= lost
         return [(dst, h) for dst, h in pending if dst not in lost]
+
+    def _reform(self, world: Any) -> list[tuple[int, messages.SendHandle]]:
+        """Form the world's next generation with the others, keeping the store: restarted agents are new
+        processes with new seqs; in an elastic world every rank may have a new number, agents that left
+        for good are no longer served and newcomers are. The sends still pending: none (the old
+        generation's went with it; a client sends again what was not answered)."""
+        if self.roles is None and world.elastic:
+            raise ConfigError("a manager in an elastic world follows its roles across a change of size: make it "
+                              "with ReplayBufferManager.from_context(assign_roles(world, ...))")
+        before = self.roles.roster if self.roles is not None else ()
+        fresh = reform_service(world, self.roles)
+        if self.roles is not None and world.elastic:
+            moved = self.roles.renumbered
+            self.served = frozenset(self.roles.assigned_training_ranks or ())
+            self.coordinator_rank = self.roles.coordinator_rank
+            self.exited = {moved[r] for r in self.exited if r in moved}
+            self.gone = {moved[r] for r in self.gone if r in moved}
+            self._answered = {moved[r]: sent for r, sent in self._answered.items() if r in moved}
+            self.stats.renumber(moved, before)
+            for rank in fresh & self.served:  # a restarted process keeps its launcher number; a joined one is new
+                if self.roles.roster[rank] in before:
+                    self.stats.lost[rank] += 1
+        for rank in fresh & self.served:  # restarted or newly joined: a new process, new seqs
+            self.exited.discard(rank)
+            self._answered.pop(rank, None)
+        return []
 
     def _await_exit_ack(self, limit: float) -> None:
         """Read the coordinator's last messages (baseline syncs) up to its EXIT_ACK, so none is left in flight."""
@@ -384,19 +429,30 @@ def reform_service(world: Any, roles: Any) -> set[int]:
     return set(fresh)
 
 
+class WorldChanging(PopmeshError):
+    """An elastic world is about to re-form (ranks wait to join, or one left for good): a service that
+    waits for requests re-forms with it (raised by :func:`next_message`)."""
+
+
 def next_message(comm: Comm, group: Comm | None, limit: float, tag: int = REQUEST_TAG) -> tuple[int, Any]:
     """The next message on ``tag`` from any rank (a service's requests), waited for in slices of
     :data:`LOSS_POLL_S` between which the heartbeat is asked about lost ranks (PeerFailure), so a
-    loss is seen within seconds even where no lost rank was talking to this service. CommTimeout
+    loss is seen within seconds even where no lost rank was talking to this service; in an elastic
+    world a silent slice also asks whether the world should re-form (:class:`WorldChanging`). CommTimeout
     after ``limit`` seconds of silence."""
     deadline = time.monotonic() + limit
+    world = comm.world
     while True:
         try:
             return messages.recv(None, tag, group=group, timeout=min(LOSS_POLL_S, limit))
         except CommTimeout:
-            lost = comm.world.failure()
+            lost = world.failure()
             if lost is not None:
                 raise lost from None
+            # Asked in silence only: a busy service hears of a re-form from its clients, whose connections to
+            # it close as they leave the generation (a PeerFailure, after which it re-forms too).
+            if world.elastic and world.newcomer_waiting():
+                raise WorldChanging("the world re-forms: ranks wait to join it, or one left it for good") from None
             if time.monotonic() >= deadline:
                 raise
 

@@ -19,7 +19,14 @@ from popmesh.comm.agreement import exchange_texts
 from popmesh.comm.signature import History
 from popmesh.core import trace as timeline
 from popmesh.core.errors import ConfigError, NotInGroup, PeerFailure, know_hosts
-from popmesh.core.launch_env import detect_engine, launcher_restarts, read_check, read_timeout, restart_count
+from popmesh.core.launch_env import (
+    detect_engine,
+    launcher_elastic,
+    launcher_restarts,
+    read_check,
+    read_timeout,
+    restart_count,
+)
 from popmesh.core.timeouts import check_timeout, resolve_timeout
 from popmesh.core.trace import DEFAULT_CAPACITY, TRACE_ENV
 from popmesh.engines import Engine, GroupSpec, create_engine
@@ -167,6 +174,13 @@ class World(Comm):
         """True when a lost rank comes back (``popmesh launch --max-restarts N`` with N > 0, torch
         engine): survivors should :meth:`reform` rather than stop. Services use it to choose."""
         return self.engine_name == "torch" and launcher_restarts() > 0
+
+    @property
+    def elastic(self) -> bool:
+        """True in a world that may change size (``popmesh launch --nnodes MIN:MAX``, torch engine): later
+        launchers' ranks join it and ranks lost with no restart left leave it for good, so survivors and
+        services :meth:`reform` after a loss, and poll :meth:`newcomer_waiting` to take newcomers in."""
+        return self.engine_name == "torch" and launcher_elastic()
 
     def reform(self, timeout: float | None = None) -> tuple[int, ...]:
         """After a lost rank (a PeerFailure, ``failure()``), form the world again with the process the

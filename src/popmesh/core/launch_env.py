@@ -174,6 +174,13 @@ def launcher_restarts(environ: Mapping[str, str] | None = None) -> int:
     return int(raw) if raw.isdecimal() and environ.get("POPMESH_ENGINE") == "torch" else 0
 
 
+def launcher_elastic(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``popmesh launch --nnodes MIN:MAX`` started this process on the torch engine: its world may
+    grow (later launchers' ranks join) and shrink (ranks leave for good)."""
+    environ = os.environ if environ is None else environ
+    return environ.get("POPMESH_MIN_NODES", "").strip().isdecimal() and environ.get("POPMESH_ENGINE") == "torch"
+
+
 def restart_count(environ: Mapping[str, str] | None = None) -> int:
     """How many times the launcher started this process again (``TORCHELASTIC_RESTART_COUNT``): 0 in its
     first life; under ``popmesh launch --engine mpi --max-restarts N`` and torchrun, the whole job's

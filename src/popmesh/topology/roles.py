@@ -12,15 +12,21 @@ differences: groups are popmesh Groups (every rank holds every group; ``is_membe
 belongs), one object serves torch and MPI alike (no second mpi4py context that must line up by
 rank), and :meth:`~Roles.cleanup` leaves the world up (torchgfn's called ``MPI.Finalize``; end the
 world with ``popmesh.finalize()``).
+
+In an elastic world (``popmesh launch --nnodes MIN:MAX``) roles follow the processes across a change
+of size: :meth:`Roles.rebuild` turns the layout into the new generation's
+(:func:`~popmesh.topology.elastic.relayout`: managers and the coordinator keep their roles, newcomers
+train), and a newcomer's :func:`assign_roles` receives that layout from the ranks already there.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from popmesh.comm.collectives import all_gather_object
+from popmesh.comm.collectives import all_gather_object, broadcast_object
 from popmesh.comm.world import Group, World
 from popmesh.core.errors import ConfigError
+from popmesh.topology.elastic import relayout, renumbering
 from popmesh.topology.layout import RankLayout
 
 __all__ = ["Roles", "assign_roles"]
@@ -34,7 +40,9 @@ class Roles:
     this rank's group index (for a manager, the group of its first agent; 0 for the coordinator).
     ``train_global_group`` spans all training ranks; ``buffer_group`` all managers (None without
     buffers). ``assigned_buffer`` is the manager serving this training rank (None elsewhere);
-    ``assigned_training_ranks`` the agents this manager serves (None elsewhere).
+    ``assigned_training_ranks`` the agents this manager serves (None elsewhere). ``roster``: the
+    launcher number of each rank when the roles were last made; after a :meth:`rebuild` that changed
+    the world's size, ``renumbered`` maps each old rank still there to its new rank (else identity).
     """
 
     world: World
@@ -52,6 +60,8 @@ class Roles:
     buffer_rank_set: set[int] = field(default_factory=set)
     coordinator_rank: int | None = None
     training_ranks: list[int] = field(default_factory=list)
+    roster: tuple[int, ...] = ()
+    renumbered: dict[int, int] = field(default_factory=dict)
     _closed: bool = field(default=False, repr=False)
     _layout_given: bool = field(default=False, repr=False)
 
@@ -75,11 +85,29 @@ class Roles:
     def rebuild(self) -> None:
         """After ``world.reform()``: make the groups of the new generation, collective over the world.
         Every survivor calls this where the restarted process calls :func:`assign_roles` with the same
-        arguments: both make the same calls in the same order."""
-        if self._layout_given:
-            _check_layout(self.world, self.layout)
-        self.agent_groups, self.train_global_group, self.buffer_group = _make_groups(self.world, self.layout)
+        arguments: both make the same calls in the same order. In an elastic world the layout first
+        follows the change of size (:func:`~popmesh.topology.elastic.relayout`), and the lowest survivor
+        sends it to the newcomers' :func:`assign_roles`; :attr:`renumbered` says where each rank went."""
+        world = self.world
+        if world.elastic:
+            layout = relayout(self.layout, self.roster, world.roster, world.hostnames)
+            self.renumbered = renumbering(self.roster, world.roster)
+            self._take(_share_layout(world, layout))
+        elif self._layout_given:
+            _check_layout(world, self.layout)
+        self.agent_groups, self.train_global_group, self.buffer_group = _make_groups(world, self.layout)
         self._closed = False
+
+    def _take(self, layout: RankLayout) -> None:
+        """This rank's roles in ``layout``, a layout of the current generation."""
+        rank = self.world.rank
+        self.layout, self.my_rank, self.world_size, self.roster = layout, rank, layout.world_size, self.world.roster
+        self.num_training_ranks, self.agent_group_size = layout.num_training_ranks, layout.agent_group_size
+        self.agent_group_id = layout.agent_group_id(rank)
+        self.assigned_buffer = layout.assigned_buffer(rank)
+        self.assigned_training_ranks = layout.assigned_training_ranks(rank)
+        self.buffer_rank_set, self.coordinator_rank = set(layout.buffer_ranks), layout.coordinator_rank
+        self.training_ranks = list(layout.training_ranks)
 
     def cleanup(self) -> None:
         """Forget the groups (idempotent); the world stays up (end it with ``popmesh.finalize()``).
@@ -101,10 +129,14 @@ def assign_roles(world: World, layout: RankLayout | None = None, *, num_buffers:
     Without ``layout`` one is built: node-aware from ``world.hostnames`` when there are buffer
     managers (each manager on its agents' node), else arithmetic. A ``layout`` passed in must have
     ``world.size`` ranks and is checked to be the same on every rank (one all_gather_object).
-    After ``world.reform()`` survivors call :meth:`Roles.rebuild` where a restarted process calls this.
+    After ``world.reform()`` survivors call :meth:`Roles.rebuild` where a restarted process calls this;
+    in an elastic world such a newcomer takes the layout the survivors' ``rebuild`` sends it (its own
+    arguments are not used then).
     """
     given = layout is not None
-    if layout is None:
+    if world.elastic and world.rank in world.newcomers:
+        layout = _share_layout(world, None)
+    elif layout is None:
         if num_buffers > 0:
             layout = RankLayout.from_hostnames(world.hostnames, num_buffers, num_agent_groups, use_coordinator)
         else:
@@ -119,7 +151,21 @@ def assign_roles(world: World, layout: RankLayout | None = None, *, num_buffers:
         agent_groups=agent_groups, agent_group_id=layout.agent_group_id(rank), train_global_group=training,
         assigned_buffer=layout.assigned_buffer(rank), assigned_training_ranks=layout.assigned_training_ranks(rank),
         buffer_group=buffers, buffer_rank_set=set(layout.buffer_ranks), coordinator_rank=layout.coordinator_rank,
-        training_ranks=list(layout.training_ranks), _layout_given=given)
+        training_ranks=list(layout.training_ranks), roster=world.roster,
+        renumbered={r: r for r in range(world.size)}, _layout_given=given)
+
+
+def _share_layout(world: World, layout: RankLayout | None) -> RankLayout:
+    """The lowest rank that is not new in this generation sends its ``layout`` to every rank (a newcomer
+    passes None); every rank gets it back, checked."""
+    kept = [r for r in range(world.size) if r not in world.newcomers]
+    if not kept:
+        raise ConfigError("every rank of this world is new: there are no roles to take over; call assign_roles "
+                          "with the layout's arguments instead")
+    src = kept[0]
+    sent = broadcast_object(layout.to_dict() if world.rank == src and layout is not None else None, src=src,
+                            group=world)
+    return RankLayout.from_dict(sent)
 
 
 def _make_groups(world: World, layout: RankLayout) -> tuple[list[Group], Group, Group | None]:

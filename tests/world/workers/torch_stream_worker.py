@@ -15,6 +15,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from popmesh import ConfigError
+from popmesh.population import Continuous, Explore
 from popmesh.population.state.rejoin import seed_newcomers
 from popmesh.torch import broadcast_optimizer_state, hand_over
 from popmesh.torch.stream import stream_state_
@@ -215,6 +216,37 @@ def seed_newcomers_takes_the_mean_and_the_best_optimizer(w):
     for pid, entries in ref.state_dict()["state"].items():
         for key, value in entries.items():
             assert same(opt.state_dict()["state"][pid][key], value), (pid, key)
+
+
+@check
+def seed_newcomers_explores_what_a_newcomer_inherited(w):
+    need_ranks(w, 3)
+    newcomer = w.size - 1
+    model, opt = build(w.rank + 1)
+    opt.param_groups[0]["lr"] = 1e-3 * (w.rank + 1)
+    explore = Explore(keys=("lr",), space={"lr": Continuous(1e-5, 1e-1, log=True)})
+    seeding = seed_newcomers(model, opt, float(w.rank), {"iteration": 40}, donors=1, newcomers=[newcomer],
+                             explore=explore, seed=7, timeout=TIMEOUT)
+    best = newcomer - 1
+    if w.rank != newcomer:  # the others keep their own values
+        assert seeding.explored == {} and opt.param_groups[0]["lr"] == 1e-3 * (w.rank + 1)
+        return
+    _, ref = build(1)  # the donor's value moved by the same explore step: (seed, iteration, rank)
+    ref.param_groups[0]["lr"] = 1e-3 * (best + 1)
+    want = explore.apply(ref, 7, 40, newcomer)["lr"]
+    assert seeding.explored == {"lr": want} and want[0] == 1e-3 * (best + 1), (seeding.explored, want)
+    assert opt.param_groups[0]["lr"] == want[1] and 1e-5 <= want[1] <= 1e-1
+
+
+@check
+def seed_newcomers_explore_needs_the_optimizer(w):
+    model, _ = build(w.rank + 1)
+    try:
+        seed_newcomers(model, None, 0.0, explore=Explore(), newcomers=[0], timeout=TIMEOUT)
+    except ConfigError as e:
+        assert "pass the optimizer" in str(e), e
+    else:
+        raise AssertionError("explore without an optimizer was accepted")
 
 
 if __name__ == "__main__":
