@@ -108,3 +108,17 @@ def test_hosts_are_for_the_mpi_engine_and_pin_no_loopback():
         validate(LaunchSpec(nproc=1, engine="torch", hosts=(("a", 2),)))
     with pytest.raises(ConfigError, match="--hosts a:2,b:2 or --hostfile"):
         validate(LaunchSpec(nproc=2, engine="mpi", nnodes=2, master_port=29500))
+
+
+def test_a_store_that_stops_answering_says_what_happened_to_a_joiner_and_to_a_re_form():
+    import dataclasses
+
+    from popmesh.engines.torch.rendezvous import store_lost
+
+    env = TorchEnv(rank=4, world_size=6, local_rank=0, local_world_size=2, master_addr="node0", master_port=29560,
+                   store_fd=None, agent_store=True, joining=True, min_nodes=2)
+    joiner = store_lost(env, RuntimeError("Broken pipe"))
+    assert "cannot join the world" in str(joiner) and "node0:29560" in str(joiner) and "Broken pipe" in str(joiner)
+    assert "Start a joining launcher while the world runs" in str(joiner)
+    member = store_lost(dataclasses.replace(env, joining=False), RuntimeError("Broken pipe"))
+    assert "cannot re-form" in str(member) and "is the launcher gone?" in str(member)

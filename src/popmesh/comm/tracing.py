@@ -240,10 +240,11 @@ def start(world: Any, directory: str | os.PathLike[str], *, capacity: int = trac
     if trace.ACTIVE is not None:
         raise ConfigError(f"tracing is already on (into {trace.ACTIVE.directory}): call stop_trace() first")
     folder = trace.trace_folder(directory)
+    name = world.roster[world.rank]  # its launcher number: the rank, unless an elastic world renumbered it
     with contextlib.suppress(FileNotFoundError):
-        trace.rank_file(folder, world.rank).unlink()  # a file of an earlier run must not be merged with ours
+        trace.rank_file(folder, name).unlink()  # a file of an earlier run must not be merged with ours
     offset, run, aligned = _align(world, world.default_timeout if timeout is None else timeout)
-    recorder = trace.Recorder(folder, world.rank, world.size, world.hostname, offset, run, capacity, aligned)
+    recorder = trace.Recorder(folder, name, world.size, world.hostname, offset, run, capacity, aligned)
     world.engine = TracedEngine(world.engine, recorder)
     trace.ACTIVE = recorder
     _write_on_sigterm(recorder)
@@ -292,8 +293,9 @@ def stop(world: Any, *, merge: bool | None = None) -> Path | None:
         merge = os.environ.get(LAUNCHER_MERGES_ENV) != "launcher"
     if not merge:
         return own
-    if recorder.rank == 0:
-        trace.wait_for_ranks(recorder.directory, recorder.size, MERGE_WAIT_S)
-    if recorder.rank == 0 or trace.all_ranks_written(recorder.directory, recorder.size):
+    members = list(world.roster)  # the world's ranks now, by the launcher numbers their files are named by
+    if world.rank == 0:
+        trace.wait_for_ranks(recorder.directory, members, MERGE_WAIT_S)
+    if world.rank == 0 or trace.all_ranks_written(recorder.directory, members):
         return trace.merge_traces(recorder.directory) or own
     return own

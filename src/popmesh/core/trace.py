@@ -6,7 +6,8 @@ nothing on a hot path calls anything: the engine is wrapped for tracing only whi
 few other hooks test ``trace.ACTIVE is not None`` first. On, each rank keeps its spans in memory (a
 bounded ring: the newest ``capacity`` spans), stamped with ``time.perf_counter_ns`` (the host's
 monotonic clock) and shifted onto rank 0's clock by the offset agreed when tracing started. At the end
-each rank writes ``DIR/rank-R.trace.json``; :func:`merge_traces` joins the ranks' files into one Chrome
+each rank writes ``DIR/rank-R.trace.json`` (R: its launcher number, its rank unless an elastic world
+renumbered it); :func:`merge_traces` joins the ranks' files into one Chrome
 trace event file (``DIR/trace.json``: one process per rank, one thread per thread) that
 https://ui.perfetto.dev and chrome://tracing open. A rank that died leaves no file; the others merge.
 """
@@ -19,7 +20,7 @@ import re
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -213,15 +214,17 @@ def trace_folder(directory: str | os.PathLike[str]) -> Path:
     return folder
 
 
-def all_ranks_written(directory: str | os.PathLike[str], size: int) -> bool:
-    """Whether every rank of a world of ``size`` has left its file."""
-    return all(rank_file(directory, r).exists() for r in range(size))
+def all_ranks_written(directory: str | os.PathLike[str], ranks: int | Sequence[int]) -> bool:
+    """Whether every rank of a world of ``ranks`` ranks (or each of the ``ranks`` named) has left its file."""
+    names = range(ranks) if isinstance(ranks, int) else ranks
+    return all(rank_file(directory, r).exists() for r in names)
 
 
-def wait_for_ranks(directory: str | os.PathLike[str], size: int, timeout: float) -> bool:
-    """Poll (every 50 ms, at most ``timeout`` s) until every rank's file exists."""
+def wait_for_ranks(directory: str | os.PathLike[str], ranks: int | Sequence[int], timeout: float) -> bool:
+    """Poll (every 50 ms, at most ``timeout`` s) until every rank's file exists (``ranks``: as
+    :func:`all_ranks_written` takes them)."""
     deadline = time.monotonic() + timeout
-    while not all_ranks_written(directory, size):
+    while not all_ranks_written(directory, ranks):
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.05)

@@ -26,8 +26,9 @@ from popmesh.demo.config import (
 )
 from popmesh.demo.outputs import new_run_dir
 from popmesh.launch.cli import Command
+from popmesh.launch.options import parse_endpoint, parse_nnodes
 
-__all__ = ["COMMAND", "configure", "run_command", "run_hypergrid", "shared_cores_note"]
+__all__ = ["COMMAND", "configure", "failure_note", "run_command", "run_hypergrid", "shared_cores_note"]
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -95,7 +96,16 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="restart a lost rank up to N times; it rejoins, seeded by the best agents (--engine mpi: "
                         "the whole job restarts, resuming from the newest --checkpoint-every checkpoint)")
     p.add_argument("--kill", default="", metavar="RANK:ITERATION",
-                   help="that rank kills itself once at that iteration (to watch --max-restarts at work)")
+                   help="that rank kills itself once at that iteration (to watch --max-restarts at work, or a leave "
+                        "with --nnodes MIN:MAX); RANK is the launcher's number for it")
+    p.add_argument("--nnodes", type=parse_nnodes, default=None, metavar="MIN:MAX",
+                   help="an elastic population (torch engine): node 0's launcher starts it, and each launcher started "
+                        "later with --node-rank from MIN to MAX-1 adds its --ranks agents while it trains; a rank lost "
+                        "with no restart left leaves it for good (one number N: a fixed world of N launchers)")
+    p.add_argument("--node-rank", type=int, default=0, metavar="K",
+                   help="this launcher's node, 0 to MAX-1 (default 0); its ranks are numbered K * --ranks + local rank")
+    p.add_argument("--rdzv-endpoint", default="", metavar="HOST:PORT",
+                   help="where every launcher of the run meets: node 0's host and a free port, the same for all")
     p.add_argument("--no-preload", action="store_true",
                    help="start every rank, and every restart, as a new interpreter instead of forking it from one "
                         "that imported torch (popmesh launch --preload): a restart then takes seconds")
@@ -132,6 +142,7 @@ def run_command(ns: argparse.Namespace) -> int:
         print(f"popmesh demo: warning: --no-explore overrides --explore {ns.explore}: nothing is explored",
               file=sys.stderr)
     ranks = ns.ranks if ns.ranks is not None else hypergrid.RANKS if ns.task == "hypergrid" else DemoConfig().ranks
+    nodes = _nodes(ns.nnodes)
     config = DemoConfig(task=ns.task, ranks=ranks, engine=ns.engine, policy=ns.policy, env=ns.env, seed=ns.seed,
                         steps=ns.steps, every=ns.every, strategy=ns.strategy, decide=ns.decide,
                         explore_method=ns.explore_method, reference=ns.reference, optimizer=ns.optimizer,
@@ -143,23 +154,53 @@ def run_command(ns: argparse.Namespace) -> int:
                         kill=ns.kill, explore=() if ns.no_explore else parse_explore(ns.explore),
                         lr_range=parse_range("--lr-range", ns.lr_range),
                         ent_range=parse_range("--ent-range", ns.ent_range),
-                        terminal=sys.stdout.isatty(), baseline=ns.baseline)
+                        terminal=sys.stdout.isatty(), baseline=ns.baseline, node_rank=ns.node_rank,
+                        rdzv_endpoint=ns.rdzv_endpoint, nnodes=nodes[0], max_nodes=nodes[1])
     if config.task == "hypergrid":
         return run_hypergrid(config, ns.task_args, no_preload=ns.no_preload)
     if ns.task_args:
         raise ConfigError(f"{' '.join(ns.task_args)}: options after -- go to --task hypergrid's script; the CartPole "
                           "task takes none")
-    terminal = config.live and config.terminal and config.engine == "torch"
+    # node 0's rank 0 holds the terminal; a later launcher's ranks report to it
+    terminal = config.live and config.terminal and config.engine == "torch" and config.node_rank == 0
     if config.engine == "mpi" and config.max_restarts:  # every start of the job writes and resumes in one folder
         config = dataclasses.replace(config, run_dir=str(new_run_dir(config.out_dir)))
+    addr, port = parse_endpoint(config.rdzv_endpoint) if config.rdzv_endpoint else ("127.0.0.1", 0)
+    if config.elastic and config.node_rank >= config.nnodes:
+        first = config.node_rank * config.ranks
+        print(f"popmesh demo: this launcher's {config.ranks} rank(s) ({first} to {first + config.ranks - 1}) join the "
+              f"population that meets at {config.rdzv_endpoint}; node 0's launcher shows the run and writes its files",
+              file=sys.stderr)
     result = launch("popmesh.demo.worker", ["--config", json.dumps(config.to_dict())], module=True,
                     nproc=config.ranks, engine=config.engine, quiet_others=True, rank0_terminal=terminal,
-                    max_restarts=config.max_restarts,
+                    max_restarts=config.max_restarts, nnodes=config.nnodes, max_nodes=config.max_nodes or None,
+                    node_rank=config.node_rank, master_addr=addr, master_port=port,
                     preload=() if ns.no_preload or config.engine == "mpi" else _PRELOAD,
                     oversubscription_note=shared_cores_note(config.ranks, cpu_count(), config.policy))
     if result.returncode != 0:
-        print(f"popmesh demo: a rank failed (exit {result.returncode}); see the summary above", file=sys.stderr)
+        error = result.failure.error if result.failure is not None else None
+        print(failure_note(result.returncode, config.elastic, error.type if error is not None else ""),
+              file=sys.stderr)
     return result.returncode
+
+
+def failure_note(code: int, elastic: bool, error_type: str = "") -> str:
+    """What the demo says after its launcher ended with ``code`` (not 0); ``error_type``: the exception that
+    the failed rank raised, where it left one."""
+    if error_type.endswith("WorldTooSmall"):
+        return (f"popmesh demo: the population fell below --nnodes MIN and stopped (exit {code}); see the summary "
+                "above")
+    went_on = "; in an elastic world the others go on without it" if elastic else ""
+    return f"popmesh demo: a rank failed (exit {code}){went_on}; see the summary above"
+
+
+def _nodes(nnodes: tuple[int, int | None] | None) -> tuple[int, int]:
+    """``--nnodes`` (parsed: ``(N, None)`` or ``(MIN, MAX)``) as DemoConfig's ``nnodes`` and ``max_nodes`` (0: a
+    world of fixed size)."""
+    if nnodes is None:
+        return 1, 0
+    low, high = nnodes
+    return low, high or 0
 
 
 def run_hypergrid(config: DemoConfig, extra: list[str], no_preload: bool = False) -> int:

@@ -67,6 +67,10 @@ class DemoConfig:
     terminal: bool = False  # the user's stdout is a terminal (under mpiexec rank 0's is a pipe to it)
     baseline: str = ""  # an earlier run folder whose best agent returns.png draws beside this run
     task: str = "cartpole"  # or "hypergrid": examples/gfn_hypergrid.py, a population of GFlowNets
+    nnodes: int = 1  # launchers (nodes) the world forms on (--nnodes N, or MIN of --nnodes MIN:MAX)
+    max_nodes: int = 0  # MAX of --nnodes MIN:MAX: an elastic world that later launchers join (0: a fixed size)
+    node_rank: int = 0  # this launcher's node (--node-rank): its ranks are numbered node_rank * ranks + local rank
+    rdzv_endpoint: str = ""  # HOST:PORT where every launcher of the run meets (node 0's store)
 
     def __post_init__(self) -> None:
         put = object.__setattr__  # values that came through JSON (lists) become tuples
@@ -81,6 +85,7 @@ class DemoConfig:
                               "once, comma-separated (or --no-explore to explore nothing)")
         self._check_counts()
         self._check_task()
+        self._check_nodes()
         if self.kill:
             self.kill_at()
         if self.baseline:
@@ -104,6 +109,45 @@ class DemoConfig:
         if self.ranks < 3:
             raise ConfigError(f"--ranks {self.ranks}: --task hypergrid needs a trainer, the replay-buffer manager and "
                               "the coordinator: 3 ranks or more (default 6, 4 of them trainers)")
+
+    def _check_nodes(self) -> None:
+        """``--nnodes``, ``--node-rank``, ``--rdzv-endpoint``: a world over several launchers (torch engine,
+        CartPole task), elastic with ``--nnodes MIN:MAX``."""
+        nodes = self.max_nodes or self.nnodes
+        given = self.nnodes != 1 or self.max_nodes or self.node_rank or self.rdzv_endpoint
+        if not given:
+            return
+        if self.engine != "torch":
+            raise ConfigError("--nnodes, --node-rank and --rdzv-endpoint start a torch world over several launchers; "
+                              "an MPI job has a fixed size (--max-restarts restarts it whole): drop them, or "
+                              "--engine mpi")
+        if self.task != "cartpole":
+            raise ConfigError("--nnodes, --node-rank and --rdzv-endpoint are the CartPole task's: --task hypergrid's "
+                              "replay-buffer service has fixed roles on one launcher's ranks; drop them there")
+        if self.nnodes < 1 or (self.max_nodes and self.max_nodes <= self.nnodes):
+            raise ConfigError(f"--nnodes {self.nodes_text}: give a number of nodes, or MIN:MAX with 1 <= MIN < MAX")
+        if not 0 <= self.node_rank < nodes:
+            raise ConfigError(f"--node-rank {self.node_rank} is outside 0..{nodes - 1} (--nnodes {self.nodes_text}): "
+                              "node 0 starts the run, and with MIN:MAX nodes MIN to MAX-1 join it later")
+        if nodes > 1 and not self.rdzv_endpoint:
+            raise ConfigError(f"--nnodes {self.nodes_text}: every launcher of the run meets at node 0; give each the "
+                              "same --rdzv-endpoint HOST:PORT (node 0's address and a free port, e.g. "
+                              "127.0.0.1:29560 on one host)")
+        if self.elastic and (self.checkpoint_every or self.resume):
+            raise ConfigError(f"--nnodes {self.nodes_text} changes the population's size, and a checkpoint holds one "
+                              "agent per rank of a fixed-size world: drop --checkpoint-every and --resume, or give "
+                              "--nnodes one number")
+
+    @property
+    def elastic(self) -> bool:
+        """``--nnodes MIN:MAX``: later launchers' ranks join the running population, and a rank lost with no
+        restart left leaves it for good."""
+        return self.max_nodes > 0
+
+    @property
+    def nodes_text(self) -> str:
+        """``--nnodes`` as given: ``2`` or ``1:2``."""
+        return f"{self.nnodes}:{self.max_nodes}" if self.max_nodes else str(self.nnodes)
 
     def _check_counts(self) -> None:
         if self.ranks < 1:
@@ -169,12 +213,16 @@ class DemoConfig:
         return asdict(self)
 
     def kill_at(self) -> tuple[int, int] | None:
-        """``--kill RANK:ITERATION`` as numbers (None without it)."""
+        """``--kill RANK:ITERATION`` as numbers (None without it). RANK is the launcher's number for the rank
+        (``world.roster[world.rank]``): the rank itself until an elastic world renumbers its ranks."""
         if not self.kill:
             return None
         rank, _, iteration = self.kill.partition(":")
-        if not (rank.isdigit() and iteration.isdigit()) or int(rank) >= self.ranks:
-            raise ConfigError(f"--kill {self.kill!r}: give RANK:ITERATION with RANK below --ranks, e.g. --kill 1:60")
+        agents = self.ranks * (self.max_nodes or self.nnodes)  # launcher numbers: node_rank * ranks + local rank
+        if not (rank.isdigit() and iteration.isdigit()) or int(rank) >= agents:
+            below = "--ranks" if agents == self.ranks else f"--ranks times the nodes ({agents})"
+            raise ConfigError(f"--kill {self.kill!r}: give RANK:ITERATION with RANK (a launcher's number for its rank) "
+                              f"below {below}, e.g. --kill 1:60")
         return int(rank), int(iteration)
 
     def declarations(self) -> dict[str, Continuous]:

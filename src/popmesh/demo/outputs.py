@@ -11,9 +11,11 @@ from pathlib import Path
 from typing import Any
 
 from popmesh.core.errors import ConfigError
+from popmesh.demo.membership import summary_lines
+from popmesh.observe.reports import print_report
 
 __all__ = ["new_run_dir", "steps_to_target", "write_jsonl", "write_summary", "plot_returns", "read_history",
-           "history_file", "best_curve"]
+           "history_file", "best_curve", "print_summary"]
 
 
 def new_run_dir(root: str | Path) -> Path:
@@ -80,11 +82,14 @@ def best_curve(history: Sequence[dict[str, Any]]) -> tuple[list[int], list[float
 def plot_returns(path: Path, history: Sequence[dict[str, Any]], events: Sequence[dict[str, Any]],
                  target: float, baseline: Sequence[dict[str, Any]] = (), baseline_label: str = "",
                  env: str = "CartPole-v1") -> None:
-    """Each rank's mean return over its env steps, with a marker on the replaced agent's curve at each
-    replacement (PBT's exploit: hollow ▼) or filled, with arrows naming what moved, when the explore step
-    changed its values (``lr↑ ent↓``); with ``baseline`` (another run's history, e.g. ``--policy none``)
-    that run's best agent as a dashed grey line. Below, each rank's learning rate and entropy coefficient
-    (log scale), where the rows carry them: an exploit jumps to the donors' values, an explore moves them."""
+    """Each agent's mean return over its env steps (agents named by their launcher number, ``rank``), with a
+    marker on the replaced agent's curve at each replacement (PBT's exploit: hollow ▼) or filled, with arrows
+    naming what moved, when the explore step changed its values (``lr↑ ent↓``); with ``baseline`` (another
+    run's history, e.g. ``--policy none``) that run's best agent as a dashed grey line. Below, each agent's
+    learning rate and entropy coefficient
+    (log scale), where the rows carry them: an exploit jumps to the donors' values, an explore moves them. A
+    vertical line in the agent's colour marks where it rejoined after a loss (dotted), joined an elastic
+    world (dash-dot) or left it for good (solid)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
@@ -104,10 +109,7 @@ def plot_returns(path: Path, history: Sequence[dict[str, Any]], events: Sequence
         for sub, name in zip(axes[1:], panels):
             kept = [r for r in rows if r.get(name)]
             sub.plot([r["steps"] for r in kept], [r[name] for r in kept], color=line.get_color(), lw=1.2)
-        for event in (e for e in events if e["rank"] == rank and e.get("kind") == "rejoined"):
-            ax.axvline(event["steps"], color=line.get_color(), ls=":", lw=1.2)
-            ax.annotate(f"rank {rank} lost, rejoined", (event["steps"], target), rotation=90, fontsize=7,
-                        va="top", ha="right", color=line.get_color())
+        _mark_membership(ax, line.get_color(), rank, rows, [e for e in events if e["rank"] == rank], target)
     if baseline:
         ax.plot(*best_curve(baseline), color="grey", ls="--", lw=1.6, label=f"best agent of {baseline_label}")
     ax.axhline(target, color="green", ls="--", lw=1, label=f"target {target:g}")
@@ -116,9 +118,11 @@ def plot_returns(path: Path, history: Sequence[dict[str, Any]], events: Sequence
     ax.legend(handles=ax.get_legend_handles_labels()[0] + (handles if events else []), loc="best", fontsize=7,
               ncol=2)
     ax.set_ylabel("mean return, last 20 episodes")
+    kinds = {e.get("kind") for e in events}
     ax.set_title(f"{env}: one PPO agent per rank; ▼ = replaced by an average of better agents"
-                 + ("\n┆ = a rank lost, then rejoined seeded by the best agents"
-                    if any(e.get("kind") == "rejoined" for e in events) else ""), fontsize=10)
+                 + ("\n┆ = a rank lost, then rejoined seeded by the best agents" if "rejoined" in kinds else "")
+                 + ("\n-· = a rank joined, seeded by the best agents; │ = a rank left for good"
+                    if kinds & {"joined", "left"} else ""), fontsize=10)
     for sub, name in zip(axes[1:], panels):
         sub.set_yscale("log")
         sub.set_ylabel(name, fontsize=8)
@@ -130,6 +134,27 @@ def plot_returns(path: Path, history: Sequence[dict[str, Any]], events: Sequence
 
 
 _EXPLORED = ("lr", "ent_coef")  # the rows' explored values, drawn below the returns
+_MEMBERSHIP = {"rejoined": (":", "lost, rejoined"), "joined": ("-.", "joined"), "left": ("-", "left")}
+
+
+def _mark_membership(ax: Any, color: Any, rank: int, rows: Sequence[dict[str, Any]],
+                     events: Sequence[dict[str, Any]], target: float) -> None:
+    """A vertical line where agent ``rank`` rejoined, joined or left (at the steps its event names; a left
+    agent without them: its last row's), annotated."""
+    for event in events:
+        if event.get("kind") not in _MEMBERSHIP:
+            continue
+        style, text = _MEMBERSHIP[event["kind"]]
+        steps = event.get("steps")
+        steps = rows[-1]["steps"] if steps is None and rows else steps
+        if steps is None:
+            continue
+        ax.axvline(steps, color=color, ls=style, lw=1.2)
+        together = event.get("newcomers") or [rank]  # ranks that joined together: one label, on the first's line
+        if rank == together[0]:
+            names = f"rank {rank}" if len(together) == 1 else f"ranks {', '.join(map(str, together))}"
+            ax.annotate(f"{names} {text}", (steps, target), rotation=90, fontsize=7, va="top", ha="right",
+                        color=color)
 _SHORT = {"lr": "lr", "ent_coef": "ent"}
 
 
@@ -151,3 +176,37 @@ def _mark_replacements(ax: Any, color: Any, curve: Sequence[dict[str, Any]], eve
             text = " ".join(f"{_SHORT.get(n, n)}{'↑' if event[n] > event[f'{n}_inherited'] else '↓'}" for n in moved)
             ax.annotate(text, (event["steps"], y), xytext=(0, -11), textcoords="offset points", fontsize=6,
                         ha="center", va="top", color=color)
+
+
+def print_summary(summary: dict[str, Any], times: Any, imbalance: Any, out: Any) -> None:
+    """Rank 0, at the end: the agents, the replacements and the target, the timing reports (``times``,
+    ``imbalance``), the restarts, joins and leaves, and the files written to ``out``."""
+    print("\nagents at the end:")
+    reference = summary["config"].get("reference")
+    for agent in summary["agents"]:
+        ret = "—" if agent["mean_return"] is None else f"{agent['mean_return']:.1f}"
+        who = f"rank {agent['rank']}" + (" (reference)" if reference and agent["rank"] == 0 else "")
+        print(f"  {who}: lr {agent['lr']:.1e}  ent_coef {agent['ent_coef']:.1e}  "
+              f"steps {agent['steps']:,}  return (last 20) {ret}")
+    reached = summary["reached_target"]
+    print(f"replacements: {summary['replacements']};  target: "
+          + (f"rank {reached['rank']} after {reached['agent_steps']:,} steps" if reached else "not reached"))
+    print_report(times)
+    print_report(imbalance)
+    if summary["config"]["policy"] in ("async", "none"):
+        print(f"(the {summary['config']['policy']} policy never makes a rank wait for another: 'waiting' above is "
+              "what a run that synchronised every iteration would have spent waiting for its slowest rank)")
+    for event in summary.get("restarts", ()):
+        alone = max(event.get("iterations_alone") or [0])
+        print(f"rank {event['rank']} was lost and rejoined after {event['downtime_s']:.1f} s at iteration "
+              f"{event['iteration']}, seeded by mean({', '.join(f'rank {d}' for d in event['donors'])})"
+              + (f"; the others trained on meanwhile (up to {alone} iterations)" if alone else ""))
+    for line in summary_lines(summary):
+        print(line)
+    if summary.get("resumed_from"):
+        print(f"resumed from {summary['resumed_from']}")
+    if "checkpoints" in summary:
+        c = summary["checkpoints"]
+        print(f"checkpoints: {c['written']} written to {c['folder']} ({c['seconds']:.2f} s on rank 0)")
+    print(f"\nwrote {out}/returns.png, {out}/events.jsonl, {out}/history.jsonl, {out}/summary.json, {out}/tb/ "
+          f"(tensorboard --logdir), {out}/trace.json (https://ui.perfetto.dev)")

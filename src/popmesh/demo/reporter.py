@@ -44,6 +44,7 @@ class Reporter:
         self.own: list[dict[str, Any]] = []  # this rank's rows: gathered at the end (see complete_history)
         self.events: list[dict[str, Any]] = []
         self.reached: dict[str, Any] | None = None
+        self.sizes: list[int] = [world.size]  # the world sizes this rank saw (elastic worlds grow and shrink)
         self._sends: deque[Any] = deque()
         self._done: set[int] = set()
         self._stop_sent = False
@@ -121,17 +122,27 @@ class Reporter:
             self._sends.extend(messages.isend({"stop": True}, rank, STOP_TAG) for rank in range(1, self.world.size))
 
     def survival(self, event: dict[str, Any]) -> None:
-        """Rank 0: a rank was lost, or rejoined (``event["kind"]``); shown and kept with the events."""
+        """Rank 0: a rank was lost, or rejoined, or (in an elastic world) joined or left for good
+        (``event["kind"]``; ``event["rank"]``: the agent's launcher number); shown and kept with the events."""
         self.events.append(event)
-        if self.view is not None:
-            if event["kind"] == "lost":
-                self.view.add_event(f"rank {event['rank']} lost")
-            else:
-                seeded = describe_event(event["rank"], event["donors"], event["weights"], "mean")
-                alone = max(event.get("iterations_alone") or [0])
-                meanwhile = f" (the others trained on: up to {alone} iterations)" if alone else ""
-                self.view.add_event(f"rank {event['rank']} rejoined after {event['downtime_s']:.1f} s: {seeded}"
-                                    + meanwhile)
+        if self.view is None:
+            return
+        kind, agent = event["kind"], event["rank"]
+        if kind == "lost":
+            self.view.add_event(f"rank {agent} lost")
+        elif kind == "left":
+            self.view.leave(agent)
+            self.view.add_event(f"rank {agent} left for good: the others go on, a world of {event['world_size']}")
+        elif kind == "joined":
+            self.view.join(agent)
+            seeded = describe_event(agent, event["donors"], event["weights"], "mean")
+            self.view.add_event(f"rank {agent} joined, a world of {event['world_size']}: {seeded}"
+                                + describe_explore(event))
+        else:
+            seeded = describe_event(agent, event["donors"], event["weights"], "mean")
+            alone = max(event.get("iterations_alone") or [0])
+            meanwhile = f" (the others trained on: up to {alone} iterations)" if alone else ""
+            self.view.add_event(f"rank {agent} rejoined after {event['downtime_s']:.1f} s: {seeded}" + meanwhile)
 
     def should_stop(self) -> bool:
         """True once rank 0 has seen the target reached and the run stops there (with checkpoints:
@@ -191,7 +202,7 @@ class Reporter:
         if event is not None:
             self.events.append(event)
             if self.view is not None:
-                self.view.status[event["rank"]].replaced += 1
+                self.view.replaced(event["rank"])
                 text = describe_event(event["rank"], event["donors"], event["weights"], event["strategy"])
                 if event.get("decided_at") is not None and event["decided_at"] != event["iteration"]:
                     text += f" (decided at iteration {event['decided_at']}, applied at {event['iteration']})"

@@ -8,6 +8,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from popmesh.demo.membership import steps_goal
+
 __all__ = ["RankStatus", "PopulationView", "describe_event", "describe_explore"]
 
 
@@ -19,13 +21,16 @@ class RankStatus:
     replaced: int = 0
     lr: float = math.nan
     ent_coef: float = math.nan
+    left: bool = False  # gone for good from an elastic world
 
 
 @dataclass
 class PopulationView:
     """Holds what rank 0 knows and renders it: ``live`` draws the table; ``plain`` (stdout is not a
     terminal) prints a progress line every ``plain_every_s`` seconds and each event as it comes;
-    neither prints nothing until the summary."""
+    neither prints nothing until the summary. Rows are keyed by agent (the launcher's number for its rank,
+    ``agents``; default ``0..ranks-1``): an elastic world adds rows for agents that join and keeps those
+    that left, marked so."""
 
     ranks: int
     total_steps: int
@@ -34,6 +39,7 @@ class PopulationView:
     live: bool = True
     plain: bool = False
     plain_every_s: float = 5.0
+    agents: tuple[int, ...] = ()
     status: dict[int, RankStatus] = field(default_factory=dict)
     events: list[str] = field(default_factory=list)
     _live: Any = None
@@ -41,7 +47,7 @@ class PopulationView:
     _printed: float = field(default_factory=time.monotonic)
 
     def __post_init__(self) -> None:
-        self.status = {r: RankStatus() for r in range(self.ranks)}
+        self.status = {int(a): RankStatus() for a in (self.agents or range(self.ranks))}
 
     def start(self) -> None:
         if not self.live:
@@ -54,9 +60,35 @@ class PopulationView:
         self._live.start()
 
     def update(self, rank: int, **values: Any) -> None:
+        """Agent ``rank``'s latest numbers (a row for an agent not seen before)."""
+        status = self.status.setdefault(rank, RankStatus())
         for key, value in values.items():
-            setattr(self.status[rank], key, value)
+            setattr(status, key, value)
         self._refresh()
+
+    def replaced(self, rank: int) -> None:
+        """Agent ``rank`` was replaced by the population policy."""
+        self.status.setdefault(rank, RankStatus()).replaced += 1
+
+    def join(self, rank: int) -> None:
+        """Agent ``rank`` joined the population (a later launcher's rank): a row of its own."""
+        self.status.setdefault(rank, RankStatus()).left = False
+        self._refresh()
+
+    def leave(self, rank: int) -> None:
+        """Agent ``rank`` left for good: its row stays, marked left, at the steps it had."""
+        self.status.setdefault(rank, RankStatus()).left = True
+        self._refresh()
+
+    @property
+    def present(self) -> int:
+        """The agents training now (those that have not left)."""
+        return sum(not s.left for s in self.status.values())
+
+    def goal(self) -> int:
+        """The env steps the population will have taken at the end (an agent that left: those it had)."""
+        return steps_goal(self.total_steps, {r: s.steps for r, s in self.status.items()},
+                          [r for r, s in self.status.items() if s.left])
 
     def add_event(self, text: str) -> None:
         self.events.append(f"{time.monotonic() - self._started:6.1f}s  {text}")
@@ -69,8 +101,9 @@ class PopulationView:
         entropy coefficient."""
         done = sum(s.steps for s in self.status.values())
         ranks = "  ".join(f"r{rank} {'—' if math.isnan(s.mean_return) else f'{s.mean_return:.0f}'} "
-                          f"(lr {_value(s.lr)}, ent {_value(s.ent_coef)})" for rank, s in self.status.items())
-        return (f"[popmesh demo] {time.monotonic() - self._started:6.1f}s  {done:,}/{self.total_steps * self.ranks:,} "
+                          f"(lr {_value(s.lr)}, ent {_value(s.ent_coef)}{', left' if s.left else ''})"
+                          for rank, s in self.status.items())
+        return (f"[popmesh demo] {time.monotonic() - self._started:6.1f}s  {done:,}/{self.goal():,} "
                 f"env steps  return (last 20): {ranks}")
 
     def stop(self) -> None:
@@ -94,15 +127,16 @@ class PopulationView:
         from rich.text import Text
 
         done = sum(s.steps for s in self.status.values())
-        goal = self.total_steps * self.ranks
-        header = Text(f"population of {self.ranks} {self.env} agents · policy {self.policy} · "
+        goal = self.goal()
+        header = Text(f"population of {self.present} {self.env} agents · policy {self.policy} · "
                       f"{done:,}/{goal:,} env steps · {time.monotonic() - self._started:5.1f}s")
         table = Table(expand=False, box=None, padding=(0, 1))
         for column in ("rank", "lr", "ent_coef", "steps", "return (last 20)", "steps/s", "replaced"):
             table.add_column(column, justify="right")
         for rank, s in self.status.items():
             ret = "—" if math.isnan(s.mean_return) else f"{s.mean_return:6.1f}"
-            table.add_row(str(rank), _value(s.lr), _value(s.ent_coef), f"{s.steps:,}", ret, f"{s.steps_per_s:,.0f}",
+            name = f"{rank} (left)" if s.left else str(rank)
+            table.add_row(name, _value(s.lr), _value(s.ent_coef), f"{s.steps:,}", ret, f"{s.steps_per_s:,.0f}",
                           str(s.replaced))
         recent = "\n".join(self.events[-6:]) or "no replacements yet"
         return Group(header, ProgressBar(total=goal, completed=min(done, goal), width=60), table,

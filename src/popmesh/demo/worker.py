@@ -14,20 +14,31 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
 import popmesh
 from popmesh.core import trace
 from popmesh.core.errors import ConfigError, PeerClosed, PeerFailure, PopmeshError
-from popmesh.demo.config import DemoConfig, explore_hyper, rank_hyper, rank_seed
+from popmesh.demo.config import DemoConfig, rank_hyper, rank_seed
+from popmesh.demo.elastic import (
+    Alone,
+    after_reform,
+    anyone_waiting,
+    before_reform,
+    exploit,
+    explore_agent,
+    goes_on,
+    seed,
+)
 from popmesh.demo.learner import PPOLearner
-from popmesh.demo.outputs import new_run_dir, plot_returns, read_history, write_jsonl, write_summary
+from popmesh.demo.membership import agent_of, agents_of, kill_due
+from popmesh.demo.outputs import new_run_dir, plot_returns, print_summary, read_history, write_jsonl, write_summary
 from popmesh.demo.reporter import Reporter
 from popmesh.demo.view import PopulationView
 from popmesh.observe.board import Board
-from popmesh.observe.reports import Timer, print_report
+from popmesh.observe.reports import Timer
 from popmesh.observe.timing import report_imbalance, report_timings
 from popmesh.population import (
     PB2,
@@ -40,7 +51,6 @@ from popmesh.population import (
 )
 from popmesh.population.mechanisms.asynchronous.protocol import MAX_INSTANCES
 from popmesh.population.state.checkpoint import Checkpointer, latest_checkpoint, load_agent, missing_ranks
-from popmesh.population.state.rejoin import seed_newcomers
 
 __all__ = ["make_policy", "run", "main"]
 
@@ -71,18 +81,21 @@ def run(config: DemoConfig) -> dict[str, Any] | None:
     import torch
 
     torch.set_num_threads(1)
+    # The agent is built before the world forms where its launcher number is known (RANK, torch engine): a
+    # newcomer then joins ready, and the running ranks do not wait a second for it in the seeding.
+    named = os.environ.get("RANK", "") if config.engine == "torch" else ""
+    learner = _agent(config, int(named)) if named.isdigit() else None
     world = popmesh.init(engine=config.engine)
-    learner = PPOLearner(rank_seed(config.seed, world.rank),
-                         rank_hyper(config.seed, world.rank, config.lr_range, config.ent_range), init_seed=config.seed,
-                         env=config.env)
+    if learner is None:  # named by the launcher's number, which a re-form keeps while ranks renumber
+        learner = _agent(config, agent_of(world.roster, world.rank))
     policy = make_policy(config, learner)
     # rank 0 holds the terminal when the launcher gave it; under mpiexec its stdout is a pipe to the user's
     live = config.live and (sys.stdout.isatty() or (config.terminal and config.engine == "mpi"))
     view = PopulationView(world.size, config.steps, config.policy, env=config.env, live=live,
-                          plain=config.live and not live) if world.is_main else None
+                          plain=config.live and not live, agents=tuple(world.roster)) if world.is_main else None
     reporter = Reporter(world, view, config.target, config.stop_at_target, at_checkpoints=config.checkpoint_every > 0)
-    if world.newcomers:  # this process was restarted for a lost rank: the population seeds it
-        start, out, through = _seed(world, config, learner, reporter, 0, None, None)
+    if world.newcomers:  # restarted for a lost rank, or a later launcher's (elastic): the population seeds it
+        start, out, through = seed(world, config, learner, reporter, 0, None, None)
         resumed: dict[str, Any] | None = None
         policy_from = through if _lockstep(config) else 0
     else:
@@ -114,6 +127,12 @@ def run(config: DemoConfig) -> dict[str, Any] | None:
     return summary
 
 
+def _agent(config: DemoConfig, agent: int) -> PPOLearner:
+    """Agent ``agent``'s learner (its launcher number): seeds and starting hyper-parameters of its own."""
+    hyper = rank_hyper(config.seed, agent, config.lr_range, config.ent_range)
+    return PPOLearner(rank_seed(config.seed, agent), hyper, init_seed=config.seed, env=config.env)
+
+
 def _resume(world: Any, config: DemoConfig, learner: PPOLearner,
             policy: Any) -> tuple[int, dict[str, Any] | None]:
     """With ``--resume``, or in an MPI job that the launcher restarted whole (from the run's own folder):
@@ -141,7 +160,7 @@ def _resume(world: Any, config: DemoConfig, learner: PPOLearner,
             policy.load_state_dict(agent.extra["policy"])
     seeded = []
     if holes:  # lost while the survivors wrote it: PBT's exploit from them, as at a rejoin
-        seeding, iteration = _exploit(world, config, learner, iteration, holes)
+        seeding, iteration = exploit(world, config, learner, iteration, holes)
         assert seeding is not None  # holes are ranks of this world (load_agent checked its size)
         seeded = [{"rank": r, "donors": list(seeding.donors)} for r in holes]
     if world.is_main:
@@ -164,22 +183,30 @@ def _train(world: Any, config: DemoConfig, learner: PPOLearner, policy: Any, rep
     restarted process is there (``world.newcomer_waiting()``): nobody waits for it. Ranks that meet
     again (in the survivors' group, or the world re-formed) may stand at different iterations; a
     synchronous policy, whose decisions every rank makes at the same iteration, is left out on each
-    until all reach the furthest one (``policy_from``) and catch up."""
+    until all reach the furthest one (``policy_from``) and catch up.
+
+    In an elastic world (``--nnodes MIN:MAX``) each rank also checks once per iteration whether a later
+    launcher's ranks wait to join (``world.newcomer_waiting()``, a few store reads): ranks are at different
+    iterations, so each re-forms where it notices (``_reform``), not at one collective step. A rank lost
+    with no restart left leaves for good: the others re-form without it, renumbered."""
     iteration, started, first_steps = start, time.monotonic(), learner.total_steps
     per_iteration = learner.hyper.rollout * learner.hyper.num_envs
     kill = config.kill_at()
     lost: _Lost | None = None  # set while this rank trains on alone, the world short of a lost rank
+    reform = False  # the next generation must form now (a PeerFailure that an elastic world goes on from)
     while learner.total_steps < config.steps and not reporter.should_stop():
-        if kill == (world.rank, iteration) and world.restart_count == 0:
+        if kill_due(kill, agent_of(world.roster, world.rank), iteration, world.restart_count):
             os.kill(os.getpid(), signal.SIGKILL)  # --kill: the demonstration's lost rank
         try:
-            failed = world.failure(None if lost is None else lost.members)  # the heartbeat's finding, if any
+            # the heartbeat's finding, if any (none looked for when the next generation forms anyway)
+            failed = None if reform else world.failure(None if lost is None else lost.members)
             if failed is not None:
                 raise failed
-            if lost is not None and world.newcomer_waiting():  # the restarted process is there: take it back
-                with timer.section("re-forming"):
-                    policy, policy_from = _rejoin(world, config, learner, reporter, lost, iteration, out, checkpoints)
-                lost = None
+            if reform or ((lost is not None or config.elastic) and world.newcomer_waiting()):
+                with timer.section("re-forming"):  # a process waits to join (restarted, or a later launcher's)
+                    policy, policy_from = _reform(world, config, learner, reporter, iteration, out, checkpoints,
+                                                  lost, policy)
+                lost, reform = None, False
             current, since = (lost.policy, lost.policy_from) if lost else (policy, policy_from)
             acting = current if iteration >= since else None
             _iterate(world, config, learner, acting, reporter, timer, iteration, started, first_steps,
@@ -193,17 +220,25 @@ def _train(world: Any, config: DemoConfig, learner: PPOLearner, policy: Any, rep
                     reporter.agree_at_checkpoint()
         except PeerFailure as e:
             iteration = learner.total_steps // per_iteration
-            lost = _leave(world, config, learner, policy, reporter, e, timer, iteration, lost, checkpoints)
-    while True:  # the run ends whole: every rank, a restarted one too, meets here in one generation
+            reform = lost is None and goes_on(world, config, e)
+            if not reform:
+                lost = _leave(world, config, learner, policy, reporter, e, timer, iteration, lost, checkpoints)
+    while True:  # the run ends whole: every rank, a restarted or joined one too, meets here in one generation
         try:
-            if lost is not None:  # this rank's steps ran out while the world was short: wait for the newcomer
+            if lost is not None or reform:  # this rank's steps ran out while the world was short, or changing
                 with timer.section("re-forming"):
-                    policy = _rejoin(world, config, learner, reporter, lost, iteration, out, checkpoints)[0]
-                lost = None
-            popmesh.barrier(group=world)
-            return policy
+                    policy = _reform(world, config, learner, reporter, iteration, out, checkpoints, lost, policy)[0]
+                lost, reform = None, False
+            if not config.elastic:
+                popmesh.barrier(group=world)
+                return policy
+            reform = anyone_waiting(world)  # a later launcher's ranks that came as the others finished join too
+            if not reform:
+                return policy
         except PeerFailure as e:  # a loss this rank had not seen before its last iteration
-            lost = _leave(world, config, learner, policy, reporter, e, timer, iteration, lost, checkpoints)
+            reform = lost is None and goes_on(world, config, e)
+            if not reform:
+                lost = _leave(world, config, learner, policy, reporter, e, timer, iteration, lost, checkpoints)
 
 
 def _checkpoint(learner: PPOLearner, policy: Any, checkpoints: Checkpointer, timer: Timer, iteration: int,
@@ -237,32 +272,19 @@ def _iterate(world: Any, config: DemoConfig, learner: PPOLearner, policy: Any, r
         if info.replaced:
             learner.adopt_returns()
             explored = _assigned(learner, info) if info.hparams and config.library_explores else \
-                _explore(config, learner, world.rank, iteration)
-            event = {**_event(world.rank, learner, info, metric, config.warmup), **explored}
-    row = {"rank": world.rank, "iteration": iteration, "steps": learner.total_steps,
+                explore_agent(config, learner, agent_of(world.roster, world.rank), iteration)
+            event = {**_event(world, learner, info, metric, config.warmup), **explored}
+    row = {"rank": agent_of(world.roster, world.rank), "world_size": world.size, "iteration": iteration,
+           "steps": learner.total_steps,
            "mean_return": None if math.isnan(metric) else metric, "time": time.time(),
            "steps_per_s": (learner.total_steps - first_steps) / max(time.monotonic() - started, 1e-9),
            "lr": learner.optimizer.param_groups[0]["lr"], "ent_coef": learner.hyper.entropy}
     reporter.record(row, event)
 
 
-def _explore(config: DemoConfig, learner: PPOLearner, rank: int, iteration: int) -> dict[str, Any]:
-    """A replaced agent trains at the values that came with the weights (PBT's exploit), moved by the
-    explore step for those ``--explore`` names. What the event keeps: each value inherited and in use
-    (``lr_inherited``, ``lr``, ``ent_coef_inherited``, ``ent_coef``) and the names that changed."""
-    learner.adopt_hyper()
-    inherited = learner.explored()
-    if config.explore:
-        learner.set_hyper(**explore_hyper(inherited, config.explore, config.declarations(), config.seed, rank,
-                                          iteration))
-    now = learner.explored()
-    return {**{f"{name}_inherited": value for name, value in inherited.items()}, **now,
-            "explored": [name for name in now if now[name] != inherited[name]]}
-
-
 def _assigned(learner: PPOLearner, info: Any) -> dict[str, Any]:
     """A replaced agent trains at the values the population policy assigned (its best donor's, explored);
-    what the event keeps, as :func:`_explore` keeps it."""
+    what the event keeps, as :func:`explore_agent` keeps it."""
     inherited = {**learner.explored(), **info.inherited}
     learner.adopt_hyper()  # the weights' buffers first, for any name not explored
     learner.set_hyper(**info.hparams_now)
@@ -290,14 +312,6 @@ class _Lost:
     @property
     def members(self) -> tuple[int, ...]:
         return () if self.group is None else tuple(self.group.ranks)
-
-
-class _Alone(NamedTuple):
-    """What one survivor did while the world was short of a lost rank (zeros on a newcomer)."""
-
-    iterations: int = 0  # trained on without the lost rank
-    waited_s: float = 0.0  # waiting for the other survivors to re-form
-    leaving_s: float = 0.0  # leaving the broken world and forming survivors' groups
 
 
 def _leave(world: Any, config: DemoConfig, learner: PPOLearner, policy: Any, reporter: Reporter,
@@ -360,89 +374,45 @@ def _shut_down(policy: Any) -> None:
             pass
 
 
-def _rejoin(world: Any, config: DemoConfig, learner: PPOLearner, reporter: Reporter, lost: _Lost,
-            iteration: int, out: Path, checkpoints: Checkpointer) -> tuple[Any, int]:
-    """The lost rank's restarted process waits: wind down the survivors' policy, form the next generation
-    with it, rebuild what lived on the old one (the policy, keeping its state; the reporter's receives)
-    and seed the newcomer from the population. This rank keeps its agent and its iteration. Returns
-    the new policy in use and the iteration it acts from (see _train). What this rank waited for the
-    other survivors is recorded."""
-    _shut_down(lost.policy)
+def _reform(world: Any, config: DemoConfig, learner: PPOLearner, reporter: Reporter, iteration: int, out: Path,
+            checkpoints: Checkpointer, lost: _Lost | None, policy: Any) -> tuple[Any, int]:
+    """Form the next generation of the world: a process waits to join (restarted for a lost rank, or in an
+    elastic world a later launcher's), or a rank left for good. Wind down the policy (the survivors' one,
+    ``lost``, while the world was short), re-form (waiting only for the other members to get here), rebuild
+    what lived on the old generation (the policy on channel 0, keeping its state where the members are the
+    same ones; the reporter's receives) and seed the newcomers (:func:`after_reform`). This rank keeps its
+    agent and iteration. Returns the new policy and the iteration it acts from (see _train). What this rank
+    waited for the others is recorded. ``WorldTooSmall`` (below MIN nodes) ends the run."""
+    if lost is None:
+        _shut_down(policy)  # the asynchronous one's coordinator takes every rank's goodbye within an iteration
+        reporter.detach()
+        before, state = before_reform(world, iteration), None
+    else:
+        _shut_down(lost.policy)
+        before, state = before_reform(world, lost.iteration, lost.at), lost.policy_state
     began = time.monotonic()
     world.reform()
     waited = time.monotonic() - began
     policy = make_policy(config, learner)
-    if lost.policy_state and policy is not None and hasattr(policy, "load_state_dict"):
-        policy.load_state_dict(lost.policy_state)
+    if state and policy is not None and hasattr(policy, "load_state_dict") and list(world.roster) == before["roster"]:
+        policy.load_state_dict(state)  # its rules remember members by rank: only for the same members
     reporter.reconnect()
-    seen = {"time": lost.at, "iteration": lost.iteration}
-    alone = _Alone(lost.iterations, waited, lost.leaving_s)
-    through = _seed(world, config, learner, reporter, iteration, seen, out, alone)[2]
+    alone = Alone(lost.iterations, waited, lost.leaving_s) if lost else Alone(0, waited, 0.0)
+    through = after_reform(world, config, learner, reporter, iteration, before, out, alone)[2]
     checkpoints.skip_through(through)
     return policy, through if _lockstep(config) else 0
 
 
-def _seed(world: Any, config: DemoConfig, learner: PPOLearner, reporter: Reporter, iteration: int,
-          lost: dict[str, Any] | None, out: Path | None,
-          alone: _Alone | None = None) -> tuple[int, Path, int]:
-    """Every rank, right after the world (re-)formed with newcomers: they take the mean of the best agents
-    (PBT's exploit), the best one's counters and the run's folder; rank 0 records the loss and the
-    rejoin (``lost``: when and at which iteration a survivor saw the loss), with the iterations each
-    survivor trained on alone meanwhile, the seconds it then waited for the others, and those it spent
-    leaving the broken world and forming its survivors' groups (``alone``).
-    The iteration this rank goes on from (a newcomer's is its best donor's), the folder, and the highest iteration
-    of any rank: ranks noticed the loss at different iterations, so no checkpoint up to it
-    (Checkpointer.skip_through), or ranks would meet in different ones."""
-    lost_iteration = iteration  # this rank's, unless the donor says where a survivor saw the loss
-    seeding, iteration = _exploit(world, config, learner, iteration)
-    if seeding is None:
-        raise ConfigError("the world re-formed without a new process: nothing to seed")
-    donor = seeding.donors[0]
-    lost = popmesh.broadcast_object(lost, src=donor) or {}  # when and where a survivor saw the loss
-    lost_at, lost_iteration = lost.get("time"), lost.get("iteration", lost_iteration)
-    out = Path(popmesh.broadcast_object(None if out is None else str(out), src=donor))
-    alone_by_rank = [_Alone(*a) for a in popmesh.gather_object(list(alone or _Alone()), dst=0) or []]
-    if world.is_main:
-        now = time.time()
-        for rank in seeding.newcomers:
-            reporter.survival({"kind": "lost", "rank": rank, "time": lost_at or now, "iteration": lost_iteration,
-                               "steps": int(seeding.counters["steps"])})
-            reporter.survival({"kind": "rejoined", "rank": rank, "time": now, "iteration": iteration,
-                               "steps": int(seeding.counters["steps"]), "donors": list(seeding.donors),
-                               "weights": list(seeding.weights), "generation": world.generation,
-                               "downtime_s": round(now - (lost_at or now), 3),
-                               "iterations_alone": [a.iterations for a in alone_by_rank],
-                               "survivor_wait_s": [round(a.waited_s, 3) for a in alone_by_rank],
-                               "survivor_leaving_s": [round(a.leaving_s, 3) for a in alone_by_rank]})
-    through = int(popmesh.all_reduce(np.array([iteration]), "max")[0])
-    return iteration, out, through
-
-
-def _exploit(world: Any, config: DemoConfig, learner: PPOLearner, iteration: int,
-             newcomers: tuple[int, ...] | None = None) -> tuple[Any, int]:
-    """PBT's exploit for the newcomers (``world.newcomers``, or the ranks given): :func:`seed_newcomers`, and a
-    newcomer takes its best donor's step count and the explored values that came with the weights. The
-    seeding (None when no rank is new) and the iteration this rank goes on from (a newcomer's is its best
-    donor's)."""
-    seeding = seed_newcomers(learner.model, learner.optimizer, learner.mean_return(),
-                             {"iteration": iteration, "steps": learner.total_steps}, donors=config.donors,
-                             newcomers=newcomers)
-    if seeding is not None and world.rank in seeding.newcomers:
-        learner.total_steps = int(seeding.counters["steps"])
-        learner.adopt_hyper()
-        learner.adopt_returns()
-        iteration = int(seeding.counters["iteration"])
-    return seeding, iteration
-
-
-def _event(rank: int, learner: PPOLearner, info: Any, metric: float, warmup: int) -> dict[str, Any]:
+def _event(world: Any, learner: PPOLearner, info: Any, metric: float, warmup: int) -> dict[str, Any]:
     """A replacement as events.jsonl keeps it, in the demo's iterations: ``decided_at`` is the iteration
     whose metrics decided it (warm-up plus a multiple of --every), ``iteration`` the one at which this
-    rank applied it (later for the asynchronous policy: the decision travels while the agents train)."""
+    rank applied it (later for the asynchronous policy: the decision travels while the agents train).
+    The agent and its donors are named by their launcher numbers (``world.roster``)."""
     decided = info.iteration if info.decision_iteration is None else info.decision_iteration
-    return {"time": time.time(), "rank": rank, "iteration": info.iteration + warmup, "decided_at": decided + warmup,
-            "steps": learner.total_steps,
-            "donors": list(info.donors), "weights": list(info.weights), "strategy": info.strategy or "mean",
+    return {"time": time.time(), "rank": agent_of(world.roster, world.rank), "iteration": info.iteration + warmup,
+            "decided_at": decided + warmup, "steps": learner.total_steps,
+            "donors": agents_of(world.roster, info.donors), "weights": list(info.weights),
+            "strategy": info.strategy or "mean",
             "metric_before": None if math.isnan(metric) else metric, "optimizer": info.optimizer,
             "summary": info.summary}
 
@@ -450,7 +420,7 @@ def _event(rank: int, learner: PPOLearner, info: Any, metric: float, warmup: int
 def _finish(world: Any, config: DemoConfig, learner: PPOLearner, reporter: Reporter,
             timer: Timer, out: Path, resumed: dict[str, Any] | None = None,
             checkpoints: Checkpointer | None = None) -> dict[str, Any] | None:
-    finals = popmesh.gather_object({"rank": world.rank, "steps": learner.total_steps,
+    finals = popmesh.gather_object({"rank": agent_of(world.roster, world.rank), "steps": learner.total_steps,
                                     "mean_return": None if math.isnan(learner.mean_return()) else learner.mean_return(),
                                     **learner.explored(),
                                     "rows": reporter.own}, dst=0)
@@ -466,7 +436,10 @@ def _finish(world: Any, config: DemoConfig, learner: PPOLearner, reporter: Repor
                "explored": sum(bool(e.get("explored")) for e in reporter.events), "engine": world.engine_name,
                "ranks": world.size, "resumed_from": None if resumed is None else resumed["path"],
                "generation": world.generation, "restarts": [e for e in survival if e["kind"] == "rejoined"],
-               "job_restarts": world.restart_count if config.engine == "mpi" else 0}
+               "job_restarts": world.restart_count if config.engine == "mpi" else 0,
+               "world_size": world.size, "world_sizes": reporter.sizes,
+               "joined": [e for e in survival if e["kind"] == "joined"],
+               "left": [e for e in survival if e["kind"] == "left"]}
     if resumed is not None and resumed["seeded"]:  # lost when the survivors wrote the checkpoint
         summary["resumed_seeded"] = resumed["seeded"]
     if checkpoints is not None and checkpoints.every:
@@ -478,38 +451,8 @@ def _finish(world: Any, config: DemoConfig, learner: PPOLearner, reporter: Repor
     baseline = read_history(config.baseline) if config.baseline else []
     plot_returns(out / "returns.png", reporter.history, reporter.events, config.target, baseline,
                  f"{Path(config.baseline).name} (--baseline)", env=config.env)
-    _print_summary(summary, times, imbalance, out)
+    print_summary(summary, times, imbalance, out)
     return summary
-
-
-def _print_summary(summary: dict[str, Any], times: Any, imbalance: Any, out: Any) -> None:
-    print("\nagents at the end:")
-    reference = summary["config"].get("reference")
-    for agent in summary["agents"]:
-        ret = "—" if agent["mean_return"] is None else f"{agent['mean_return']:.1f}"
-        who = f"rank {agent['rank']}" + (" (reference)" if reference and agent["rank"] == 0 else "")
-        print(f"  {who}: lr {agent['lr']:.1e}  ent_coef {agent['ent_coef']:.1e}  "
-              f"steps {agent['steps']:,}  return (last 20) {ret}")
-    reached = summary["reached_target"]
-    print(f"replacements: {summary['replacements']};  target: "
-          + (f"rank {reached['rank']} after {reached['agent_steps']:,} steps" if reached else "not reached"))
-    print_report(times)
-    print_report(imbalance)
-    if summary["config"]["policy"] in ("async", "none"):
-        print(f"(the {summary['config']['policy']} policy never makes a rank wait for another: 'waiting' above is "
-              "what a run that synchronised every iteration would have spent waiting for its slowest rank)")
-    for event in summary.get("restarts", ()):
-        alone = max(event.get("iterations_alone") or [0])
-        print(f"rank {event['rank']} was lost and rejoined after {event['downtime_s']:.1f} s at iteration "
-              f"{event['iteration']}, seeded by mean({', '.join(f'rank {d}' for d in event['donors'])})"
-              + (f"; the others trained on meanwhile (up to {alone} iterations)" if alone else ""))
-    if summary.get("resumed_from"):
-        print(f"resumed from {summary['resumed_from']}")
-    if "checkpoints" in summary:
-        c = summary["checkpoints"]
-        print(f"checkpoints: {c['written']} written to {c['folder']} ({c['seconds']:.2f} s on rank 0)")
-    print(f"\nwrote {out}/returns.png, {out}/events.jsonl, {out}/history.jsonl, {out}/summary.json, {out}/tb/ "
-          f"(tensorboard --logdir), {out}/trace.json (https://ui.perfetto.dev)")
 
 
 def main(argv: list[str] | None = None) -> None:

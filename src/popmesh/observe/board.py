@@ -1,6 +1,8 @@
 """TensorBoard scalars from every rank of a run: one TensorBoard run per rank, or rank 0's only.
 
-Each rank writes its own event files under ``logdir/rank-R`` with torch's maintained writer
+Each rank writes its own event files under ``logdir/rank-R`` (R: its launcher number, ``world.roster``, which
+is its rank in a world of fixed size and stays when an elastic world renumbers its ranks) with torch's
+maintained writer
 (``torch.utils.tensorboard``), so ``tensorboard --logdir runs`` shows every agent's curve side by
 side and nothing crosses the network: no rank waits for another to log. With ``ranks="main"`` only
 rank 0 writes (for values that are the same everywhere, such as an averaged loss), under
@@ -36,7 +38,8 @@ class Board:
         comm = resolve_group(group)
         self.rank = comm.world.rank
         self.active = ranks == "all" or self.rank == 0
-        self.path = Path(logdir) / (f"rank-{self.rank}" if ranks == "all" else "main")
+        name = comm.world.roster[self.rank]  # an elastic world renumbers ranks; a launcher number stays
+        self.path = Path(logdir) / (f"rank-{name}" if ranks == "all" else "main")
         self._writer: Any = None
         if self.active:
             try:

@@ -111,12 +111,13 @@ class TorchEngine(Reforming):
             elastic = env.min_nodes is not None
             if (env.restart_count > 0 and (env.world_size > 1 or elastic)) or env.joining:  # join the next generation
                 pin_interface(env)  # as join_world does: on another host, gloo must listen where the others reach
-                attempt = newcomer_attempt(self._store, env.rank, timeout)
-                if env.joining and env.restart_count == 0:
-                    refuse_joiner(self._store, env.rank, env.local_world_size, fingerprint)
-                    register_joiner(self._store, env.rank)
-                    await_node(self._store, env.rank, env.local_world_size or 1, time.monotonic() + timeout)
-                self._join_generation(attempt, timeout, fresh=True)
+                with self._store_lost_says_so():  # node 0's launcher ended while this process came to join
+                    attempt = newcomer_attempt(self._store, env.rank, timeout)
+                    if env.joining and env.restart_count == 0:
+                        refuse_joiner(self._store, env.rank, env.local_world_size, fingerprint)
+                        register_joiner(self._store, env.rank)
+                        await_node(self._store, env.rank, env.local_world_size or 1, time.monotonic() + timeout)
+                    self._join_generation(attempt, timeout, fresh=True)
             else:
                 join_world(dist, self._store, env, self.backend, timeout)
                 if env.world_size > 1 or elastic:  # it may re-form (an elastic world of one may grow)

@@ -227,8 +227,12 @@ def _drop_group(dist: Any) -> None:
 
 
 def store_lost(env: TorchEnv, error: BaseException) -> PopmeshError:
-    """The error of a re-form whose rendezvous store no longer answers: what happened, and what to do."""
+    """The error of a re-form (or a join) whose rendezvous store no longer answers: what happened, and what to do."""
     where = f"{env.master_addr}:{env.master_port}"
+    if env.joining:
+        return PopmeshError(f"this process cannot join the world: its rendezvous store ({where}), served by node 0's "
+                            f"popmesh launch, stopped answering ({error}). Has the run ended, or node 0's launcher "
+                            "gone? Start a joining launcher while the world runs")
     if not env.agent_store:
         return PeerFailure(f"the world cannot re-form: its rendezvous store ({where}) was served by rank 0, which is "
                            f"gone ({error}). Nothing restarts lost ranks here, so nothing serves the store any more: "
