@@ -104,9 +104,9 @@ def _by_hand(tmp_path: Path, starter: str = "by hand") -> tuple[float, list[int]
     return _wait(procs, logs)
 
 
-def _failed_at(output: str) -> float:
+def _failed_at(output: str, codes: list[int]) -> float:
     found = re.search(r"FAILING t=([\d.]+)", output)
-    assert found is not None, f"rank 0 never reached its failure:\n{output[-4000:]}"
+    assert found is not None, f"rank 0 never reached its failure (exit codes {codes}):\n{output[-4000:]}"
     return float(found.group(1))
 
 
@@ -123,7 +123,7 @@ def test_a_failing_trainer_ends_the_world_under_a_launcher(launcher: str, tmp_pa
     else:
         cmd = [sys.executable, "-m", "popmesh", "launch", "-n", "3", SCRIPT]
     ended, codes, output = _launch(cmd, tmp_path / "world.log")
-    seconds = ended - _failed_at(output)
+    seconds = ended - _failed_at(output, codes)
     print(f"{launcher}: the world ended {seconds:.2f} s after rank 0 failed")
     assert seconds < LAUNCHER_END_S and codes != [0], (seconds, codes, output[-4000:])
     assert output.count("READY rank=") == 3 and "backend=gloo" in output, output[-4000:]
@@ -140,7 +140,7 @@ def test_a_failing_trainer_ends_the_world_under_a_launcher(launcher: str, tmp_pa
 @pytest.mark.parametrize("starter", ["by hand", "srun"])
 def test_without_a_launcher_the_peers_end_themselves(starter: str, tmp_path: Path) -> None:
     ended, codes, output = _by_hand(tmp_path, starter)
-    seconds = ended - _failed_at(output)
+    seconds = ended - _failed_at(output, codes)
     print(f"{starter}: the world ended {seconds:.2f} s after rank 0 failed")
     assert seconds < TAKE_DOWN_END_S and codes == [1, 1, 1], (seconds, codes, output[-4000:])
     assert FAILED in output, output[-4000:]
@@ -173,7 +173,7 @@ def test_under_a_real_srun_the_world_ends_when_a_rank_fails(tmp_path: Path) -> N
         pytest.skip("no Slurm here: srun is not installed or no controller answers (sinfo)")
     cmd = ["srun", "-n", "3", "--overcommit", "--kill-on-bad-exit=0", sys.executable, SCRIPT]
     ended, codes, output = _launch(cmd, tmp_path / "world.log")
-    seconds = ended - _failed_at(output)
+    seconds = ended - _failed_at(output, codes)
     print(f"srun: the world ended {seconds:.2f} s after rank 0 failed")
     assert seconds < TAKE_DOWN_END_S and codes == [1], (seconds, codes, output[-4000:])
     assert output.count("READY rank=") == 3 and "backend=gloo" in output, output[-4000:]

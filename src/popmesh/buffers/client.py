@@ -33,7 +33,6 @@ import uuid
 from typing import Any
 
 from popmesh.buffers.baselines import keep_mask
-from popmesh.buffers.manager import Outgoing, send_outgoing
 from popmesh.buffers.protocol import (
     COORDINATOR_TAG,
     METADATA_TAG,
@@ -46,6 +45,7 @@ from popmesh.buffers.protocol import (
     batch_size,
     from_payload,
 )
+from popmesh.buffers.service import Outgoing, send_outgoing
 from popmesh.buffers.store import LocalStore, concat_batches, select_rows, to_numpy
 from popmesh.comm import messages
 from popmesh.comm.world import Comm, resolve_group

@@ -26,7 +26,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from popmesh.buffers.baselines import reduce_baselines
-from popmesh.buffers.manager import Outgoing, WorldChanging, next_message, reform_service, send_outgoing
 from popmesh.buffers.protocol import (
     COORDINATOR_TAG,
     REQUEST_TAG,
@@ -36,6 +35,7 @@ from popmesh.buffers.protocol import (
     ProtocolError,
     from_payload,
 )
+from popmesh.buffers.service import Outgoing, WorldChanging, next_message, reform_service, send_outgoing
 from popmesh.comm import messages
 from popmesh.comm.world import Comm, resolve_group
 from popmesh.core.errors import CommTimeout, ConfigError, PeerFailure

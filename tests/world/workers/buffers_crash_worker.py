@@ -13,8 +13,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import popmesh
 from popmesh import CommTimeout, PeerFailure
 from popmesh.buffers import ReplayBufferClient, ReplayBufferManager
-from popmesh.buffers.manager import send_outgoing
 from popmesh.buffers.protocol import REQUEST_TAG, from_payload
+from popmesh.buffers.service import send_outgoing
 from popmesh.comm import messages as m
 from worldlib import check, main
 
