@@ -35,7 +35,15 @@ from popmesh.buffers.protocol import (
     ProtocolError,
     from_payload,
 )
-from popmesh.buffers.service import Outgoing, WorldChanging, next_message, reform_service, send_outgoing
+from popmesh.buffers.service import (
+    Outgoing,
+    WorldChanging,
+    moved_keys,
+    moved_ranks,
+    next_message,
+    reform_service,
+    send_outgoing,
+)
 from popmesh.comm import messages
 from popmesh.comm.world import Comm, resolve_group
 from popmesh.core.errors import CommTimeout, ConfigError, PeerFailure
@@ -187,16 +195,12 @@ class Coordinator:
         """Form the world's next generation with the others, keeping the modes and baselines: a restarted
         manager starts empty; in an elastic world every rank may have a new number (the modes of agents
         that left for good stay in ``modes``, no longer counted by rank). No send is pending after it."""
-        if self.roles is None and world.elastic:
-            raise ConfigError("a coordinator in an elastic world follows its roles across a change of size: make it "
-                              "with Coordinator.from_context(assign_roles(world, ...))")
-        fresh = reform_service(world, self.roles)
-        if self.roles is not None and world.elastic:
-            moved = self.roles.renumbered
+        fresh, moved = reform_service(world, self.roles, "Coordinator.from_context")
+        if moved is not None:
             self.managers = tuple(self.roles.layout.buffer_ranks)
-            self.exited = {moved[r] for r in self.exited if r in moved}
-            self.baselines = {moved[r]: b for r, b in self.baselines.items() if r in moved}
-            self.modes_by_rank = Counter({moved[r]: n for r, n in self.modes_by_rank.items() if r in moved})
+            self.exited = moved_ranks(self.exited, moved)
+            self.baselines = moved_keys(self.baselines, moved)
+            self.modes_by_rank = Counter(moved_keys(self.modes_by_rank, moved))
         for rank in fresh & set(self.managers):  # restarted: starts empty
             self.exited.discard(rank)
             self.baselines.pop(rank, None)

@@ -57,7 +57,15 @@ from popmesh.buffers.protocol import (
     check_message,
     from_payload,
 )
-from popmesh.buffers.service import Outgoing, WorldChanging, next_message, reform_service, send_outgoing
+from popmesh.buffers.service import (
+    Outgoing,
+    WorldChanging,
+    moved_keys,
+    moved_ranks,
+    next_message,
+    reform_service,
+    send_outgoing,
+)
 from popmesh.buffers.store import LocalStore, to_numpy
 from popmesh.comm import messages
 from popmesh.comm.world import Comm, resolve_group
@@ -96,8 +104,7 @@ class ManagerStats:
         the rows of those not there are kept under their launcher number (``roster``: the old one)."""
         for rank in set(self.rows_from) - set(moved):
             self.left[roster[rank]] += self.rows_from[rank]
-        self.rows_from = Counter({moved[r]: n for r, n in self.rows_from.items() if r in moved})
-        self.lost = Counter({moved[r]: n for r, n in self.lost.items() if r in moved})
+        self.rows_from, self.lost = Counter(moved_keys(self.rows_from, moved)), Counter(moved_keys(self.lost, moved))
 
 
 def novelty_score(key: str = "states", block_rows: int = 4096) -> ScoringFunction:
@@ -340,8 +347,8 @@ class ReplayBufferManager:
                               f"was lost: {error}", error.ranks, exact=error.exact) from error
         world = comm.world
         if world.restarts_lost_ranks or world.elastic:
-            for rank in sorted(lost & self.served) if not world.elastic else ():  # elastic: counted at the re-form
-                self.stats.lost[rank] += 1
+            if not world.elastic:  # an elastic world counts a restart at the re-form (a rank left is no loss)
+                self.stats.lost.update(lost & self.served)
             logger.warning("replay-buffer manager %s: rank(s) %s lost; re-forming the world", comm.rank, sorted(lost))
             return self._reform(world)
         if not error.exact or not lost <= self.served:
@@ -357,18 +364,13 @@ class ReplayBufferManager:
         processes with new seqs; in an elastic world every rank may have a new number, agents that left
         for good are no longer served and newcomers are. The sends still pending: none (the old
         generation's went with it; a client sends again what was not answered)."""
-        if self.roles is None and world.elastic:
-            raise ConfigError("a manager in an elastic world follows its roles across a change of size: make it "
-                              "with ReplayBufferManager.from_context(assign_roles(world, ...))")
         before = self.roles.roster if self.roles is not None else ()
-        fresh = reform_service(world, self.roles)
-        if self.roles is not None and world.elastic:
-            moved = self.roles.renumbered
+        fresh, moved = reform_service(world, self.roles, "ReplayBufferManager.from_context")
+        if moved is not None:
             self.served = frozenset(self.roles.assigned_training_ranks or ())
             self.coordinator_rank = self.roles.coordinator_rank
-            self.exited = {moved[r] for r in self.exited if r in moved}
-            self.gone = {moved[r] for r in self.gone if r in moved}
-            self._answered = {moved[r]: sent for r, sent in self._answered.items() if r in moved}
+            self.exited, self.gone = moved_ranks(self.exited, moved), moved_ranks(self.gone, moved)
+            self._answered = moved_keys(self._answered, moved)
             self.stats.renumber(moved, before)
             for rank in fresh & self.served:  # a restarted process keeps its launcher number; a joined one is new
                 if self.roles.roster[rank] in before:

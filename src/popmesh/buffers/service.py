@@ -6,14 +6,18 @@ and their part of a re-form.
 from __future__ import annotations
 
 import time
-from typing import Any, NamedTuple
+from collections.abc import Iterable, Mapping
+from typing import Any, NamedTuple, TypeVar
 
 from popmesh.buffers.protocol import REQUEST_TAG, Message, to_payload
 from popmesh.comm import messages
 from popmesh.comm.world import Comm
-from popmesh.core.errors import CommTimeout, PopmeshError
+from popmesh.core.errors import CommTimeout, ConfigError, PopmeshError
 
-__all__ = ["LOSS_POLL_S", "Outgoing", "WorldChanging", "next_message", "reform_service", "send_outgoing"]
+__all__ = ["LOSS_POLL_S", "Outgoing", "WorldChanging", "moved_keys", "moved_ranks", "next_message", "reform_service",
+           "send_outgoing"]
+
+V = TypeVar("V")
 
 LOSS_POLL_S = 1.0  # a waiting service asks the heartbeat about lost ranks this often
 
@@ -31,13 +35,29 @@ def send_outgoing(out: Outgoing, group: Comm | None, timeout: float | None) -> m
     return messages.isend(to_payload(out.message), out.dst, out.tag, group=group, timeout=timeout)
 
 
-def reform_service(world: Any, roles: Any) -> set[int]:
+def reform_service(world: Any, roles: Any, maker: str) -> tuple[set[int], dict[int, int] | None]:
     """A service's part of a re-form: the world's next generation, then the groups of the ``roles`` it
-    was made from (None: none), as every other rank makes them; the ranks that joined as new processes."""
+    was made from (None: none), as every other rank makes them. The ranks that joined as new processes,
+    and in an elastic world where each old rank went (``roles.renumbered``; None elsewhere, where ranks
+    keep their numbers). ``maker``: how the service is made from its roles, for the error of one made
+    without them in an elastic world (it could not follow the new numbers)."""
+    if roles is None and world.elastic:
+        raise ConfigError(f"a service in an elastic world follows its roles across a change of size: make it with "
+                          f"{maker}(assign_roles(world, ...))")
     fresh = world.reform()
     if roles is not None:
         roles.rebuild()
-    return set(fresh)
+    return set(fresh), roles.renumbered if roles is not None and world.elastic else None
+
+
+def moved_keys(items: Mapping[int, V], moved: Mapping[int, int]) -> dict[int, V]:
+    """``items`` keyed by rank, under each rank's new number (``moved``); those of ranks gone dropped."""
+    return {moved[r]: value for r, value in items.items() if r in moved}
+
+
+def moved_ranks(ranks: Iterable[int], moved: Mapping[int, int]) -> set[int]:
+    """``ranks`` under their new numbers (``moved``); ranks gone dropped."""
+    return {moved[r] for r in ranks if r in moved}
 
 
 class WorldChanging(PopmeshError):

@@ -214,15 +214,13 @@ def trace_folder(directory: str | os.PathLike[str]) -> Path:
     return folder
 
 
-def all_ranks_written(directory: str | os.PathLike[str], ranks: int | Sequence[int]) -> bool:
-    """Whether every rank of a world of ``ranks`` ranks (or each of the ``ranks`` named) has left its file."""
-    names = range(ranks) if isinstance(ranks, int) else ranks
-    return all(rank_file(directory, r).exists() for r in names)
+def all_ranks_written(directory: str | os.PathLike[str], ranks: Sequence[int]) -> bool:
+    """Whether each of ``ranks`` (the names of their files: launcher numbers) has left its file."""
+    return all(rank_file(directory, r).exists() for r in ranks)
 
 
-def wait_for_ranks(directory: str | os.PathLike[str], ranks: int | Sequence[int], timeout: float) -> bool:
-    """Poll (every 50 ms, at most ``timeout`` s) until every rank's file exists (``ranks``: as
-    :func:`all_ranks_written` takes them)."""
+def wait_for_ranks(directory: str | os.PathLike[str], ranks: Sequence[int], timeout: float) -> bool:
+    """Poll (every 50 ms, at most ``timeout`` s) until each of ``ranks`` has left its file."""
     deadline = time.monotonic() + timeout
     while not all_ranks_written(directory, ranks):
         if time.monotonic() >= deadline:

@@ -86,10 +86,9 @@ def plot_returns(path: Path, history: Sequence[dict[str, Any]], events: Sequence
     marker on the replaced agent's curve at each replacement (PBT's exploit: hollow ▼) or filled, with arrows
     naming what moved, when the explore step changed its values (``lr↑ ent↓``); with ``baseline`` (another
     run's history, e.g. ``--policy none``) that run's best agent as a dashed grey line. Below, each agent's
-    learning rate and entropy coefficient
-    (log scale), where the rows carry them: an exploit jumps to the donors' values, an explore moves them. A
-    vertical line in the agent's colour marks where it rejoined after a loss (dotted), joined an elastic
-    world (dash-dot) or left it for good (solid)."""
+    learning rate and entropy coefficient (log scale), where the rows carry them: an exploit jumps to the
+    donors' values, an explore moves them. A vertical line in the agent's colour marks where it rejoined
+    after a loss (dotted), joined an elastic world (dash-dot) or left it for good (solid)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
@@ -155,6 +154,8 @@ def _mark_membership(ax: Any, color: Any, rank: int, rows: Sequence[dict[str, An
             names = f"rank {rank}" if len(together) == 1 else f"ranks {', '.join(map(str, together))}"
             ax.annotate(f"{names} {text}", (steps, target), rotation=90, fontsize=7, va="top", ha="right",
                         color=color)
+
+
 _SHORT = {"lr": "lr", "ent_coef": "ent"}
 
 

@@ -22,6 +22,7 @@ train), and a newcomer's :func:`assign_roles` receives that layout from the rank
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from popmesh.comm.collectives import all_gather_object, broadcast_object
 from popmesh.comm.world import Group, World
@@ -100,14 +101,8 @@ class Roles:
 
     def _take(self, layout: RankLayout) -> None:
         """This rank's roles in ``layout``, a layout of the current generation."""
-        rank = self.world.rank
-        self.layout, self.my_rank, self.world_size, self.roster = layout, rank, layout.world_size, self.world.roster
-        self.num_training_ranks, self.agent_group_size = layout.num_training_ranks, layout.agent_group_size
-        self.agent_group_id = layout.agent_group_id(rank)
-        self.assigned_buffer = layout.assigned_buffer(rank)
-        self.assigned_training_ranks = layout.assigned_training_ranks(rank)
-        self.buffer_rank_set, self.coordinator_rank = set(layout.buffer_ranks), layout.coordinator_rank
-        self.training_ranks = list(layout.training_ranks)
+        for name, value in _roles_in(self.world, layout).items():
+            setattr(self, name, value)
 
     def cleanup(self) -> None:
         """Forget the groups (idempotent); the world stays up (end it with ``popmesh.finalize()``).
@@ -144,15 +139,19 @@ def assign_roles(world: World, layout: RankLayout | None = None, *, num_buffers:
     else:
         _check_layout(world, layout)
     agent_groups, training, buffers = _make_groups(world, layout)
+    return Roles(world=world, agent_groups=agent_groups, train_global_group=training, buffer_group=buffers,
+                 renumbered={r: r for r in range(world.size)}, _layout_given=given, **_roles_in(world, layout))
+
+
+def _roles_in(world: World, layout: RankLayout) -> dict[str, Any]:
+    """The fields of this rank's :class:`Roles` that ``layout`` decides (not its groups)."""
     rank = world.rank
-    return Roles(
-        world=world, layout=layout, my_rank=rank, world_size=world.size,
-        num_training_ranks=layout.num_training_ranks, agent_group_size=layout.agent_group_size,
-        agent_groups=agent_groups, agent_group_id=layout.agent_group_id(rank), train_global_group=training,
-        assigned_buffer=layout.assigned_buffer(rank), assigned_training_ranks=layout.assigned_training_ranks(rank),
-        buffer_group=buffers, buffer_rank_set=set(layout.buffer_ranks), coordinator_rank=layout.coordinator_rank,
-        training_ranks=list(layout.training_ranks), roster=world.roster,
-        renumbered={r: r for r in range(world.size)}, _layout_given=given)
+    return {"layout": layout, "my_rank": rank, "world_size": layout.world_size, "roster": world.roster,
+            "num_training_ranks": layout.num_training_ranks, "agent_group_size": layout.agent_group_size,
+            "agent_group_id": layout.agent_group_id(rank), "assigned_buffer": layout.assigned_buffer(rank),
+            "assigned_training_ranks": layout.assigned_training_ranks(rank),
+            "buffer_rank_set": set(layout.buffer_ranks), "coordinator_rank": layout.coordinator_rank,
+            "training_ranks": list(layout.training_ranks)}
 
 
 def _share_layout(world: World, layout: RankLayout | None) -> RankLayout:
