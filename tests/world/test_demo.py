@@ -173,7 +173,9 @@ def test_demo_with_pb2_and_a_reference_agent(tmp_path):
     assert len(events) == json.loads((run / "summary.json").read_text())["replacements"]
     assert all(e["rank"] != 0 and 0 not in e["donors"] for e in events), events
     for e in events:
-        assert 1e-5 <= e["lr"] <= 1e-1 * (1 + 1e-6) and 1e-4 <= e["ent_coef"] <= 1e-1 * (1 + 1e-6), e
+        # values as the model carries them (float32 buffers): a value clipped to a bound comes back within 1e-6 of it
+        assert 1e-5 * (1 - 1e-6) <= e["lr"] <= 1e-1 * (1 + 1e-6), e
+        assert 1e-4 * (1 - 1e-6) <= e["ent_coef"] <= 1e-1 * (1 + 1e-6), e
     assert "rank 0 (reference)" in done.stdout
 
 
