@@ -166,6 +166,26 @@ def test_a_rank_killed_inside_the_forming_of_a_generation_is_taken_in_within_sec
     assert len(last) == 4 and max(last) - killed < 10, formed  # measured 1.7-2.6 s on a loaded 2-core box
 
 
+_NEWCOMERS = re.compile(r"GEN rank=(\d+) gen=(\d+) newcomers=\[([\d, ]*)\] donor=(\d+)")
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_lost_as_a_generation_exchanges_host_names_leaves_its_newcomer_new_in_the_next():
+    """Rank 1 dies; rank 2 dies right after the generation that takes rank 1 back formed, as its world exchanges
+    host names. The newcomer's init() and the survivors' reform() form the world again, with rank 2's restarted
+    process, and rank 1 is new there too (it received nothing yet): both newcomers take rank 0's state."""
+    done = _launch("100", "1", "40", budget=1, nproc=4, hard_s=50, SURVIVE_KILL_FORMING="2:formed")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "KILLING rank=2 forming=formed" in done.stdout, done.stdout[-3000:]
+    result = _done(done.stdout)
+    assert sorted(result) == [0, 1, 2, 3] and all(steps == 100 and good for _, steps, good, _ in result.values()), \
+        done.stdout[-3000:]
+    assert {rank: restarts for rank, (_, _, _, restarts) in result.items()} == {0: 0, 1: 1, 2: 1, 3: 0}
+    final = max(gen for gen, _, _, _ in result.values())
+    handovers = {int(m[1]): (m[3], int(m[4])) for m in _NEWCOMERS.finditer(done.stdout) if int(m[2]) == final}
+    assert handovers == {rank: ("1, 2", 0) for rank in range(4)}, done.stdout[-3000:]
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("mode", ["wait", "carry-on"])
 def test_without_restarts_a_lost_rank_0_takes_the_store_and_re_forming_says_so(mode):

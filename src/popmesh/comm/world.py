@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import time
 from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
@@ -122,9 +123,14 @@ class World(Comm):
         spec = GroupSpec(0, tuple(range(engine.size)))
         super().__init__(None, spec, engine.make_group(spec, timeout))
         self.hostname = engine.hostname()
-        self.hostnames: list[str] = self._gather_hostnames()
-        know_hosts(self.hostnames)  # failures name the host of each rank at fault
-        self.local_rank, self.local_size = engine.local_topology() or self._local_from_hostnames()
+        if engine.generation > 0:  # restarted or started later: the world it joined may lose a rank as it forms
+            deadline = time.monotonic() + self.default_timeout
+            while not self._finish_forming(deadline):
+                engine.reform(_left_of(deadline))
+        else:
+            self.hostnames: list[str] = self._gather_hostnames()
+            know_hosts(self.hostnames)  # failures name the host of each rank at fault
+            self.local_rank, self.local_size = engine.local_topology() or self._local_from_hostnames()
 
     @property
     def engine_name(self) -> str:
@@ -187,11 +193,15 @@ class World(Comm):
         launcher restarted for it (``popmesh launch --max-restarts N``): a new process group on the same
         engine, under a new generation of the rendezvous. Every surviving rank calls this; the restarted
         process joins from ``init()``. Returns :attr:`newcomers`, whose state the survivors hand over
-        (``broadcast``, ``send``). Groups made with ``new_group`` before belong to the old generation:
-        make them again, in the same order on every rank. torch engine only (MPI: ConfigError)."""
+        (``broadcast``, ``send``); a rank lost again as the world forms makes it form once more, and a
+        newcomer of the lost attempt is a newcomer again. Groups made with ``new_group`` before belong to
+        the old generation: make them again, in the same order on every rank. torch engine only (MPI:
+        ConfigError)."""
         seconds = resolve_timeout(timeout, self.default_timeout, "timeout", "reform")
+        deadline = time.monotonic() + seconds
         fresh = self.engine.reform(seconds)
-        self._formed_again(seconds)
+        while not self._finish_forming(deadline):  # a rank lost as it formed: form again, with its restart
+            fresh = self.engine.reform(_left_of(deadline))
         return fresh
 
     def try_reform(self, timeout: float | None = None) -> tuple[int, ...] | None:
@@ -208,8 +218,8 @@ class World(Comm):
         if fresh is None:
             if self._survivors is None:  # a survivors' group keeps this generation until the next one forms
                 self.handle = _LeftGeneration(self.generation)
-        else:
-            self._formed_again(seconds)
+        elif not self._finish_forming(time.monotonic() + seconds):  # a rank lost as it formed: alone again
+            return None
         return fresh
 
     def newcomer_waiting(self) -> bool:
@@ -251,6 +261,18 @@ class World(Comm):
         self._survivors = Group(self, spec, handle)
         self.handle = _LeftGeneration(self.generation, lost=tuple(r for r in range(self.size) if r not in members))
         return self._survivors
+
+    def _finish_forming(self, deadline: float) -> bool:
+        """Finish forming the generation the engine just joined (:meth:`_formed_again`); False where a rank was
+        lost meanwhile: the generation is left, to be formed again with that rank's restarted process, and
+        every process that joined it as new stays new in the next (it received nothing yet)."""
+        try:
+            self._formed_again(_left_of(deadline))
+        except PeerFailure:
+            self.handle = _LeftGeneration(self.generation)
+            return False
+        self.engine.settle()
+        return True
 
     def _formed_again(self, timeout: float) -> None:
         """After the engine formed the next generation: the world's group, its size in an elastic world (ranks
@@ -334,6 +356,11 @@ class Group(Comm):
 
 
 _CURRENT: World | None = None
+
+
+def _left_of(deadline: float) -> float:
+    """The seconds left until ``deadline``, at least a tenth of one (a call that is due at once says so)."""
+    return max(deadline - time.monotonic(), 0.1)
 
 
 class _LeftGeneration:

@@ -110,6 +110,7 @@ class Engine(Protocol):
     def try_reform(self, timeout: float) -> tuple[int, ...] | None: ...  # the same, None until a newcomer waits
     def survivors(self, gid: int, timeout: float) -> tuple[tuple[int, ...], Any]: ...  # live ranks, their group
     def newcomer_waiting(self) -> bool: ...  # a restarted process waits to join (reform() would not wait for it)
+    def settle(self) -> None: ...  # the world formed on this generation: its newcomers are members like the rest
     def finalize(self) -> None: ...
 
 

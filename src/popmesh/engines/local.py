@@ -86,6 +86,9 @@ class LocalEngine:
     def newcomer_waiting(self) -> bool:
         return False
 
+    def settle(self) -> None:
+        return None  # a world that never re-forms has no newcomers
+
     def survivors(self, gid: int, timeout: float) -> tuple[tuple[int, ...], Any]:
         raise ConfigError("a world of one has no rank to lose: there is no survivors' group to form")
 

@@ -3,8 +3,8 @@
 Each step every rank all-reduces rank+1. VICTIM SIGKILLs itself at step KILL_AT (in its first
 process only; with VICTIM2, that rank's restarted process dies again at KILL_AT2, or with KILL_AT2 =
 -1 VICTIM2's first process dies as it learns of the loss, while the others re-form). Survivors catch
-the PeerFailure, re-form the world with the restarted process, and the lowest survivor hands every
-rank its state; the newcomer takes it in init(). Each rank prints its generation, step and whether
+the PeerFailure, re-form the world with the restarted process, and the lowest rank furthest on hands
+every rank its state; the newcomer takes it after init(). Each rank prints its generation, step and whether
 every sum it saw was the closed form n(n+1)/2. With SURVIVE_OP=ring each step is a ring of messages
 instead (rank r sends r+1 to its right and checks what its left sent), so the loss comes
 mid-message. SURVIVE_STEP_S pauses after each step. With SURVIVE_MODE=carry-on the survivors work on
@@ -14,10 +14,11 @@ over the group, checked against the group's own closed form, until the world re-
 SURVIVE_KILL_FORMING=RANK:STAGE that rank's first process SIGKILLs itself while a re-formed
 generation forms, after it checked in: at STAGE "checked-in" as it starts the process group (before
 gloo has its address), at "published" right after gloo stored its address (the others may be
-connecting to it). With SURVIVE_STUCK_SEND=1 rank 0 has a send to VICTIM that never ends queued just
-before the kill (see gloo_loses_a_send). SURVIVE_RESTART_DELAY_S holds a restarted process that
-long before init(), as a slow import would: the survivors then surely work before it waits. GEN,
-KILLING, LOST and SURVIVORS lines carry the time.
+connecting to it), at "formed" once it formed, as the world exchanges host names in it. With
+SURVIVE_STUCK_SEND=1 rank 0 has a send to VICTIM that never ends queued just before the kill (see
+gloo_loses_a_send). SURVIVE_RESTART_DELAY_S holds a restarted process that long before init(), as a
+slow import would: the survivors then surely work before it waits. GEN, KILLING, LOST and SURVIVORS
+lines carry the time.
 """
 
 import os
@@ -36,7 +37,8 @@ STEP_S = float(os.environ.get("SURVIVE_STEP_S", "0"))  # a pause after each step
 
 
 def die_while_forming(rank: int, stage: str) -> None:
-    """SIGKILL this process inside the next re-formed generation's init_process_group, at ``stage``."""
+    """SIGKILL this process inside the next re-formed generation's init_process_group, at ``stage`` (or in
+    the world's host names exchange right after, at "formed")."""
     import torch.distributed as dist
 
     class Killing(dist.Store):  # gloo sees the store through this: the process dies as it publishes
@@ -80,6 +82,18 @@ def die_while_forming(rank: int, stage: str) -> None:
         print(f"KILLING rank={rank} forming={where} t={time.time():.3f}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
+    if stage == "formed":  # the generation formed; its world dies with it as it exchanges host names
+        from popmesh.comm.world import World
+
+        exchange = World._gather_hostnames
+
+        def gather_hostnames(self):
+            if self.generation > 0:
+                die("formed")
+            return exchange(self)
+
+        World._gather_hostnames = gather_hostnames
+        return
     real = dist.init_process_group
 
     def init_process_group(*args, store=None, **kwargs):
@@ -119,11 +133,19 @@ expected = world.size * (world.size + 1) / 2
 
 
 def handoff(state: dict) -> dict:
-    """Every rank takes the state of the lowest rank that is not new."""
-    donor = min(r for r in range(world.size) if r not in world.newcomers)
-    print(f"GEN rank={world.rank} gen={world.generation} newcomers={list(world.newcomers)} donor={donor} "
-          f"t={time.time():.3f}", flush=True)
-    return popmesh.broadcast_object(state if world.rank == donor else None, src=donor, timeout=60)
+    """Every rank takes the state of the rank furthest on (the lowest of them; a newcomer holds none, and one
+    whose handover a second loss broke holds its first). A rank lost meanwhile makes the world form again
+    with its restarted process, and the handover starts over."""
+    while True:
+        try:
+            steps = popmesh.all_gather_object(-1 if world.rank in world.newcomers else state["step"], timeout=60)
+            donor = steps.index(max(steps))
+            print(f"GEN rank={world.rank} gen={world.generation} newcomers={list(world.newcomers)} donor={donor} "
+                  f"t={time.time():.3f}", flush=True)
+            return popmesh.broadcast_object(state if world.rank == donor else None, src=donor, timeout=60)
+        except popmesh.PeerFailure as e:
+            print(f"LOST-HANDING-OVER rank={world.rank} gen={world.generation}: {str(e)[:120]}", flush=True)
+            world.reform(timeout=60)
 
 
 def together(state: dict) -> None:

@@ -294,6 +294,9 @@ class MpiEngine:
     def newcomer_waiting(self) -> bool:
         return False  # nothing restarts a lost MPI rank
 
+    def settle(self) -> None:
+        return None  # a world that never re-forms has no newcomers
+
     def survivors(self, gid: int, timeout: float) -> tuple[tuple[int, ...], Any]:
         """No survivors' group either: without ULFM, MPI cannot make a communicator that leaves a dead rank out."""
         raise ConfigError(_NO_REFORM)

@@ -103,6 +103,7 @@ class TorchEngine(Reforming):
         self._left = False  # left a generation that lost a rank, not yet in the next one (try_reform)
         self._hole: frozenset[int] = frozenset()  # the lost ranks of this generation's survivors' group
         self._left_seen = 0  # slots marked left when this generation formed (elastic worlds)
+        self._unsettled = False  # joined as a new process, and no world formed on it yet (settle)
         self._unfinished = False  # a collective failed here (timed out, a peer gone): gloo may still run it
         _pick_cuda_device(torch, env)
         if self._owns:

@@ -122,6 +122,11 @@ class Reforming:
         with self._store_lost_says_so():
             return self._due()
 
+    def settle(self) -> None:
+        """The world formed on this generation (its host names exchanged): a process that joined it as new
+        joins later generations as a survivor."""
+        self._unsettled = False
+
     def _due(self) -> bool:
         if newcomer_waiting(self._store, self.generation):
             return True
@@ -177,9 +182,13 @@ class Reforming:
         return members, handle
 
     def _join_generation(self, attempt: int, timeout: float, *, fresh: bool) -> None:
-        """Form the generation of ``attempt`` (or a newer one) with every rank (:func:`join_generation`)."""
+        """Form the generation of ``attempt`` (or a newer one) with every rank (:func:`join_generation`). A
+        process that joined the last one as new and lost it before its world formed (:meth:`settle`) joins
+        as new again: it has received nothing yet."""
+        fresh = fresh or self._unsettled
         attempt, members = join_generation(self._dist, self._store, self._env, self.backend, attempt, timeout,
                                            fresh=fresh)
+        self._unsettled = fresh
         self._left = False
         self._hole = frozenset()
         self.generation = attempt
