@@ -21,9 +21,13 @@ CONTENDERS: dict[str, str] = {
                "judged the moment it reports, against every member's latest report; one in the bottom half "
                "that trails the best by both gaps takes the best agent's weights, its learning "
                "rate and entropy coefficient explored; nobody waits for anybody",
+    "popmesh-shared": "`popmesh demo --share-samples`: the same, each agent also learning from the others' "
+                      "rollouts (V-trace corrected)",
     "popmesh-complete": "`popmesh demo --decide complete`: the same policy deciding once every agent has "
                         "reported an iteration",
     "none": "`popmesh demo --policy none`: the same agents, no population policy",
+    "shared-none": "`popmesh demo --policy none --share-samples`: the agents learn from each other's rollouts, "
+                   "no population policy",
     "ray-pbt": "Ray Tune PopulationBasedTraining: the same learner as a function trainable, 4 trials, "
                "asynchronous, one donor's checkpoint copied, learning rate and entropy coefficient explored",
     "ray-pb2": "Ray Tune PB2: as ray-pbt, the new values chosen by PB2's GP bandit within the ranges "

@@ -27,8 +27,11 @@ order), each in its own process, timed from its start. On the PPO tasks:
 * `popmesh`: `popmesh demo --stop-at-target --decide latest` (its default asynchronous policy: each
   agent judged the moment it reports, against every member's latest report; an agent in the bottom half
   that trails the best by both gaps takes the best agent's weights, its lr and ent_coef explored);
+* `popmesh-shared`: the same with `--share-samples` (each agent also trains on the others' rollouts, V-trace
+  corrected: popmesh.population.SampleSharing);
 * `popmesh-complete`: the same with `--decide complete` (decides once every agent reported an iteration);
 * `none`: `popmesh demo --policy none`, the same agents without a population policy;
+* `shared-none`: `popmesh demo --policy none --share-samples`, the agents sharing rollouts, no policy;
 * `ray-pbt`: Ray Tune `PopulationBasedTraining` around the same learner (benchmarks/_ray_pbt.py): 4
   concurrent trials (`ray.init(num_cpus=4)`, one CPU each, `reuse_actors=True`), asynchronous,
   `perturbation_interval` and `burn_in_period` the demo's `--every` and `--warmup` (iterations),
@@ -101,9 +104,11 @@ from popmesh.demo.learner import Hyper
 Run = dict[str, Any]
 Hit = Callable[[Run], bool]  # whether a history row is at the target
 NARROW_LR, NARROW_ENT = (2e-4, 6e-3), (1e-3, 2e-2)
-DEMO_FLAGS = {"popmesh": ["--decide", "latest"], "popmesh-complete": ["--decide", "complete"],
-              "none": ["--policy", "none"]}
+DEMO_FLAGS = {"popmesh": ["--decide", "latest"], "popmesh-shared": ["--decide", "latest", "--share-samples"],
+              "popmesh-complete": ["--decide", "complete"], "none": ["--policy", "none"],
+              "shared-none": ["--policy", "none", "--share-samples"]}
 RAY_SCHEDULERS = {"ray-pbt": "pbt", "ray-pb2": "pb2"}
+PPO_ONLY = ("popmesh-shared", "shared-none")  # contenders of the PPO tasks only (--share-samples)
 PER_ITERATION = Hyper().rollout * Hyper().num_envs  # env steps per agent per iteration (512), both sides
 
 
@@ -345,8 +350,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--task", nargs="+", choices=tuple(TASKS), default=["cartpole"],
                         help="the tasks, one after another (default cartpole)")
-    parser.add_argument("--contenders", nargs="+", choices=tuple(CONTENDERS), default=list(CONTENDERS),
-                        help="who runs (default all)")
+    parser.add_argument("--contenders", nargs="+", choices=tuple(CONTENDERS),
+                        default=[n for n in CONTENDERS if n != "shared-none"],
+                        help="who runs (default all but shared-none; the hypergrid skips the PPO-only ones)")
     parser.add_argument("--seeds", type=int, default=5, help="seeds per task (default 5)")
     parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=None,
@@ -403,6 +409,8 @@ def main() -> None:
         for seed in range(ns.first_seed, ns.first_seed + seeds):
             plan = plan_of(ns, task, seed)
             for name in names if seed % 2 == 0 else names[::-1]:  # by the seed: one seed per call alternates too
+                if task == "hypergrid" and name in PPO_ONLY:
+                    continue  # the GFlowNets' learner shares no rollouts
                 runs.append(run_one(name, plan))
                 print(json.dumps(runs[-1]), flush=True)
     print("\n" + report(runs))

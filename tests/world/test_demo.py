@@ -80,6 +80,23 @@ def _check_board(tb, summary, events):
         assert board.Scalars("population/replaced")[-1].value == len(replaced)
 
 
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("engine", ["torch", "mpi"])
+def test_with_shared_samples_every_agent_trains_on_the_others_rollouts(tmp_path, engine):
+    if engine == "mpi" and mpiexec() is None:
+        pytest.skip("mpi4py/MPICH not installed")
+    cmd = [sys.executable, "-m", "popmesh", "demo", "--ranks", "3", "--steps", "4096", "--every", "2", "--warmup", "0",
+           "--engine", engine, "--share-samples", "--no-live", "--out", str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads(next(tmp_path.glob("*/summary.json")).read_text())
+    assert summary["config"]["share_samples"] is True
+    iterations = 4096 // 512
+    for agent in summary["agents"]:  # up to one of each other agent's per iteration, and most of them
+        assert iterations <= agent["shared_rollouts"] <= 2 * iterations, summary["agents"]
+    assert " share " in done.stdout, done.stdout[-3000:]  # its own row in the timing table
+
+
 @pytest.mark.timeout(240)
 def test_demo_checkpoints_and_resumes_where_it_left_off(tmp_path):
     """--checkpoint-every writes complete checkpoints; --resume takes every agent back (weights, optimizer,

@@ -64,6 +64,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--select-last", type=int, default=defaults.select_last, metavar="K",
                    help="the population ranks agents by the mean return of their last K episodes (1 to 20; default: "
                         "the last 20, the metric and the target's)")
+    p.add_argument("--share-samples", action="store_true",
+                   help="each agent sends its rollout to the others each iteration and learns from theirs too "
+                        "(behaviour-corrected PPO): fewer env steps to the target")
     p.add_argument("--out", default=defaults.out_dir, help="where runs/<timestamp>/ goes (default ./runs)")
     p.add_argument("--stop-at-target", action="store_true",
                    help="stop as soon as one agent's last 20 episodes average the task's target")
@@ -147,6 +150,7 @@ def run_command(ns: argparse.Namespace) -> int:
                         steps=ns.steps, every=ns.every, strategy=ns.strategy, decide=ns.decide,
                         explore_method=ns.explore_method, reference=ns.reference, optimizer=ns.optimizer,
                         donors=ns.donors, ratio=ns.ratio, warmup=ns.warmup, select_last=ns.select_last,
+                        share_samples=ns.share_samples,
                         out_dir=ns.out,
                         live=not ns.no_live, stop_at_target=ns.stop_at_target,
                         checkpoint_every=ns.checkpoint_every,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -115,6 +116,8 @@ class PPOLearner:
         self.running = np.zeros(self.hyper.num_envs)
         self.recent: deque[float] = deque(maxlen=WINDOW)
         self.total_steps = 0
+        self.rollout: dict[str, np.ndarray] = {}  # the last one collected, as other agents learn from it (batch_of)
+        self.shared_rollouts = 0  # other agents' rollouts trained on (iterate(share=...))
 
     def make_optimizer(self, model: Any) -> Any:
         """A fresh Adam for ``model`` at the model's own learning rate (the population's builder)."""
@@ -217,12 +220,22 @@ class PPOLearner:
             return float(np.mean(self.running))
         return float(np.mean(list(self.recent)[-last:])) if last else self.mean_return()
 
-    def iterate(self, timer: Any = None) -> IterationStats:
-        """Collect one rollout and train on it (timed as ``rollout`` and ``train`` when given a Timer)."""
+    def iterate(self, timer: Any = None, share: Callable[[dict[str, np.ndarray]], list[Any]] | None = None
+                ) -> IterationStats:
+        """Collect one rollout and train on it (timed as ``rollout`` and ``train`` when given a Timer). With
+        ``share`` (:meth:`popmesh.population.mechanisms.sharing.SampleSharing.exchange`), this agent's
+        rollout goes to the other agents and it trains on theirs too (:meth:`batch_of`): the PPO ratio is
+        taken against the sampling agent's log-probabilities, and the advantages are this agent's critic's."""
         with _section(timer, "rollout"):
             batch, finished = self._collect()
-        with _section(timer, "train"):
-            loss = self._train(batch)
+        others: list[dict[str, np.ndarray]] = []
+        if share is not None:
+            with _section(timer, "share"):
+                others = [self.batch_of(rollout) for rollout in share(self.rollout)]
+                batch = {k: np.concatenate([batch[k], *(other[k] for other in others)]) for k in batch}
+                self.shared_rollouts += len(others)
+        with _section(timer, "train"):  # minibatches of the same size: each rollout adds as many steps
+            loss = self._train(batch, self.hyper.minibatches * (1 + len(others)))
         steps = self.hyper.rollout * self.hyper.num_envs
         self.total_steps += steps
         self.publish_returns()
@@ -245,9 +258,33 @@ class PPOLearner:
                 rew_buf[t], done_buf[t] = reward, np.logical_or(term, trunc)
                 finished.extend(self._track_returns(reward, done_buf[t]))
             _, last_value = self.model(torch.as_tensor(self.obs, dtype=torch.float32))
+        self.rollout = {"obs": obs_buf, "act": act_buf, "logp": logp_buf, "rew": rew_buf, "done": done_buf,
+                        "last": np.asarray(self.obs, np.float32)}
         adv = _gae(rew_buf, val_buf, done_buf, last_value.numpy(), hp.gamma, hp.lam)
         batch = {"obs": obs_buf, "act": act_buf, "logp": logp_buf, "adv": adv, "ret": adv + val_buf}
         return {k: v.reshape((-1,) + v.shape[2:]) for k, v in batch.items()}, finished
+
+    def batch_of(self, rollout: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """A training batch from another agent's :attr:`rollout` (observations, actions, their log-probabilities
+        under that agent, rewards, ends, the observations after), off-policy corrected: the value targets and
+        advantages are V-trace's (IMPALA, Espeholt et al. 2018) with this agent's critic and importance
+        weights truncated at 1, and the PPO ratio is taken against the sampling agent's log-probabilities.
+        Plain GAE here would fit this agent's critic to the other agent's returns: with learning rates
+        apart by decades, that took more steps than learning alone."""
+        import torch
+
+        hp = self.hyper
+        steps, envs = rollout["rew"].shape
+        with torch.no_grad():
+            logits, values = self.model(torch.as_tensor(rollout["obs"]).reshape(steps * envs, -1))
+            _, last = self.model(torch.as_tensor(rollout["last"]))
+            dist = torch.distributions.Categorical(logits=logits)
+            mine = dist.log_prob(torch.as_tensor(rollout["act"]).reshape(-1))  # type: ignore[no-untyped-call]  # torch: Categorical's methods are unannotated
+        value = values.numpy().reshape(steps, envs)
+        log_rho = mine.numpy().reshape(steps, envs) - rollout["logp"]
+        adv, target = _vtrace(rollout["rew"], value, rollout["done"], last.numpy(), log_rho, hp.gamma, hp.lam)
+        batch = {"obs": rollout["obs"], "act": rollout["act"], "logp": rollout["logp"], "adv": adv, "ret": target}
+        return {k: v.reshape((-1,) + v.shape[2:]) for k, v in batch.items()}
 
     def _track_returns(self, reward: np.ndarray, done: np.ndarray) -> list[float]:
         self.running += reward
@@ -256,13 +293,13 @@ class PPOLearner:
         self.running[done > 0] = 0.0
         return ended
 
-    def _train(self, batch: dict[str, np.ndarray]) -> float:
+    def _train(self, batch: dict[str, np.ndarray], minibatches: int) -> float:
         import torch
 
         hp = self.hyper
         data = {k: torch.as_tensor(v) for k, v in batch.items()}
         size = data["obs"].shape[0]
-        per = size // hp.minibatches
+        per = size // minibatches
         loss_value = 0.0
         for _ in range(hp.epochs):
             order = torch.randperm(size)
@@ -309,3 +346,23 @@ def _gae(rew: np.ndarray, val: np.ndarray, done: np.ndarray, last: np.ndarray, g
         adv[t] = running
         next_value = val[t]
     return adv
+
+
+def _vtrace(rew: np.ndarray, val: np.ndarray, done: np.ndarray, last: np.ndarray, log_rho: np.ndarray, gamma: float,
+            lam: float) -> tuple[np.ndarray, np.ndarray]:
+    """V-trace for a rollout of another policy: the policy-gradient advantages and the value targets, with
+    the importance weights ``exp(log_rho)`` (this policy over the sampling one) truncated at 1 and the
+    traces scaled by ``lam``. On its own policy (``log_rho`` 0) the targets are GAE's returns."""
+    rho = np.minimum(1.0, np.exp(log_rho)).astype(np.float32)
+    trace = lam * rho
+    ahead = np.zeros_like(rew)  # v_s - V(x_s)
+    running = np.zeros(rew.shape[1], np.float32)
+    next_value = last
+    for t in reversed(range(rew.shape[0])):
+        alive = 1.0 - done[t]
+        running = rho[t] * (rew[t] + gamma * next_value * alive - val[t]) + gamma * trace[t] * alive * running
+        ahead[t] = running
+        next_value = val[t]
+    target = ahead + val
+    following = np.concatenate([target[1:], last[None]]).astype(np.float32)
+    return rho * (rew + gamma * following * (1.0 - done) - val), target

@@ -50,6 +50,7 @@ from popmesh.population import (
     SelectiveAveraging,
 )
 from popmesh.population.mechanisms.asynchronous.protocol import MAX_INSTANCES
+from popmesh.population.mechanisms.sharing import SampleSharing
 from popmesh.population.state.checkpoint import Checkpointer, latest_checkpoint, load_agent, missing_ranks
 
 __all__ = ["make_policy", "run", "main"]
@@ -112,8 +113,12 @@ def run(config: DemoConfig) -> dict[str, Any] | None:
     if view is not None:
         view.start()
     timer = Timer()
+    sharing = SampleSharing(world) if config.share_samples else None
     try:
-        policy = _train(world, config, learner, policy, reporter, timer, out, start, checkpoints, policy_from)
+        policy = _train(world, config, learner, policy, reporter, timer, out, start, checkpoints, policy_from,
+                        sharing)
+        if sharing is not None:
+            sharing.close()
         if hasattr(policy, "shutdown"):
             policy.shutdown()
         reporter.finish()  # before the view's last frame, so it shows every rank's final numbers
@@ -172,8 +177,10 @@ def _resume(world: Any, config: DemoConfig, learner: PPOLearner,
 
 
 def _train(world: Any, config: DemoConfig, learner: PPOLearner, policy: Any, reporter: Reporter,
-           timer: Timer, out: Path, start: int, checkpoints: Checkpointer, policy_from: int = 0) -> Any:
-    """The training loop; returns the policy in use at the end (a new one after the world re-formed).
+           timer: Timer, out: Path, start: int, checkpoints: Checkpointer, policy_from: int = 0,
+           sharing: SampleSharing | None = None) -> Any:
+    """The training loop; returns the policy in use at the end (a new one after the world re-formed). With
+    ``sharing`` each agent also learns from the others' latest rollouts.
 
     The iteration count follows the env steps (``steps // per_iteration``, as every checkpoint and
     hand-over keeps them): an iteration whose training was done counts even when its population
@@ -210,7 +217,7 @@ def _train(world: Any, config: DemoConfig, learner: PPOLearner, policy: Any, rep
             current, since = (lost.policy, lost.policy_from) if lost else (policy, policy_from)
             acting = current if iteration >= since else None
             _iterate(world, config, learner, acting, reporter, timer, iteration, started, first_steps,
-                     lost.group if lost else None)
+                     lost.group if lost else None, sharing)
             iteration = learner.total_steps // per_iteration
             if lost is not None:
                 lost.iterations += 1
@@ -256,9 +263,11 @@ def _checkpoint(learner: PPOLearner, policy: Any, checkpoints: Checkpointer, tim
 
 
 def _iterate(world: Any, config: DemoConfig, learner: PPOLearner, policy: Any, reporter: Reporter,
-             timer: Timer, iteration: int, started: float, first_steps: int, group: Any = None) -> None:
-    """One iteration: train, let the population policy act (over ``group``; None: the world), report."""
-    learner.iterate(timer)
+             timer: Timer, iteration: int, started: float, first_steps: int, group: Any = None,
+             sharing: SampleSharing | None = None) -> None:
+    """One iteration: train (on the others' rollouts too, with ``sharing``), let the population policy act
+    (over ``group``; None: the world), report."""
+    learner.iterate(timer, share=None if sharing is None else lambda rollout: sharing.exchange(rollout, iteration))
     metric = learner.mean_return()
     event = None
     if policy is not None and iteration >= config.warmup:
@@ -422,7 +431,7 @@ def _finish(world: Any, config: DemoConfig, learner: PPOLearner, reporter: Repor
             checkpoints: Checkpointer | None = None) -> dict[str, Any] | None:
     finals = popmesh.gather_object({"rank": agent_of(world.roster, world.rank), "steps": learner.total_steps,
                                     "mean_return": None if math.isnan(learner.mean_return()) else learner.mean_return(),
-                                    **learner.explored(),
+                                    **learner.explored(), "shared_rollouts": learner.shared_rollouts,
                                     "rows": reporter.own}, dst=0)
     times = report_timings(timer, group=world, show=False)
     imbalance = report_imbalance(timer, group=world, show=False)

@@ -65,6 +65,7 @@ from popmesh.population.mechanisms.info import PolicyInfo
 from popmesh.population.mechanisms.one_sided import OneSidedAveraging
 from popmesh.population.mechanisms.policy import PopulationPolicy
 from popmesh.population.mechanisms.selective import SelectiveAveraging
+from popmesh.population.mechanisms.sharing import SampleSharing
 
 __all__ = [
     "AsyncSelectiveAveraging",
@@ -74,6 +75,7 @@ __all__ = [
     "OneSidedAveraging",
     "PopulationPolicy",
     "PolicyInfo",
+    "SampleSharing",
     "SelectiveAveraging",
     "SelectiveOptions",
     "AgeState",
