@@ -124,9 +124,7 @@ class World(Comm):
         super().__init__(None, spec, engine.make_group(spec, timeout))
         self.hostname = engine.hostname()
         if engine.generation > 0:  # restarted or started later: the world it joined may lose a rank as it forms
-            deadline = time.monotonic() + self.default_timeout
-            while not self._finish_forming(deadline):
-                engine.reform(_left_of(deadline))
+            self._form(time.monotonic() + self.default_timeout)
         else:
             self.hostnames: list[str] = self._gather_hostnames()
             know_hosts(self.hostnames)  # failures name the host of each rank at fault
@@ -199,10 +197,9 @@ class World(Comm):
         ConfigError)."""
         seconds = resolve_timeout(timeout, self.default_timeout, "timeout", "reform")
         deadline = time.monotonic() + seconds
-        fresh = self.engine.reform(seconds)
-        while not self._finish_forming(deadline):  # a rank lost as it formed: form again, with its restart
-            fresh = self.engine.reform(_left_of(deadline))
-        return fresh
+        self.engine.reform(seconds)
+        self._form(deadline)
+        return self.newcomers
 
     def try_reform(self, timeout: float | None = None) -> tuple[int, ...] | None:
         """:meth:`reform` for survivors that carry on while the lost rank restarts: the first call leaves
@@ -261,6 +258,12 @@ class World(Comm):
         self._survivors = Group(self, spec, handle)
         self.handle = _LeftGeneration(self.generation, lost=tuple(r for r in range(self.size) if r not in members))
         return self._survivors
+
+    def _form(self, deadline: float) -> None:
+        """Finish forming the generation the engine joined; where a rank was lost meanwhile, join the next one
+        (with that rank's restarted process) and finish that, until one forms (CommTimeout at ``deadline``)."""
+        while not self._finish_forming(deadline):
+            self.engine.reform(_left_of(deadline))
 
     def _finish_forming(self, deadline: float) -> bool:
         """Finish forming the generation the engine just joined (:meth:`_formed_again`); False where a rank was

@@ -232,7 +232,8 @@ class PPOLearner:
         if share is not None:
             with _section(timer, "share"):
                 others = [self.batch_of(rollout) for rollout in share(self.rollout)]
-                batch = {k: np.concatenate([batch[k], *(other[k] for other in others)]) for k in batch}
+                if others:
+                    batch = {k: np.concatenate([batch[k], *(other[k] for other in others)]) for k in batch}
                 self.shared_rollouts += len(others)
         with _section(timer, "train"):  # minibatches of the same size: each rollout adds as many steps
             loss = self._train(batch, self.hyper.minibatches * (1 + len(others)))
@@ -261,8 +262,7 @@ class PPOLearner:
         self.rollout = {"obs": obs_buf, "act": act_buf, "logp": logp_buf, "rew": rew_buf, "done": done_buf,
                         "last": np.asarray(self.obs, np.float32)}
         adv = _gae(rew_buf, val_buf, done_buf, last_value.numpy(), hp.gamma, hp.lam)
-        batch = {"obs": obs_buf, "act": act_buf, "logp": logp_buf, "adv": adv, "ret": adv + val_buf}
-        return {k: v.reshape((-1,) + v.shape[2:]) for k, v in batch.items()}, finished
+        return _flat({"obs": obs_buf, "act": act_buf, "logp": logp_buf, "adv": adv, "ret": adv + val_buf}), finished
 
     def batch_of(self, rollout: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """A training batch from another agent's :attr:`rollout` (observations, actions, their log-probabilities
@@ -283,8 +283,7 @@ class PPOLearner:
         value = values.numpy().reshape(steps, envs)
         log_rho = mine.numpy().reshape(steps, envs) - rollout["logp"]
         adv, target = _vtrace(rollout["rew"], value, rollout["done"], last.numpy(), log_rho, hp.gamma, hp.lam)
-        batch = {"obs": rollout["obs"], "act": rollout["act"], "logp": rollout["logp"], "adv": adv, "ret": target}
-        return {k: v.reshape((-1,) + v.shape[2:]) for k, v in batch.items()}
+        return _flat({"obs": rollout["obs"], "act": rollout["act"], "logp": rollout["logp"], "adv": adv, "ret": target})
 
     def _track_returns(self, reward: np.ndarray, done: np.ndarray) -> list[float]:
         self.running += reward
@@ -333,6 +332,11 @@ CartPoleLearner = PPOLearner  # its name where CartPole was the only task (bench
 
 def _section(timer: Any, name: str) -> Any:
     return timer.section(name) if timer is not None else nullcontext()
+
+
+def _flat(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A batch of (steps, envs, ...) arrays as (steps * envs, ...): one row per transition."""
+    return {k: v.reshape((-1,) + v.shape[2:]) for k, v in batch.items()}
 
 
 def _gae(rew: np.ndarray, val: np.ndarray, done: np.ndarray, last: np.ndarray, gamma: float, lam: float) -> np.ndarray:

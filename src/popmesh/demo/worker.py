@@ -117,12 +117,12 @@ def run(config: DemoConfig) -> dict[str, Any] | None:
     try:
         policy = _train(world, config, learner, policy, reporter, timer, out, start, checkpoints, policy_from,
                         sharing)
-        if sharing is not None:
-            sharing.close()
         if hasattr(policy, "shutdown"):
             policy.shutdown()
         reporter.finish()  # before the view's last frame, so it shows every rank's final numbers
     finally:
+        if sharing is not None:
+            sharing.close()
         reporter.board.close()
         if view is not None:
             view.stop()
