@@ -91,9 +91,10 @@ def test_with_shared_samples_every_agent_trains_on_the_others_rollouts(tmp_path,
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = json.loads(next(tmp_path.glob("*/summary.json")).read_text())
     assert summary["config"]["share_samples"] is True
-    iterations = 4096 // 512
-    for agent in summary["agents"]:  # up to one of each other agent's per iteration, and most of them
-        assert iterations <= agent["shared_rollouts"] <= 2 * iterations, summary["agents"]
+    iterations, others = 4096 // 512, 3 - 1
+    for agent in summary["agents"]:  # up to one of each other agent's per iteration; how many arrive in time
+        # depends on how far apart the agents run (nobody waits), so only "more than one" is certain
+        assert others <= agent["shared_rollouts"] <= others * iterations, summary["agents"]
     assert " share " in done.stdout, done.stdout[-3000:]  # its own row in the timing table
 
 
