@@ -12,69 +12,28 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 import popmesh
 from popmesh.core import trace
-from popmesh.core.errors import ConfigError, PeerClosed, PeerFailure, PopmeshError
+from popmesh.core.errors import ConfigError, PeerFailure
+from popmesh.demo import survival
 from popmesh.demo.config import DemoConfig, rank_hyper, rank_seed
-from popmesh.demo.elastic import (
-    Alone,
-    after_reform,
-    anyone_waiting,
-    before_reform,
-    exploit,
-    explore_agent,
-    goes_on,
-    seed,
-)
+from popmesh.demo.elastic import anyone_waiting, exploit, explore_agent, goes_on, seed
 from popmesh.demo.learner import PPOLearner
 from popmesh.demo.membership import agent_of, agents_of, kill_due
 from popmesh.demo.outputs import new_run_dir, plot_returns, print_summary, read_history, write_jsonl, write_summary
+from popmesh.demo.policies import make_policy
 from popmesh.demo.reporter import Reporter
 from popmesh.demo.view import PopulationView
 from popmesh.observe.board import Board
 from popmesh.observe.reports import Timer
 from popmesh.observe.timing import report_imbalance, report_timings
-from popmesh.population import (
-    PB2,
-    AsyncSelectiveAveraging,
-    AverageAll,
-    DonorRule,
-    Explore,
-    ReplacementRule,
-    SelectiveAveraging,
-)
-from popmesh.population.mechanisms.asynchronous.protocol import MAX_INSTANCES
 from popmesh.population.mechanisms.sharing import SampleSharing
 from popmesh.population.state.checkpoint import Checkpointer, latest_checkpoint, load_agent, missing_ranks
 
 __all__ = ["make_policy", "run", "main"]
-
-
-def make_policy(config: DemoConfig, learner: PPOLearner, channel: int = 0) -> Any:
-    """The population policy named by ``config.policy`` (None for ``none``); ``channel``: the asynchronous
-    policy's tag set (the survivors of a lost rank run theirs on another, see ``_regroup``)."""
-    selective: dict[str, Any] = dict(  # keyword options shared by both selective policies
-        rule=ReplacementRule(ratio=config.ratio), donor_rule=DonorRule(kind="best_k", k=config.donors),
-        strategy=config.strategy, optimizer_policy=config.optimizer, include_buffers=True, seed=config.seed,
-        optimizer_builder=learner.make_optimizer if config.optimizer == "reset" else None)
-    if config.policy == "average-all":
-        return AverageAll(config.every, include_buffers=True)
-    if config.policy == "selective":
-        return SelectiveAveraging(config.every, **selective)
-    if config.policy == "async":  # channel 0 on every rank: a policy rebuilt after a loss meets the newcomer's
-        if config.library_explores:  # the coordinator hands a replaced agent its donor's values, explored
-            space = {k: config.declarations()[k] for k in config.explore}
-            selective["explore"] = Explore(keys=config.explore, space=space,
-                                           pb2=PB2() if config.explore_method == "pb2" else None)
-        return AsyncSelectiveAveraging(config.every, channel=channel, decide=config.decide,
-                                       reference=0 if config.reference else None, **selective)
-    return None
 
 
 def run(config: DemoConfig) -> dict[str, Any] | None:
@@ -98,7 +57,7 @@ def run(config: DemoConfig) -> dict[str, Any] | None:
     if world.newcomers:  # restarted for a lost rank, or a later launcher's (elastic): the population seeds it
         start, out, through = seed(world, config, learner, reporter, 0, None, None)
         resumed: dict[str, Any] | None = None
-        policy_from = through if _lockstep(config) else 0
+        policy_from = through if survival.lockstep(config) else 0
     else:
         made = config.run_dir or (str(new_run_dir(config.out_dir)) if world.is_main else None)
         out = Path(popmesh.broadcast_object(made if world.is_main else None, src=0))
@@ -194,12 +153,13 @@ def _train(world: Any, config: DemoConfig, learner: PPOLearner, policy: Any, rep
 
     In an elastic world (``--nnodes MIN:MAX``) each rank also checks once per iteration whether a later
     launcher's ranks wait to join (``world.newcomer_waiting()``, a few store reads): ranks are at different
-    iterations, so each re-forms where it notices (``_reform``), not at one collective step. A rank lost
-    with no restart left leaves for good: the others re-form without it, renumbered."""
+    iterations, so each re-forms where it notices (:func:`popmesh.demo.survival.reform`), not at one
+    collective step. A rank lost with no restart left leaves for good: the others re-form without it,
+    renumbered."""
     iteration, started, first_steps = start, time.monotonic(), learner.total_steps
     per_iteration = learner.hyper.rollout * learner.hyper.num_envs
     kill = config.kill_at()
-    lost: _Lost | None = None  # set while this rank trains on alone, the world short of a lost rank
+    lost: survival.Lost | None = None  # set while this rank trains on alone, the world short of a lost rank
     reform = False  # the next generation must form now (a PeerFailure that an elastic world goes on from)
     while learner.total_steps < config.steps and not reporter.should_stop():
         if kill_due(kill, agent_of(world.roster, world.rank), iteration, world.restart_count):
@@ -211,7 +171,7 @@ def _train(world: Any, config: DemoConfig, learner: PPOLearner, policy: Any, rep
                 raise failed
             if reform or ((lost is not None or config.elastic) and world.newcomer_waiting()):
                 with timer.section("re-forming"):  # a process waits to join (restarted, or a later launcher's)
-                    policy, policy_from = _reform(world, config, learner, reporter, iteration, out, checkpoints,
+                    policy, policy_from = survival.reform(world, config, learner, reporter, iteration, out, checkpoints,
                                                   lost, policy)
                 lost, reform = None, False
             current, since = (lost.policy, lost.policy_from) if lost else (policy, policy_from)
@@ -229,12 +189,13 @@ def _train(world: Any, config: DemoConfig, learner: PPOLearner, policy: Any, rep
             iteration = learner.total_steps // per_iteration
             reform = lost is None and goes_on(world, config, e)
             if not reform:
-                lost = _leave(world, config, learner, policy, reporter, e, timer, iteration, lost, checkpoints)
+                lost = survival.leave(world, config, learner, policy, reporter, e, timer, iteration, lost, checkpoints)
     while True:  # the run ends whole: every rank, a restarted or joined one too, meets here in one generation
         try:
             if lost is not None or reform:  # this rank's steps ran out while the world was short, or changing
                 with timer.section("re-forming"):
-                    policy = _reform(world, config, learner, reporter, iteration, out, checkpoints, lost, policy)[0]
+                    policy = survival.reform(world, config, learner, reporter, iteration, out, checkpoints, lost,
+                                             policy)[0]
                 lost, reform = None, False
             if not config.elastic:
                 popmesh.barrier(group=world)
@@ -245,11 +206,11 @@ def _train(world: Any, config: DemoConfig, learner: PPOLearner, policy: Any, rep
         except PeerFailure as e:  # a loss this rank had not seen before its last iteration
             reform = lost is None and goes_on(world, config, e)
             if not reform:
-                lost = _leave(world, config, learner, policy, reporter, e, timer, iteration, lost, checkpoints)
+                lost = survival.leave(world, config, learner, policy, reporter, e, timer, iteration, lost, checkpoints)
 
 
 def _checkpoint(learner: PPOLearner, policy: Any, checkpoints: Checkpointer, timer: Timer, iteration: int,
-                lost: _Lost | None) -> None:
+                lost: survival.Lost | None) -> None:
     """Every rank of the population, or of the survivors' group while a rank is lost (the checkpoint then
     names it missing, and a run resumed from it seeds it from the others). The policy's state is the
     whole population's (kept from before the loss), not the survivors' policy's."""
@@ -300,116 +261,6 @@ def _assigned(learner: PPOLearner, info: Any) -> dict[str, Any]:
     now = learner.explored()
     return {**{f"{name}_inherited": value for name, value in inherited.items()}, **now,
             "explored": [name for name in now if not math.isclose(now[name], inherited[name], rel_tol=1e-6)]}
-
-
-@dataclass
-class _Lost:
-    """What a survivor keeps while the world is short of a lost rank: when it saw the loss, its policy's
-    state (the policy is made again in the next generation), the iterations trained since, and the
-    survivors' group with the population policy among them (None: this rank trains on alone)."""
-
-    at: float
-    iteration: int
-    policy_state: dict[str, Any] | None
-    iterations: int = 0
-    group: Any = None
-    policy: Any = None
-    regroups: int = 0
-    policy_from: int = 0  # the survivors' policy acts from this iteration on (see _train)
-    leaving_s: float = 0.0  # seconds spent leaving the broken world and forming survivors' groups
-
-    @property
-    def members(self) -> tuple[int, ...]:
-        return () if self.group is None else tuple(self.group.ranks)
-
-
-def _leave(world: Any, config: DemoConfig, learner: PPOLearner, policy: Any, reporter: Reporter,
-           error: PeerFailure, timer: Timer, iteration: int, lost: _Lost | None, checkpoints: Checkpointer) -> _Lost:
-    """A rank was lost: stop what lives on the broken world (the policy, keeping its state; the reporter's
-    messages) and go on with the other survivors (``_regroup``); ``error`` again when nothing restarts
-    lost ranks. ``lost``: the survivors' state when this is a further failure while the world is short."""
-    if not config.max_restarts or isinstance(error, PeerClosed):
-        raise error
-    if lost is not None and world.failure(lost.members) is None:
-        return lost  # no member of the survivors' group is lost: one of them went on to re-form, as this rank will
-    began = time.monotonic()
-    with timer.section("re-forming"):
-        if lost is None:
-            lost = _Lost(time.time(), iteration, policy.state_dict() if hasattr(policy, "state_dict") else None)
-            _shut_down(policy)  # its thread already stopped on the loss; this surfaces why
-            reporter.detach()
-        _regroup(world, config, learner, lost, iteration, checkpoints)
-    lost.leaving_s += time.monotonic() - began
-    return lost
-
-
-def _lockstep(config: DemoConfig) -> bool:
-    """Whether the policy decides in lockstep (collectives at the same iteration on every rank)."""
-    return config.policy in ("selective", "average-all")
-
-
-def _regroup(world: Any, config: DemoConfig, learner: PPOLearner, lost: _Lost, iteration: int,
-             checkpoints: Checkpointer) -> None:
-    """Form the survivors' group and a population policy among them, on a channel of its own (frames of the
-    old policy may still be unreceived). Its replacement rules start afresh: what the whole population's
-    remembered is per member, and is taken back at the rejoin. The survivors noticed the loss at different
-    iterations: their next checkpoint is one past the furthest, which all of them reach. If the survivors
-    cannot agree on a group, this rank trains on alone."""
-    if lost.policy is not None:
-        _shut_down(lost.policy)
-    lost.group = lost.policy = None
-    try:
-        group = world.survivors()
-    except PopmeshError as e:
-        print(f"rank {world.rank}: the survivors formed no group ({e}); training on alone", file=sys.stderr,
-              flush=True)
-        return
-    lost.regroups += 1
-    if group.size > 1:
-        lost.group = group
-        lost.policy = make_policy(config, learner, channel=1 + (lost.regroups - 1) % (MAX_INSTANCES - 1))
-        furthest = int(popmesh.all_reduce(np.array([iteration]), "max", group=group)[0])
-        checkpoints.skip_through(furthest)
-        if _lockstep(config):
-            lost.policy_from = furthest
-
-
-def _shut_down(policy: Any) -> None:
-    """End an asynchronous policy's traffic (a failure it met is already known: ignore it)."""
-    if hasattr(policy, "shutdown"):
-        try:
-            policy.shutdown(timeout=5.0)
-        except PopmeshError:
-            pass
-
-
-def _reform(world: Any, config: DemoConfig, learner: PPOLearner, reporter: Reporter, iteration: int, out: Path,
-            checkpoints: Checkpointer, lost: _Lost | None, policy: Any) -> tuple[Any, int]:
-    """Form the next generation of the world: a process waits to join (restarted for a lost rank, or in an
-    elastic world a later launcher's), or a rank left for good. Wind down the policy (the survivors' one,
-    ``lost``, while the world was short), re-form (waiting only for the other members to get here), rebuild
-    what lived on the old generation (the policy on channel 0, keeping its state where the members are the
-    same ones; the reporter's receives) and seed the newcomers (:func:`after_reform`). This rank keeps its
-    agent and iteration. Returns the new policy and the iteration it acts from (see _train). What this rank
-    waited for the others is recorded. ``WorldTooSmall`` (below MIN nodes) ends the run."""
-    if lost is None:
-        _shut_down(policy)  # the asynchronous one's coordinator takes every rank's goodbye within an iteration
-        reporter.detach()
-        before, state = before_reform(world, iteration), None
-    else:
-        _shut_down(lost.policy)
-        before, state = before_reform(world, lost.iteration, lost.at), lost.policy_state
-    began = time.monotonic()
-    world.reform()
-    waited = time.monotonic() - began
-    policy = make_policy(config, learner)
-    if state and policy is not None and hasattr(policy, "load_state_dict") and list(world.roster) == before["roster"]:
-        policy.load_state_dict(state)  # its rules remember members by rank: only for the same members
-    reporter.reconnect()
-    alone = Alone(lost.iterations, waited, lost.leaving_s) if lost else Alone(0, waited, 0.0)
-    through = after_reform(world, config, learner, reporter, iteration, before, out, alone)[2]
-    checkpoints.skip_through(through)
-    return policy, through if _lockstep(config) else 0
 
 
 def _event(world: Any, learner: PPOLearner, info: Any, metric: float, warmup: int) -> dict[str, Any]:
