@@ -33,6 +33,7 @@ CONTENDERS: dict[str, str] = {
     "ray-pb2": "Ray Tune PB2: as ray-pbt, the new values chosen by PB2's GP bandit within the ranges "
                "(on a log scale)",
 }
+OURS = ("popmesh", "popmesh-shared")  # the popmesh contenders the comparisons and goals are for
 STEP_GOAL = 0.8  # popmesh's median steps at most this fraction of each of STEP_RIVALS'
 STEP_RIVALS = ("ray-pbt", "ray-pb2", "none")
 WALL_GOAL = 0.7  # popmesh's median wall time at most this fraction of each of WALL_RIVALS'
@@ -100,11 +101,11 @@ def compare(ours: Sequence[Run], theirs: Sequence[Run]) -> Comparison | None:
                       ratio(charged_steps), ratio(charged_wall))
 
 
-def goals(by: dict[str, list[Run]]) -> list[tuple[str, str, bool]]:
-    """The comparison's goals for popmesh, each as (goal, its figures, whether it holds), for the
-    contenders present: median steps at most STEP_GOAL of each step rival's, median wall time at most
-    WALL_GOAL of Ray's, and popmesh's worst seed no worse (in steps) than the worst without a policy."""
-    ours = by.get("popmesh", [])
+def goals(by: dict[str, list[Run]], name: str = "popmesh") -> list[tuple[str, str, bool]]:
+    """The comparison's goals for popmesh contender ``name``, each as (goal, its figures, whether it holds),
+    for the contenders present: median steps at most STEP_GOAL of each step rival's, median wall time at
+    most WALL_GOAL of Ray's, and its worst seed no worse (in steps) than the worst without a policy."""
+    ours = by.get(name, [])
     if not ours:
         return []
     out = []
@@ -244,22 +245,22 @@ def per_seed_table(by: dict[str, list[Run]]) -> str:
     return "\n".join(lines)
 
 
-def comparison_table(by: dict[str, list[Run]]) -> str:
-    """popmesh against every other contender, seed by seed (:func:`compare`)."""
-    lines = ["| popmesh against | seeds | popmesh fewer steps | more | equal | sign test p (two-sided) | "
-             "median steps, popmesh / other | median wall, popmesh / other |", "|---|---|---|---|---|---|---|---|"]
+def comparison_table(by: dict[str, list[Run]], ours: str = "popmesh") -> str:
+    """Popmesh contender ``ours`` against every other contender, seed by seed (:func:`compare`)."""
+    lines = [f"| {ours} against | seeds | {ours} fewer steps | more | equal | sign test p (two-sided) | "
+             f"median steps, {ours} / other | median wall, {ours} / other |", "|---|---|---|---|---|---|---|---|"]
     for name, runs in by.items():
-        c = compare(by.get("popmesh", []), runs) if name != "popmesh" else None
+        c = compare(by.get(ours, []), runs) if name != ours else None
         if c is not None:
             lines.append(f"| {name} | {c.seeds} | {c.fewer} | {c.more} | {c.equal} | {c.p:.3g} | "
                          f"{c.steps_ratio:.2f}x | {c.wall_ratio:.2f}x |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
-def goals_table(by: dict[str, list[Run]]) -> str:
-    """The goals (:func:`goals`) with their figures and whether each holds."""
-    rows = goals(by)
-    lines = ["| goal for popmesh | figures | holds |", "|---|---|---|"]
+def goals_table(by: dict[str, list[Run]], name: str = "popmesh") -> str:
+    """The goals (:func:`goals`) of popmesh contender ``name`` with their figures and whether each holds."""
+    rows = goals(by, name)
+    lines = [f"| goal for {name} | figures | holds |", "|---|---|---|"]
     lines += [f"| {goal} | {figures} | {'yes' if holds else 'no'} |" for goal, figures, holds in rows]
     return "\n".join(lines) if rows else ""
 
@@ -289,7 +290,8 @@ def task_report(runs: Sequence[Run]) -> str:
     if mismatched:
         parts.append(f"**Warning**: seeds {mismatched} did not start every contender from the same "
                      "hyper-parameters; their comparison is not like for like.")
-    parts += [t for t in (comparison_table(by), goals_table(by)) if t]
+    for ours in OURS:  # each popmesh contender that ran, against the others
+        parts += [t for t in (comparison_table(by, ours), goals_table(by, ours)) if t]
     return "\n\n".join(parts)
 
 

@@ -27,8 +27,8 @@ order), each in its own process, timed from its start. On the PPO tasks:
 * `popmesh`: `popmesh demo --stop-at-target --decide latest` (its default asynchronous policy: each
   agent judged the moment it reports, against every member's latest report; an agent in the bottom half
   that trails the best by both gaps takes the best agent's weights, its lr and ent_coef explored);
-* `popmesh-shared`: the same with `--share-samples` (each agent also trains on the others' rollouts, V-trace
-  corrected: popmesh.population.SampleSharing);
+* `popmesh-shared`: the same with `--share-samples` (each agent also trains on the others' rollouts,
+  V-trace corrected: popmesh.population.SampleSharing);
 * `popmesh-complete`: the same with `--decide complete` (decides once every agent reported an iteration);
 * `none`: `popmesh demo --policy none`, the same agents without a population policy;
 * `shared-none`: `popmesh demo --policy none --share-samples`, the agents sharing rollouts, no policy;
@@ -44,12 +44,13 @@ On the hypergrid the popmesh contenders launch examples/gfn_hypergrid.py on 4 ra
 (every rank trains; the replay-buffer service, which only counts the modes sampled, is left out since
 the Ray trials cannot have it: the agents train on fresh trajectories either way): `popmesh` with
 `--policy selective --decide latest` (ranked by -L1, a replaced agent takes the mean of the two best
-and its best donor's learning rate, explored), `popmesh-complete` with `--decide complete`, `none` with
-`--policy none`; `ray-pbt` and `ray-pb2` run the same agent (`hypergrid_agent.Agent`) as a function
-trainable (benchmarks/_ray_gfn.py), ranked by -L1, `perturbation_interval` 25 (the decision cadence),
-`burn_in_period` 0 (the example's policy has none), `quantile_fraction=0.25`, the learning rate
-explored as above over 1e-5..1e-1. Every contender validates every 25 iterations and runs the whole
-budget (the final L1 needs it).
+and its best donor's learning rate, explored), `popmesh-shared` the same with `--share-trajectories`
+(each trainer also trains on the others' trajectories), `popmesh-complete` with `--decide complete`,
+`none` with `--policy none`, `shared-none` with `--policy none --share-trajectories`; `ray-pbt` and
+`ray-pb2` run the same agent (`hypergrid_agent.Agent`) as a function trainable (benchmarks/_ray_gfn.py),
+ranked by -L1, `perturbation_interval` 25 (the decision cadence), `burn_in_period` 0 (the example's
+policy has none), `quantile_fraction=0.25`, the learning rate explored as above over 1e-5..1e-1.
+Every contender validates every 25 iterations and runs the whole budget (the final L1 needs it).
 
 Every contender of a task starts rank r from the same hyper-parameters, seeds (`rank_seed`) and
 initial weights (`init_seed`: the seed), with the same budget (steps per agent), one torch thread per
@@ -108,7 +109,6 @@ DEMO_FLAGS = {"popmesh": ["--decide", "latest"], "popmesh-shared": ["--decide", 
               "popmesh-complete": ["--decide", "complete"], "none": ["--policy", "none"],
               "shared-none": ["--policy", "none", "--share-samples"]}
 RAY_SCHEDULERS = {"ray-pbt": "pbt", "ray-pb2": "pb2"}
-PPO_ONLY = ("popmesh-shared", "shared-none")  # contenders of the PPO tasks only (--share-samples)
 PER_ITERATION = Hyper().rollout * Hyper().num_envs  # env steps per agent per iteration (512), both sides
 
 
@@ -170,7 +170,9 @@ TASKS: dict[str, Task | GridTask] = {
                         Task("acrobot", "Acrobot-v1", NARROW_LR, NARROW_ENT),
                         Task("acrobot-wide", "Acrobot-v1", LR_RANGE, ENT_RANGE), GridTask())}
 GFN_FLAGS = {"popmesh": ["--policy", "selective", "--decide", "latest"],
-             "popmesh-complete": ["--policy", "selective", "--decide", "complete"], "none": ["--policy", "none"]}
+             "popmesh-shared": ["--policy", "selective", "--decide", "latest", "--share-trajectories"],
+             "popmesh-complete": ["--policy", "selective", "--decide", "complete"], "none": ["--policy", "none"],
+             "shared-none": ["--policy", "none", "--share-trajectories"]}
 
 
 @dataclass(frozen=True)
@@ -352,7 +354,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the tasks, one after another (default cartpole)")
     parser.add_argument("--contenders", nargs="+", choices=tuple(CONTENDERS),
                         default=[n for n in CONTENDERS if n != "shared-none"],
-                        help="who runs (default all but shared-none; the hypergrid skips the PPO-only ones)")
+                        help="who runs (default all but shared-none)")
     parser.add_argument("--seeds", type=int, default=5, help="seeds per task (default 5)")
     parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=None,
@@ -409,8 +411,6 @@ def main() -> None:
         for seed in range(ns.first_seed, ns.first_seed + seeds):
             plan = plan_of(ns, task, seed)
             for name in names if seed % 2 == 0 else names[::-1]:  # by the seed: one seed per call alternates too
-                if task == "hypergrid" and name in PPO_ONLY:
-                    continue  # the GFlowNets' learner shares no rollouts
                 runs.append(run_one(name, plan))
                 print(json.dumps(runs[-1]), flush=True)
     print("\n" + report(runs))

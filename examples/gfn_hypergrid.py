@@ -16,6 +16,10 @@ rank: some agents learn, some crawl, some collapse); the agent, one per trainer,
   the training metric stays -loss) and exploring the replaced agent's learning rate; ``average`` is
   ``AverageAll``; ``torchgfn`` is torchgfn's own one-sided MPI policy through
   ``popmesh.compat.spawn_policy`` (``popmesh launch --engine mpi``); ``none`` trains alone;
+* shared experience (``--share-trajectories``): each trainer sends its trajectories to the other trainers
+  every iteration (``popmesh.population.SampleSharing``, never waited for) and trains on theirs with its
+  own, in one trajectory-balance step: the loss holds for any sampler, so their log-probabilities are
+  only recomputed under its own policies;
 * survival: ``--kill-rank R --kill-at I`` makes trainer R's first process SIGKILL itself at iteration I.
   Under ``popmesh launch --max-restarts 1`` the other trainers train on alone (``world.try_reform()``),
   the managers and the coordinator re-form by themselves, and the restarted process rejoins, seeded
@@ -47,7 +51,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from hypergrid_agent import Agent, Grid, make_gflownet, start_lr
+from hypergrid_agent import Agent, Grid, make_gflownet, start_lr, trajectory_arrays
 
 import popmesh
 from popmesh.buffers import Coordinator, ReplayBufferClient, ReplayBufferManager
@@ -61,6 +65,7 @@ from popmesh.population import (
     EventLog,
     Explore,
     ReplacementRule,
+    SampleSharing,
 )
 from popmesh.population.state.rejoin import seed_newcomers
 
@@ -88,6 +93,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--buffers", type=int, default=1,
                    help="replay-buffer manager ranks (default 1); 0: every rank trains, no service and no coordinator")
     p.add_argument("--send-every", type=int, default=4, help="iterations between batches to the manager (default 4)")
+    p.add_argument("--share-trajectories", action="store_true",
+                   help="each trainer sends its trajectories to the other trainers every iteration and trains on "
+                        "theirs too, in one step (popmesh.population.SampleSharing; never waited for)")
     p.add_argument("--seed", type=int, default=0, help="seed: initial weights, learning rates, sampling")
     p.add_argument("--out", default="runs/gfn-hypergrid", help="output folder (default runs/gfn-hypergrid)")
     p.add_argument("--kill-rank", type=int, default=None, help="this trainer's first process dies at --kill-at")
@@ -157,9 +165,10 @@ class Trainer:
         self.found_at: dict[int, int] = {}  # mode -> iteration at which this rank first sampled it
         self.l1, self.best_l1 = math.nan, math.inf
         self.losses: list[float] = []  # since the last validation
+        self.shared = 0  # other trainers' batches trained on (--share-trajectories)
         if self.rank in world.newcomers:  # restarted for a lost trainer: the population seeds it
             self.seed()
-        self.policy = self.make_policy()
+        self.policy, self.sharing = self.make_policy(), self.make_sharing()
 
     def make_policy(self) -> Any:
         """The population policy named by --policy (None for none); channel 0 on every trainer, so that
@@ -181,6 +190,10 @@ class Trainer:
                 averaging_strategy="mean", momentum=0.0, replacement_mode="worst_ratio",
                 group=self.ctx.train_global_group)
         return None
+
+    def make_sharing(self) -> SampleSharing | None:
+        """--share-trajectories: the trainers' sample sharing (made again with their group after a re-form)."""
+        return SampleSharing(self.ctx.train_global_group) if self.ns.share_trajectories else None
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -216,7 +229,7 @@ class Trainer:
                     if failed is not None:
                         raise failed
                     with self.timer.section("population"):
-                        self.share(it, cells, log_rewards)
+                        self.population_step(it, cells, log_rewards)
                         population = self.population_modes() if validating else None
                 except popmesh.PeerFailure as e:
                     self.leave(e, it)
@@ -236,14 +249,19 @@ class Trainer:
         """One trajectory-balance step on fresh trajectories; the terminal cells and their log-rewards."""
         with self.timer.section("sample"):
             trajectories = self.agent.sample()
+        shared: list[Any] = []
+        if self.sharing is not None and not self.lost:  # alone after a loss, until the world re-forms
+            with self.timer.section("share"):
+                shared = self.sharing.exchange(trajectory_arrays(trajectories), it)
+            self.shared += len(shared)
         with self.timer.section("train"):
-            self.losses.append(self.agent.learn(trajectories))
+            self.losses.append(self.agent.learn(trajectories, shared))
         final = trajectories.terminating_states
         for mode in self.grid.env.modes_found(final):
             self.found_at.setdefault(mode, it)
         return final.tensor.numpy().copy(), trajectories.log_rewards.detach().numpy().copy()
 
-    def share(self, it: int, cells: np.ndarray, log_rewards: np.ndarray) -> None:
+    def population_step(self, it: int, cells: np.ndarray, log_rewards: np.ndarray) -> None:
         """The replay-buffer service gets the terminal cells; the population policy acts."""
         if self.client is not None:
             self.client.add({"states": cells, "log_rewards": log_rewards})
@@ -286,7 +304,9 @@ class Trainer:
         if not self.world.restarts_lost_ranks:
             raise error
         shut_down(self.policy)
-        self.policy, self.lost = None, True
+        if self.sharing is not None:
+            self.sharing.close()
+        self.policy, self.sharing, self.lost = None, None, True
         self.events.write({"event": "lost", "ranks": list(error.ranks), "seen_by": self.rank, "iteration": it})
         self.try_rejoin()  # leaves the broken generation at once
 
@@ -299,7 +319,7 @@ class Trainer:
         if self.client is not None:
             self.client.reconnect()
         self.seed()
-        self.policy, self.lost = self.make_policy(), False
+        self.policy, self.sharing, self.lost = self.make_policy(), self.make_sharing(), False
 
     def seed(self) -> None:
         """Collective over the trainers after a re-form: a newcomer takes the mean of the best two agents'
@@ -333,13 +353,16 @@ class Trainer:
                     self.try_rejoin()
         group = self.ctx.train_global_group
         shut_down(self.policy)
+        if self.sharing is not None:
+            self.sharing.close()
         stats = self.client.population_stats() if self.client is not None else None
         if self.client is not None:
             self.client.drain()
         self.board.close()
         agent = {"rank": self.rank, "l1": self.l1, "best_l1": self.best_l1, "modes": len(self.found_at),
                  "mode_found_at": {str(m): i for m, i in sorted(self.found_at.items())}, "lr_start": self.lr_start,
-                 "lr": self.lr, "replaced": self.replaced, "generation": self.world.generation}
+                 "lr": self.lr, "replaced": self.replaced, "shared_batches": self.shared,
+                 "generation": self.world.generation}
         agents = popmesh.gather_object(agent, dst=group.ranks[0], group=group)
         popmesh.report_timings(self.timer, group=group, dst=group.ranks[0])
         if agents is not None:

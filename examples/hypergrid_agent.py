@@ -11,6 +11,7 @@ numpy; torchgfn is imported when a grid or a GFlowNet is made.
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -19,7 +20,7 @@ import torch
 import popmesh
 from popmesh.population import Continuous, sample_hparams
 
-__all__ = ["Grid", "Agent", "make_gflownet", "make_optimizer", "start_lr", "seed_sampling"]
+__all__ = ["Grid", "Agent", "make_gflownet", "make_optimizer", "start_lr", "seed_sampling", "trajectory_arrays"]
 
 
 class Grid:
@@ -99,6 +100,14 @@ def seed_sampling(seed: int, rank: int, generation: int = 0) -> None:
     random.seed(seed * 1000 + rank)
 
 
+def trajectory_arrays(trajectories: Any) -> dict[str, np.ndarray]:
+    """Trajectories as the numpy arrays another agent rebuilds them from (``Agent.trajectories_from``), as
+    ``popmesh.population.SampleSharing`` sends them: the states, the actions, where each ends, the log-rewards."""
+    return {"states": trajectories.states.tensor.numpy().copy(), "actions": trajectories.actions.tensor.numpy().copy(),
+            "terminating_idx": trajectories.terminating_idx.numpy().copy(),
+            "log_rewards": trajectories.log_rewards.detach().numpy().copy()}
+
+
 class Agent:
     """Rank ``rank``'s GFlowNet at learning rate ``lr`` (logZ at ``lr_z``), its optimizer, and its
     sampling seeded; :meth:`step` trains on ``batch_size`` fresh trajectories."""
@@ -123,9 +132,26 @@ class Agent:
         """``batch_size`` fresh trajectories from the forward policy, their log-probabilities kept."""
         return self.gflownet.sample_trajectories(self.grid.env, n=self.batch_size, save_logprobs=True)
 
-    def learn(self, trajectories: Any) -> float:
-        """One trajectory-balance step on ``trajectories``; the loss."""
-        loss = self.gflownet.loss(self.grid.env, trajectories, recalculate_all_logprobs=False)
+    def trajectories_from(self, arrays: Mapping[str, np.ndarray]) -> Any:
+        """torchgfn's ``Trajectories`` from :func:`trajectory_arrays` (another agent's, say)."""
+        from gfn.containers import Trajectories
+
+        env = self.grid.env
+        return Trajectories(env, states=env.States(torch.as_tensor(arrays["states"])),
+                            actions=env.Actions(torch.as_tensor(arrays["actions"])),
+                            terminating_idx=torch.as_tensor(arrays["terminating_idx"]),
+                            log_rewards=torch.as_tensor(arrays["log_rewards"]))
+
+    def learn(self, trajectories: Any, shared: Sequence[Mapping[str, np.ndarray]] = ()) -> float:
+        """One trajectory-balance step on ``trajectories``, and on the ``shared`` ones too (other agents', as
+        :func:`trajectory_arrays`): trajectory balance holds for trajectories of any sampler with full
+        support, so theirs only need their log-probabilities under this agent's policies, recomputed. The loss."""
+        batch = trajectories
+        if shared:
+            batch = self.trajectories_from(trajectory_arrays(trajectories))
+            for arrays in shared:
+                batch.extend(self.trajectories_from(arrays))
+        loss = self.gflownet.loss(self.grid.env, batch, recalculate_all_logprobs=bool(shared))
         self.optimizer.zero_grad()
         loss.backward()
         self.optimizer.step()

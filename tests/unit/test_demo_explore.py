@@ -218,8 +218,6 @@ def test_selection_looks_at_one_to_twenty_episodes(last):
         DemoConfig(select_last=last)
     with pytest.raises(ConfigError, match="--select-last"):  # the hypergrid ranks its GFlowNets by L1
         DemoConfig(task="hypergrid", ranks=6, select_last=5)
-    with pytest.raises(ConfigError, match="--share-samples"):  # the GFlowNets' learner shares no rollouts
-        DemoConfig(task="hypergrid", ranks=6, share_samples=True)
 
 
 def test_an_agent_can_be_ranked_by_its_last_episodes_alone():

@@ -25,6 +25,9 @@ def test_the_hypergrid_task_takes_the_shared_options():
                     "1", "--kill-at", "30", "--ndim", "3"]
     assert hypergrid.script_args("async", 0, (1e-5, 0.1), Path("o"), None)[:2] == ["--policy", "selective"]
     assert hypergrid.script_args("average-all", 0, (1e-5, 0.1), Path("o"), None)[:2] == ["--policy", "average"]
+    shared = DemoConfig(task="hypergrid", ranks=6, share_samples=True)  # the trainers share their trajectories
+    assert hypergrid.script_args("async", 0, (1e-5, 0.1), Path("o"), None, ["--ndim", "3"],
+                                 share=shared.share_samples)[-3:] == ["--share-trajectories", "--ndim", "3"]
 
 
 @pytest.mark.parametrize(("options", "named"), [

@@ -130,3 +130,15 @@ def test_the_hypergrid_task_reports_its_target_and_final_l1() -> None:
 def test_l1_table_leaves_out_the_ppo_tasks() -> None:
     assert "final L1" not in tables.task_report([run("popmesh", 0, 10), run("none", 0, 20)])
     assert tables.l1_spread([]) == "—" and tables.l1_spread([0.5, 0.5]) == "0.500"
+
+
+def test_each_popmesh_contender_gets_its_own_comparison_and_goals() -> None:
+    runs = [run("popmesh", 0, 40), run("popmesh-shared", 0, 20), run("ray-pbt", 0, 60), run("none", 0, 50)]
+    report = tables.task_report(runs)
+    assert "| popmesh against |" in report and "| popmesh-shared against |" in report
+    assert "| goal for popmesh-shared |" in report
+    found = {goal: holds for goal, _, holds in tables.goals(tables.by_contender(runs), "popmesh-shared")}
+    assert found["median steps ≥ 20% fewer than ray-pbt"] is True  # 20 <= 0.8 * 60
+    shared_row = next(line for line in tables.comparison_table(tables.by_contender(runs), "popmesh-shared").splitlines()
+                      if line.startswith("| popmesh |"))
+    assert "| 1 | 0 | 0 |" in shared_row  # one seed, popmesh-shared fewer steps than popmesh

@@ -157,3 +157,22 @@ def test_without_the_service_every_rank_trains_the_shared_agent(tmp_path):
         agent.step()
         assert _history(tmp_path, a["rank"])[0]["l1"] == pytest.approx(agent.l1(), abs=1e-6)
         assert [r["iteration"] for r in _history(tmp_path, a["rank"])] == VALIDATED
+
+
+@pytest.mark.timeout(60)
+def test_with_shared_trajectories_every_trainer_trains_on_the_others_batches(tmp_path):
+    """--share-trajectories on 3 trainer ranks (--buffers 0): each trainer takes the others' batches as they
+    come (nobody waits) and trains on them with its own, timed as ``share``."""
+    cmd = [sys.executable, "-m", "popmesh", "launch", "-n", "3", "--preload", ",".join(hypergrid.PRELOAD), str(EXAMPLE),
+           *SMALL, "--buffers", "0", "--share-trajectories", "--out", str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=50)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["config"]["share_trajectories"] is True
+    agents = summary["agents"]
+    assert [a["rank"] for a in agents] == [0, 1, 2], agents
+    for a in agents:  # up to one of each other trainer's per iteration; how many arrive in time depends on the pace
+        assert 2 <= a["shared_batches"] <= 2 * ITERATIONS, agents
+        assert [r["iteration"] for r in _history(tmp_path, a["rank"])] == VALIDATED
+    names = _traced(tmp_path, 3)
+    assert all("share" in ranks for ranks in names), names

@@ -66,7 +66,8 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "the last 20, the metric and the target's)")
     p.add_argument("--share-samples", action="store_true",
                    help="each agent sends its rollout to the others each iteration and learns from theirs too "
-                        "(behaviour-corrected PPO): fewer env steps to the target")
+                        "(behaviour-corrected PPO; --task hypergrid: the GFlowNets share their trajectories): fewer "
+                        "env steps to the target")
     p.add_argument("--out", default=defaults.out_dir, help="where runs/<timestamp>/ goes (default ./runs)")
     p.add_argument("--stop-at-target", action="store_true",
                    help="stop as soon as one agent's last 20 episodes average the task's target")
@@ -214,7 +215,8 @@ def run_hypergrid(config: DemoConfig, extra: list[str], no_preload: bool = False
 
     script = hypergrid.script_path()
     out = new_run_dir(config.out_dir)
-    args = hypergrid.script_args(config.policy, config.seed, config.lr_range, out, config.kill_at(), extra)
+    args = hypergrid.script_args(config.policy, config.seed, config.lr_range, out, config.kill_at(), extra,
+                                 share=config.share_samples)
     result = launch(str(script), args, nproc=config.ranks, engine=config.engine, quiet_others=True,
                     max_restarts=config.max_restarts,
                     preload=() if no_preload or config.engine == "mpi" else hypergrid.PRELOAD,

@@ -26,7 +26,7 @@ TASKS = ("cartpole", "hypergrid")  # PPO agents on a gymnasium task, or GFlowNet
 # Options of the CartPole task that --task hypergrid does not take (its own go after --)
 CARTPOLE_ONLY = ("env", "steps", "every", "decide", "strategy", "optimizer", "donors", "warmup", "stop_at_target",
                  "checkpoint_every", "checkpoint_keep", "resume", "baseline", "explore", "explore_method", "reference",
-                 "ent_range", "ratio", "select_last", "share_samples")
+                 "ent_range", "ratio", "select_last")
 EXPLORABLE = EXPLORED  # what --explore may name: the hyper-parameters the model carries with its weights
 LR_RANGE = (1e-5, 1e-1)  # where each rank draws its learning rate (log-uniform); explore stays within it
 ENT_RANGE = (1e-4, 1e-1)  # likewise for the entropy coefficient

@@ -39,14 +39,17 @@ def script_path(root: Path | None = None) -> Path:
 
 
 def script_args(policy: str, seed: int, lr_range: tuple[float, float], out: Path, kill: tuple[int, int] | None,
-                extra: Sequence[str] = ()) -> list[str]:
-    """The script's command line for the demo's options; ``extra``: the options given after ``--``."""
+                extra: Sequence[str] = (), share: bool = False) -> list[str]:
+    """The script's command line for the demo's options (``share``: --share-samples, the trainers sharing
+    their trajectories); ``extra``: the options given after ``--``."""
     if policy not in POLICIES:
         raise ConfigError(f"--policy {policy}: with --task hypergrid choose one of {', '.join(POLICIES)}")
     args = ["--policy", POLICIES[policy], "--seed", str(seed), "--lr-range", f"{lr_range[0]:g}:{lr_range[1]:g}",
             "--out", str(out)]
     if kill is not None:
         args += ["--kill-rank", str(kill[0]), "--kill-at", str(kill[1])]
+    if share:
+        args.append("--share-trajectories")
     return args + list(extra)
 
 
