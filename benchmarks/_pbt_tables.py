@@ -22,7 +22,7 @@ CONTENDERS: dict[str, str] = {
                "that trails the best by both gaps takes the best agent's weights, its learning "
                "rate and entropy coefficient explored; nobody waits for anybody",
     "popmesh-shared": "`popmesh demo --share-samples`: the same, each agent also learning from the others' "
-                      "rollouts (V-trace corrected)",
+                      "rollouts (decoupled PPO with V-trace; on the hypergrid, from their trajectories)",
     "popmesh-complete": "`popmesh demo --decide complete`: the same policy deciding once every agent has "
                         "reported an iteration",
     "none": "`popmesh demo --policy none`: the same agents, no population policy",
@@ -172,7 +172,8 @@ def grid_heading(first: Run, budgets: str, seeds: list[int]) -> str:
             f"{lr_low:g}–{lr_high:g}, drawn per rank and seed (the same for every contender), the only value "
             f"explored; {first['ranks']} agents; budget {budgets} trajectories per agent; seeds "
             f"{', '.join(map(str, seeds))}. popmesh's contenders run examples/gfn_hypergrid.py --buffers 0 "
-            "(`--policy selective --decide latest|complete`, ranking by -L1, or `--policy none`); Ray's, the same "
+            "(`--policy selective --decide latest|complete`, ranking by -L1, or `--policy none`; "
+            "`--share-trajectories` for the shared contenders); Ray's, the same "
             "agent (benchmarks/_ray_gfn.py), ranked by -L1.")
 
 

@@ -28,7 +28,7 @@ order), each in its own process, timed from its start. On the PPO tasks:
   agent judged the moment it reports, against every member's latest report; an agent in the bottom half
   that trails the best by both gaps takes the best agent's weights, its lr and ent_coef explored);
 * `popmesh-shared`: the same with `--share-samples` (each agent also trains on the others' rollouts,
-  V-trace corrected: popmesh.population.SampleSharing);
+  with decoupled PPO and V-trace: popmesh.population.SampleSharing);
 * `popmesh-complete`: the same with `--decide complete` (decides once every agent reported an iteration);
 * `none`: `popmesh demo --policy none`, the same agents without a population policy;
 * `shared-none`: `popmesh demo --policy none --share-samples`, the agents sharing rollouts, no policy;
