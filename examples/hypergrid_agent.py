@@ -103,9 +103,9 @@ def seed_sampling(seed: int, rank: int, generation: int = 0) -> None:
 def trajectory_arrays(trajectories: Any) -> dict[str, np.ndarray]:
     """Trajectories as the numpy arrays another agent rebuilds them from (``Agent.trajectories_from``), as
     ``popmesh.population.SampleSharing`` sends them: the states, the actions, where each ends, the log-rewards."""
-    return {"states": trajectories.states.tensor.numpy().copy(), "actions": trajectories.actions.tensor.numpy().copy(),
-            "terminating_idx": trajectories.terminating_idx.numpy().copy(),
-            "log_rewards": trajectories.log_rewards.detach().numpy().copy()}
+    return {"states": trajectories.states.tensor.numpy(), "actions": trajectories.actions.tensor.numpy(),
+            "terminating_idx": trajectories.terminating_idx.numpy(),
+            "log_rewards": trajectories.log_rewards.detach().numpy()}
 
 
 class Agent:
@@ -146,9 +146,12 @@ class Agent:
         """One trajectory-balance step on ``trajectories``, and on the ``shared`` ones too (other agents', as
         :func:`trajectory_arrays`): trajectory balance holds for trajectories of any sampler with full
         support, so theirs only need their log-probabilities under this agent's policies, recomputed. The loss."""
+        from gfn.containers import Trajectories
+
         batch = trajectories
-        if shared:
-            batch = self.trajectories_from(trajectory_arrays(trajectories))
+        if shared:  # a new container: extend() grows it in place, and the sampled batch stays as it was
+            batch = Trajectories(self.grid.env)
+            batch.extend(trajectories)
             for arrays in shared:
                 batch.extend(self.trajectories_from(arrays))
         loss = self.gflownet.loss(self.grid.env, batch, recalculate_all_logprobs=bool(shared))

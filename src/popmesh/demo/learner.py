@@ -291,9 +291,8 @@ class PPOLearner:
         value = values.numpy().reshape(steps, envs)
         log_rho = mine.numpy().reshape(steps, envs) - rollout["logp"]
         adv, target, weight = _vtrace(rollout["rew"], value, rollout["done"], last.numpy(), log_rho, hp.gamma, hp.lam)
-        own = np.maximum(mine.numpy().reshape(steps, envs), -50.0)  # finite: the ratio's denominator
-        return _flat({"obs": rollout["obs"], "act": rollout["act"], "logp": own, "adv": adv, "ret": target,
-                      "weight": weight})
+        return _flat({"obs": rollout["obs"], "act": rollout["act"], "logp": mine.numpy().reshape(steps, envs),
+                      "adv": adv, "ret": target, "weight": weight})
 
     def _track_returns(self, reward: np.ndarray, done: np.ndarray) -> list[float]:
         self.running += reward
